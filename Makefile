@@ -1,0 +1,46 @@
+# Everything runs in .venv/ inside the repository.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+DEMO    := data/demo
+INDEXES ?= indexes
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+
+.PHONY: install serve test lint demo-index clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: a CPU build here; GPU images install their own build
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo-index: $(STAMP)
+	@if [ ! -e $(INDEXES)/current ]; then \
+	  echo "no $(INDEXES)/current: generating a demo corpus and building its index"; \
+	  $(BIN)/duet demo-corpus --out $(DEMO) --images 2000 --seed 7 && \
+	  $(BIN)/duet build --corpus $(DEMO)/manifest.jsonl --out $(INDEXES); \
+	fi
+
+serve: demo-index
+	@echo ""
+	@echo "duet on http://$(HOST):$(PORT) -- try:"
+	@echo "  curl -s -X POST http://$(HOST):$(PORT)/search/text -H 'content-type: application/json' -d '{\"query\": \"a small red circle left of a large blue square\", \"top_k\": 5}'"
+	@echo "  curl -s -X POST http://$(HOST):$(PORT)/search/image -F image=@$(DEMO)/images/0000.png -F top_k=5"
+	@echo ""
+	DUET_INDEX_DIR=$(INDEXES) DUET_HOST=$(HOST) DUET_PORT=$(PORT) $(BIN)/duet serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) $(INDEXES) $(DEMO) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,33 @@
+"""Service settings, read from the environment (prefix DUET_) or a .env file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every knob of `duet serve`; each field is DUET_<NAME> in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="DUET_", env_file=".env", extra="ignore",
+                                      protected_namespaces=())
+
+    index_dir: Path = Field(Path("indexes"), description="serves INDEX_DIR/current")
+    model_dir: Path | None = Field(None, description="model weights; empty = shipped weights")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: str = "info"
+
+    redis_url: str = Field("", description="empty = in-process LRU cache")
+    redis_timeout_ms: int = Field(100, ge=1, description="per Redis call; slower = cache skipped")
+    cache_ttl_s: int = Field(3600, ge=1)
+    cache_max_entries: int = Field(10_000, ge=1, description="in-process LRU size")
+
+    max_image_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    max_image_pixels: int = Field(25_000_000, ge=1)
+
+    rerank_max_batch: int = Field(256, ge=1, description="pairs per cross-encoder forward pass")
+    rerank_max_wait_ms: float = Field(4.0, ge=0, description="how long a batch waits to fill")
+    rerank_max_queue: int = Field(512, ge=1, description="waiting requests before 429")

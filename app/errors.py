@@ -1,0 +1,91 @@
+"""One exception tree for the caller-visible failures, mapped to HTTP in one place."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("duet.app")
+
+
+class DuetError(Exception):
+    """Base: a code, a message for the caller, an HTTP status."""
+
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ValidationFailed(DuetError):
+    status = 422
+    code = "validation_error"
+
+
+class InvalidImage(DuetError):
+    status = 400
+    code = "invalid_image"
+
+
+class ImageTooLarge(DuetError):
+    status = 413
+    code = "image_too_large"
+
+
+class UnsupportedMediaType(DuetError):
+    status = 415
+    code = "unsupported_media_type"
+
+
+class Overloaded(DuetError):
+    status = 429
+    code = "overloaded"
+
+
+class NotReady(DuetError):
+    status = 503
+    code = "not_ready"
+
+
+def error_body(code: str, message: str, **extra: object) -> dict[str, object]:
+    return {"error": {"code": code, "message": message, **extra}}
+
+
+def _describe(errors: list[dict[str, object]]) -> str:
+    parts = []
+    for e in errors:
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query"))  # type: ignore[attr-defined]
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return "; ".join(parts)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every error leaves as {"error": {"code", "message"}}; no bad input becomes a 500."""
+
+    @app.exception_handler(DuetError)
+    async def _duet(_: Request, exc: DuetError) -> JSONResponse:
+        return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
+        return JSONResponse(error_body("validation_error", _describe(errors), details=errors),
+                            status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body("internal_error", "internal error; see the service log"),
+                            status_code=500)

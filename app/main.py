@@ -1,0 +1,97 @@
+"""create_app(settings): the FastAPI application; nothing is built at import time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request, Response
+
+from app.cache import CacheBackend, LRUCache, RedisCache, ResilientCache
+from app.config import Settings
+from app.errors import install_handlers
+from app.metrics import Metrics
+from app.pipeline import SearchPipeline
+from app.routes import health, search
+from duet.indexio import IndexVersion, resolve_current
+from models.builtin import BuiltinModel
+from models.protocols import JointEncoder
+
+log = logging.getLogger("duet.app")
+
+
+@dataclass
+class Resources:
+    """What the service needs loaded before it can answer searches."""
+
+    model: JointEncoder
+    index: IndexVersion
+
+
+def load_resources(settings: Settings) -> Resources:
+    """Load the model, then the current index; refuse an index built by another model."""
+    model = BuiltinModel.load(settings.model_dir)
+    index = IndexVersion.open(resolve_current(settings.index_dir),
+                              expect_fingerprint=model.fingerprint)
+    log.info("loaded model %s and index %s (%d images, %d texts)", model.fingerprint,
+             index.version, index.image_index.ntotal, index.text_index.ntotal)
+    return Resources(model, index)
+
+
+def _cache_backend(settings: Settings) -> CacheBackend:
+    if settings.redis_url:
+        return RedisCache(settings.redis_url, settings.cache_ttl_s,
+                          settings.redis_timeout_ms / 1000)
+    return LRUCache(settings.cache_max_entries, settings.cache_ttl_s)
+
+
+def create_app(settings: Settings, resources: Resources | None = None) -> FastAPI:
+    """Build the app; `resources` may be passed in (already loaded), else they load at start-up."""
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        res = resources if resources is not None else await asyncio.to_thread(
+            load_resources, settings)
+        cache = ResilientCache(_cache_backend(settings), metrics,
+                               timeout_s=settings.redis_timeout_ms / 1000)
+        pipeline = SearchPipeline(
+            res.model, res.index, cache, metrics,
+            rerank_max_batch=settings.rerank_max_batch,
+            rerank_max_wait_s=settings.rerank_max_wait_ms / 1000,
+            rerank_max_queue=settings.rerank_max_queue)
+        await pipeline.start()
+        app.state.pipeline = pipeline
+        log.info("duet ready (cache: %s)", cache.backend.name)
+        try:
+            yield
+        finally:
+            app.state.pipeline = None
+            await pipeline.stop()
+
+    app = FastAPI(title="duet", version="0.1.0", lifespan=lifespan,
+                  summary="Image-text retrieval: dot-product top-M, cross-encoder re-rank")
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.pipeline = None
+    install_handlers(app)
+    app.include_router(search.router)
+    app.include_router(health.router)
+
+    @app.middleware("http")
+    async def _observe(request: Request,
+                       call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", "other")
+        if endpoint != "/metrics":
+            metrics.request_seconds.labels(endpoint=endpoint, status=str(response.status_code)
+                                           ).observe(time.perf_counter() - t0)
+        return response
+
+    return app

@@ -1,0 +1,33 @@
+"""Prometheus metrics, one registry per app (so tests can build many apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    """The service's metrics; names are part of the dashboard contract."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_seconds = Histogram(
+            "duet_request_seconds", "HTTP request latency", ["endpoint", "status"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.stage_seconds = Histogram(
+            "duet_stage_seconds", "Time per pipeline stage", ["stage"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.cache_requests = Counter(
+            "duet_cache_requests", "Cache look-ups by result", ["result"], registry=r)
+        self.rerank_batch_size = Histogram(
+            "duet_rerank_batch_size", "Pairs per cross-encoder forward pass",
+            buckets=BATCH_BUCKETS, registry=r)
+        self.index_items = Gauge(
+            "duet_index_items", "Items in the served index", ["modality"], registry=r)
+        for result in ("hit", "miss", "error"):
+            self.cache_requests.labels(result=result)
+        for stage in ("cache", "encode", "search", "rerank"):
+            self.stage_seconds.labels(stage=stage)

@@ -1,0 +1,192 @@
+"""The search pipeline: cache -> encode query -> FAISS top-M -> re-rank (micro-batched) -> top-k.
+
+Model calls and FAISS searches run in worker threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+from PIL import Image
+
+from app.batching import MicroBatcher
+from app.cache import ResilientCache, cache_key
+from app.metrics import Metrics
+from app.schemas import Hit, SearchOptions, SearchResponse
+from duet.indexio import IndexVersion
+from models.protocols import JointEncoder
+from models.tokenizer import normalise
+
+log = logging.getLogger("duet.pipeline")
+V = TypeVar("V")
+
+RerankItem = tuple[list[str], np.ndarray]  # texts and their paired image tokens
+
+
+@dataclass
+class _Candidates:
+    rows: np.ndarray  # FAISS rows, best first
+    dots: np.ndarray  # their dot products
+
+
+class SearchPipeline:
+    """Owns the loaded model, index, cache and re-rank batcher for one running service."""
+
+    def __init__(self, model: JointEncoder, index: IndexVersion, cache: ResilientCache,
+                 metrics: Metrics, *, rerank_max_batch: int, rerank_max_wait_s: float,
+                 rerank_max_queue: int) -> None:
+        self.model = model
+        self.index = index
+        self.cache = cache
+        self.metrics = metrics
+        self.batcher: MicroBatcher[RerankItem, np.ndarray] = MicroBatcher(
+            self._score_batch, max_batch=rerank_max_batch, max_wait_s=rerank_max_wait_s,
+            size_of=lambda item: len(item[0]), max_queue=rerank_max_queue,
+            on_batch=metrics.rerank_batch_size.observe)
+        metrics.index_items.labels(modality="image").set(index.image_index.ntotal)
+        metrics.index_items.labels(modality="text").set(index.text_index.ntotal)
+
+    async def start(self) -> None:
+        await self.batcher.start()
+
+    async def stop(self) -> None:
+        await self.batcher.stop()
+        await self.cache.close()
+
+    # -- helpers -------------------------------------------------------------
+    @contextmanager
+    def _stage(self, name: str, timings: dict[str, float]) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            timings[name] = round(timings.get(name, 0.0) + dt * 1000, 3)
+            self.metrics.stage_seconds.labels(stage=name).observe(dt)
+
+    async def _timed(self, name: str, timings: dict[str, float],
+                     fn: Callable[[], Awaitable[V]]) -> V:
+        with self._stage(name, timings):
+            return await fn()
+
+    def _score_batch(self, items: list[RerankItem]) -> list[np.ndarray]:
+        """One cross-encoder forward pass over every request's pairs."""
+        texts = [t for item in items for t in item[0]]
+        tokens = np.concatenate([item[1] for item in items])
+        scores = self.model.score_pairs(texts, tokens)
+        bounds = np.cumsum([0] + [len(item[0]) for item in items])
+        return [scores[a:b] for a, b in itertools.pairwise(bounds)]
+
+    def _key(self, endpoint: str, query: str, opts: SearchOptions) -> str:
+        return cache_key(model=self.model.fingerprint, index=self.index.version,
+                         endpoint=endpoint, query=query, top_k=opts.top_k,
+                         candidates=opts.candidates, rerank=opts.rerank)
+
+    async def _cached(self, key: str, timings: dict[str, float]) -> SearchResponse | None:
+        raw = await self._timed("cache", timings, lambda: self.cache.get(key))
+        if raw is None:
+            return None
+        try:
+            body = json.loads(raw)
+            return SearchResponse(hits=body["hits"], timings_ms=timings,
+                                  index_version=body["index_version"], cached=True)
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring an unreadable cache entry %s", key)
+            return None
+
+    async def _store(self, key: str, resp: SearchResponse) -> None:
+        body = {"hits": [h.model_dump() for h in resp.hits], "index_version": resp.index_version}
+        await self.cache.set(key, json.dumps(body))
+
+    @staticmethod
+    def _top(vec: np.ndarray, index: Any, m: int) -> _Candidates:
+        dots, rows = index.search(np.ascontiguousarray(vec, dtype=np.float32), m)
+        keep = rows[0] >= 0
+        return _Candidates(rows[0][keep], dots[0][keep])
+
+    def _order(self, cand: _Candidates, scores: np.ndarray | None,
+               top_k: int) -> list[tuple[int, float, float | None]]:
+        """(row, dot, rerank probability) for the top-k, best first."""
+        if scores is None:
+            return [(int(r), float(d), None) for r, d in zip(cand.rows[:top_k], cand.dots[:top_k],
+                                                             strict=True)]
+        order = np.argsort(-scores, kind="stable")[:top_k]
+        probs = 1.0 / (1.0 + np.exp(-scores.astype(np.float64)))
+        return [(int(cand.rows[i]), float(cand.dots[i]), float(probs[i])) for i in order]
+
+    @staticmethod
+    def _hits(ranked: list[tuple[int, float, float | None]],
+              rows_meta: list[tuple[str, dict[str, Any]]]) -> list[Hit]:
+        return [Hit(id=item_id, score=rr if rr is not None else dot, retrieval_score=dot,
+                    rerank_score=rr, rank=i + 1, meta=meta)
+                for i, ((_, dot, rr), (item_id, meta)) in enumerate(zip(ranked, rows_meta,
+                                                                       strict=True))]
+
+    # -- endpoints -------------------------------------------------------------
+    async def search_text(self, query: str, opts: SearchOptions) -> SearchResponse:
+        """A sentence finds images."""
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        index = self.index  # one version for the whole request
+        key = self._key("text", normalise(query), opts)
+        if (hit := await self._cached(key, timings)) is not None:
+            return hit
+        with self._stage("encode", timings):
+            vec = await asyncio.to_thread(self.model.encode_texts, [query])
+        m = opts.candidates if opts.rerank else opts.top_k
+        with self._stage("search", timings):
+            cand = await asyncio.to_thread(self._top, vec, index.image_index, m)
+        scores = None
+        if opts.rerank and len(cand.rows):
+            with self._stage("rerank", timings):
+                tokens = np.asarray(index.image_tokens[cand.rows])  # copy out of the memmap
+                scores = await self.batcher.submit(([query] * len(cand.rows), tokens))
+        ranked = self._order(cand, scores, opts.top_k)
+        with self._stage("search", timings):
+            rows = await asyncio.to_thread(index.store.images, [r for r, _, _ in ranked])
+        meta = [(r.id, {"image": r.path, **r.meta}) for r in rows]
+        timings["total"] = round((time.perf_counter() - t0) * 1000, 3)
+        resp = SearchResponse(hits=self._hits(ranked, meta), timings_ms=timings,
+                              index_version=index.version, cached=False)
+        await self._store(key, resp)
+        return resp
+
+    async def search_image(self, data: bytes, image: Image.Image,
+                           opts: SearchOptions) -> SearchResponse:
+        """An image finds captions."""
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        index = self.index
+        key = self._key("image", hashlib.sha256(data).hexdigest(), opts)
+        if (hit := await self._cached(key, timings)) is not None:
+            return hit
+        with self._stage("encode", timings):
+            vec, toks = await asyncio.to_thread(self.model.encode_images, [image])
+        m = opts.candidates if opts.rerank else opts.top_k
+        with self._stage("search", timings):
+            cand = await asyncio.to_thread(self._top, vec, index.text_index, m)
+            cand_rows = await asyncio.to_thread(index.store.texts, [int(r) for r in cand.rows])
+        scores = None
+        if opts.rerank and len(cand.rows):
+            with self._stage("rerank", timings):
+                texts = [r.text for r in cand_rows]
+                scores = await self.batcher.submit((texts, np.repeat(toks, len(texts), axis=0)))
+        ranked = self._order(cand, scores, opts.top_k)
+        by_row = dict(zip(cand.rows.tolist(), cand_rows, strict=True))
+        meta = [(by_row[r].id, {"text": by_row[r].text, "image_id": by_row[r].image_id,
+                                **by_row[r].meta}) for r, _, _ in ranked]
+        timings["total"] = round((time.perf_counter() - t0) * 1000, 3)
+        resp = SearchResponse(hits=self._hits(ranked, meta), timings_ms=timings,
+                              index_version=index.version, cached=False)
+        await self._store(key, resp)
+        return resp

@@ -1,0 +1,41 @@
+"""Liveness, readiness and metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from app.errors import error_body
+
+router = APIRouter(tags=["ops"])
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process is up and answering."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    """Model and index are loaded and search can be served."""
+    pipeline = getattr(request.app.state, "pipeline", None)
+    if pipeline is None:
+        return JSONResponse(error_body("not_ready", "model and index are loading"),
+                            status_code=503)
+    index = pipeline.index
+    return JSONResponse({
+        "status": "ready",
+        "model": pipeline.model.fingerprint,
+        "index_version": index.version,
+        "items": {"images": index.image_index.ntotal, "texts": index.text_index.ntotal},
+        "cache": pipeline.cache.backend.name,
+    })
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition."""
+    return Response(generate_latest(request.app.state.metrics.registry),
+                    media_type=CONTENT_TYPE_LATEST)

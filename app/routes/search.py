@@ -1,0 +1,93 @@
+"""POST /search/text and POST /search/image."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from app.deps import PipelineDep, SettingsDep
+from app.errors import ImageTooLarge, InvalidImage, UnsupportedMediaType, ValidationFailed
+from app.imaging import decode_image
+from app.schemas import ImageSearchJSON, SearchOptions, SearchResponse, TextSearchRequest
+
+router = APIRouter(tags=["search"])
+
+_IMAGE_BODY_DOC: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {"schema": {
+                "type": "object", "required": ["image"],
+                "properties": {
+                    "image": {"type": "string", "format": "binary"},
+                    "top_k": {"type": "integer", "default": 10},
+                    "candidates": {"type": "integer", "default": 50},
+                    "rerank": {"type": "boolean", "default": True},
+                }}},
+            "application/json": {"schema": ImageSearchJSON.model_json_schema()},
+        },
+    }
+}
+
+
+@router.post("/search/text", response_model=SearchResponse)
+async def search_text(body: TextSearchRequest, pipeline: PipelineDep) -> SearchResponse:
+    """A sentence finds images."""
+    opts = SearchOptions(top_k=body.top_k, candidates=body.candidates, rerank=body.rerank)
+    return await pipeline.search_text(body.query, opts)
+
+
+def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOptions:
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        msgs = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}".lstrip(": ")
+                         for e in exc.errors())
+        raise ValidationFailed(msgs) from exc
+
+
+@router.post("/search/image", response_model=SearchResponse, openapi_extra=_IMAGE_BODY_DOC)
+async def search_image(request: Request, pipeline: PipelineDep,
+                       settings: SettingsDep) -> SearchResponse:
+    """An image finds captions: multipart field `image`, or JSON `image_b64`; same options."""
+    max_bytes = settings.max_image_bytes
+    declared = request.headers.get("content-length")
+    # base64 and multipart framing add about a third; anything far beyond is refused unread
+    if declared and declared.isdigit() and int(declared) > max_bytes * 4 // 3 + 65536:
+        raise ImageTooLarge(f"request body is {declared} bytes; images are limited to "
+                            f"{max_bytes} bytes (DUET_MAX_IMAGE_BYTES)")
+    ctype = request.headers.get("content-type", "")
+    if ctype.startswith("multipart/form-data"):
+        form = await request.form(max_files=1, max_fields=16)
+        upload = form.get("image")
+        if not isinstance(upload, UploadFile):
+            raise ValidationFailed('multipart body needs a file field named "image"')
+        data = await upload.read(max_bytes + 1)
+        fields = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
+        opts = _options(fields, SearchOptions)
+    elif ctype.startswith("application/json"):
+        try:
+            payload = await request.json()
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValidationFailed(f"body is not valid JSON: {exc}") from exc
+        if not isinstance(payload, dict):
+            raise ValidationFailed("JSON body must be an object with image_b64")
+        req = _options(payload, ImageSearchJSON)
+        assert isinstance(req, ImageSearchJSON)
+        try:
+            data = base64.b64decode(req.image_b64, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidImage(f"image_b64 is not valid base64: {exc}") from exc
+        opts = SearchOptions(top_k=req.top_k, candidates=req.candidates, rerank=req.rerank)
+    else:
+        raise UnsupportedMediaType(
+            f"content-type {ctype or '(none)'} is not accepted; send multipart/form-data with "
+            'a file field "image", or application/json with "image_b64"')
+    image = decode_image(data, max_bytes, settings.max_image_pixels)
+    return await pipeline.search_image(data, image, opts)
+

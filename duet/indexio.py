@@ -1,0 +1,170 @@
+"""The on-disk index format, shared by the builder (writes) and the service (reads).
+
+    DIR/<version>/manifest.json   what was built, by which model, counts, hashes
+    DIR/<version>/image.faiss     image vectors (row i = images table row i)
+    DIR/<version>/text.faiss      caption vectors (row i = texts table row i)
+    DIR/<version>/image_tokens.npy  float16 patch tokens per image, for re-ranking
+    DIR/<version>/items.sqlite    ids, paths, captions and meta per row
+    DIR/current -> <version>      symlink, replaced atomically
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+MANIFEST = "manifest.json"
+IMAGE_INDEX = "image.faiss"
+TEXT_INDEX = "text.faiss"
+IMAGE_TOKENS = "image_tokens.npy"
+ITEMS = "items.sqlite"
+CURRENT = "current"
+FORMAT_VERSION = 1
+
+
+class IndexLoadError(RuntimeError):
+    """An index directory is missing, incomplete or unreadable."""
+
+
+class ModelMismatchError(IndexLoadError):
+    """The index was built by a different model than the one loaded."""
+
+
+def resolve_current(index_dir: Path) -> Path:
+    """The version directory `DIR/current` points at."""
+    link = Path(index_dir) / CURRENT
+    if not link.exists():
+        raise IndexLoadError(
+            f"no index at {link}: build one with `duet build --corpus MANIFEST --out {index_dir}` "
+            "(or `make serve`, which builds the demo index)"
+        )
+    return link.resolve()
+
+
+def point_current(index_dir: Path, version: str) -> None:
+    """Atomically make `DIR/current` point at `DIR/<version>` (rename over the old link)."""
+    tmp = Path(index_dir) / f".{CURRENT}.{os.getpid()}.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(version, tmp)
+    os.replace(tmp, Path(index_dir) / CURRENT)
+
+
+SCHEMA = """
+CREATE TABLE images (row INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE, path TEXT, meta TEXT);
+CREATE TABLE texts (row INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE, text TEXT NOT NULL,
+                    image_id TEXT, meta TEXT);
+"""
+
+
+@dataclass(frozen=True)
+class ImageRow:
+    id: str
+    path: str | None
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TextRow:
+    id: str
+    text: str
+    image_id: str | None
+    meta: dict[str, Any]
+
+
+def write_items(path: Path, images: Iterable[ImageRow], texts: Iterable[TextRow]) -> None:
+    """Write the item store; row numbers follow iteration order (= FAISS row order)."""
+    con = sqlite3.connect(path)
+    try:
+        con.executescript(SCHEMA)
+        con.executemany("INSERT INTO images VALUES (?, ?, ?, ?)",
+                        ((i, r.id, r.path, json.dumps(r.meta)) for i, r in enumerate(images)))
+        con.executemany("INSERT INTO texts VALUES (?, ?, ?, ?, ?)",
+                        ((i, r.id, r.text, r.image_id, json.dumps(r.meta))
+                         for i, r in enumerate(texts)))
+        con.commit()
+    finally:
+        con.close()
+
+
+class ItemStore:
+    """Read-only access to items.sqlite, safe to share between threads."""
+
+    def __init__(self, path: Path) -> None:
+        self._con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        self._lock = threading.Lock()
+
+    def _rows(self, sql: str, rows: Sequence[int]) -> dict[int, tuple[Any, ...]]:
+        marks = ",".join("?" * len(rows))
+        with self._lock:
+            cur = self._con.execute(sql.format(marks=marks), [int(r) for r in rows])
+            return {r[0]: r[1:] for r in cur.fetchall()}
+
+    def images(self, rows: Sequence[int]) -> list[ImageRow]:
+        got = self._rows("SELECT row, id, path, meta FROM images WHERE row IN ({marks})", rows)
+        return [ImageRow(got[r][0], got[r][1], json.loads(got[r][2])) for r in rows]
+
+    def texts(self, rows: Sequence[int]) -> list[TextRow]:
+        got = self._rows("SELECT row, id, text, image_id, meta FROM texts WHERE row IN ({marks})",
+                         rows)
+        return [TextRow(got[r][0], got[r][1], got[r][2], json.loads(got[r][3])) for r in rows]
+
+    def close(self) -> None:
+        self._con.close()
+
+
+@dataclass
+class IndexVersion:
+    """One loaded, immutable index version."""
+
+    path: Path
+    manifest: dict[str, Any]
+    image_index: faiss.Index
+    text_index: faiss.Index
+    image_tokens: np.ndarray  # (n_images, T, d) float16, memory-mapped
+    store: ItemStore
+
+    @property
+    def version(self) -> str:
+        return str(self.manifest["version"])
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.manifest["model"]["fingerprint"])
+
+    @classmethod
+    def open(cls, path: Path, expect_fingerprint: str | None = None) -> IndexVersion:
+        """Load a version directory; refuse it if another model built it."""
+        path = Path(path)
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError) as exc:
+            raise IndexLoadError(f"cannot read {path / MANIFEST}: {exc}") from exc
+        built_by = manifest.get("model", {}).get("fingerprint")
+        if expect_fingerprint is not None and built_by != expect_fingerprint:
+            raise ModelMismatchError(
+                f"index {path} was built by model {built_by!r} but the service loaded "
+                f"{expect_fingerprint!r}; rebuild the index with this model "
+                "(`duet build`) or start the service with the model that built it (DUET_MODEL_DIR)"
+            )
+        try:
+            image_index = faiss.read_index(str(path / IMAGE_INDEX))
+            text_index = faiss.read_index(str(path / TEXT_INDEX))
+            tokens = np.load(path / IMAGE_TOKENS, mmap_mode="r")
+            store = ItemStore(path / ITEMS)
+        except (OSError, RuntimeError, ValueError, sqlite3.Error) as exc:
+            raise IndexLoadError(f"index {path} is incomplete or corrupt: {exc}") from exc
+        counts = manifest.get("counts", {})
+        if (image_index.ntotal != counts.get("images") or text_index.ntotal != counts.get("texts")
+                or tokens.shape[0] != image_index.ntotal):
+            raise IndexLoadError(f"index {path}: counts in {MANIFEST} do not match the files")
+        return cls(path, manifest, image_index, text_index, tokens, store)

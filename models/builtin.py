@@ -1,0 +1,107 @@
+"""Loading and running duet's own joint model as a bi-encoder and a cross-encoder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from models.joint import JointConfig, JointModel
+from models.tokenizer import WordTokenizer
+
+DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights"
+WEIGHTS_FILE = "model.safetensors"
+NAME = "duet-joint"
+
+
+class ModelLoadError(RuntimeError):
+    """The model directory is missing a file or holds something unreadable."""
+
+
+def pixels(images: Sequence[Image.Image], size: int) -> torch.Tensor:
+    """PIL images -> float tensor (B, 3, size, size) in [0, 1]."""
+    arrs = []
+    for img in images:
+        rgb = img.convert("RGB")
+        if rgb.size != (size, size):
+            rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+        arrs.append(np.asarray(rgb, dtype=np.uint8))
+    batch = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2)
+    return batch.float() / 255.0
+
+
+def save_model(model: JointModel, tokenizer: WordTokenizer, out: Path) -> None:
+    """Write weights (safetensors), config and vocabulary into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(model.cfg.to_json(), indent=1) + "\n")
+    tokenizer.save(out / "vocab.json")
+
+
+class BuiltinModel:
+    """duet's joint model behind the bi-encoder and re-ranker protocols.
+
+    Thread-safe for concurrent callers: torch modules in eval mode hold no
+    per-call state, and inference runs under `torch.inference_mode`.
+    """
+
+    def __init__(self, model: JointModel, tokenizer: WordTokenizer, fingerprint: str) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.name = NAME
+        self.dim = model.cfg.embed_dim
+        self.token_shape = (model.cfg.grid * model.cfg.grid, model.cfg.d_model)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, directory: Path | None = None) -> BuiltinModel:
+        """Load from a directory holding model.safetensors, config.json and vocab.json."""
+        d = Path(directory) if directory is not None else DEFAULT_WEIGHTS
+        try:
+            cfg = JointConfig(**json.loads((d / "config.json").read_text()))
+            tok = WordTokenizer.load(d / "vocab.json")
+            weights = (d / WEIGHTS_FILE).read_bytes()
+            state = load_file(str(d / WEIGHTS_FILE))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ModelLoadError(
+                f"cannot load duet's model from {d}: {exc}. Run `duet train --out {d}` to make one."
+            ) from exc
+        model = JointModel(cfg)
+        model.load_state_dict(state)
+        digest = hashlib.sha256(weights).hexdigest()[:16]
+        return cls(model, tok, f"{NAME}:{digest}")
+
+    # -- bi-encoder -----------------------------------------------------------
+    @torch.inference_mode()
+    def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        """Texts -> (n, dim) float32, L2-normalised."""
+        ids, pad = self.tokenizer.batch(list(texts))
+        vec = self.model.embed_texts(self.model.text_tokens(ids, pad), pad)
+        return vec.float().numpy()
+
+    @torch.inference_mode()
+    def encode_images(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
+        """Images -> ((n, dim) float32 L2-normalised vectors, (n, T, d) float16 patch tokens)."""
+        toks = self.model.image_tokens(pixels(images, self.model.cfg.image_size))
+        vec = self.model.embed_images(toks)
+        return vec.float().numpy(), toks.half().numpy()
+
+    # -- cross-encoder --------------------------------------------------------
+    @torch.inference_mode()
+    def score_pairs(self, texts: Sequence[str], image_tokens: np.ndarray) -> np.ndarray:
+        """ITM logits (n,) for n (text, image-tokens) pairs; higher means a better match."""
+        if len(texts) == 0:
+            return np.zeros(0, dtype=np.float32)
+        ids, pad = self.tokenizer.batch(list(texts))
+        txt = self.model.text_tokens(ids, pad)
+        img = torch.from_numpy(np.ascontiguousarray(image_tokens)).float()
+        return self.model.itm_logits(txt, pad, img).float().numpy()

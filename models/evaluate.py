@@ -1,0 +1,74 @@
+"""Recall@K of the bi-encoder alone and with cross-encoder re-ranking (the papers' protocol)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image
+
+from models.builtin import BuiltinModel
+
+KS = (1, 5, 10)
+
+
+def _recall(ranked: np.ndarray, hit: np.ndarray) -> dict[str, float]:
+    """`ranked` (Q, M) item indices per query; `hit[q, i]` is True when item i answers query q."""
+    rows = np.arange(ranked.shape[0])[:, None]
+    good = hit[rows, ranked]
+    return {f"R@{k}": float(100.0 * good[:, :k].any(axis=1).mean()) for k in KS}
+
+
+def _rerank(scores: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    order = np.argsort(-scores, axis=1, kind="stable")
+    return np.take_along_axis(cand, order, axis=1)
+
+
+def evaluate(model: BuiltinModel, images: Sequence[Image.Image], captions: Sequence[Sequence[str]],
+             candidates: int = 20, batch: int = 256) -> dict[str, dict[str, dict[str, float]]]:
+    """R@1/5/10 for text->image and image->text, dot-only and re-ranked over the top `candidates`.
+
+    Every caption of image i is a query whose answer is image i; every image is a query
+    answered by any of its captions. Recalls are percentages, as the papers print them.
+    """
+    texts = [c for caps in captions for c in caps]
+    owner = np.array([i for i, caps in enumerate(captions) for _ in caps])
+    img_vecs, img_toks = [], []
+    for s in range(0, len(images), batch):
+        v, t = model.encode_images(images[s : s + batch])
+        img_vecs.append(v)
+        img_toks.append(t)
+    iv, itok = np.concatenate(img_vecs), np.concatenate(img_toks)
+    tv = np.concatenate([model.encode_texts(texts[s : s + batch])
+                         for s in range(0, len(texts), batch)])
+    sim = tv @ iv.T  # (texts, images)
+    hit_t2i = owner[:, None] == np.arange(len(images))[None, :]
+    m = min(candidates, len(images))
+    cand_t2i = np.argsort(-sim, axis=1, kind="stable")[:, :m]
+    cand_i2t = np.argsort(-sim.T, axis=1, kind="stable")[:, : min(candidates, len(texts))]
+
+    def ce(q_texts: list[str], toks: np.ndarray) -> np.ndarray:
+        out = [model.score_pairs(q_texts[s : s + 1024], toks[s : s + 1024])
+               for s in range(0, len(q_texts), 1024)]
+        return np.concatenate(out)
+
+    t2i_pairs_text = [texts[q] for q in range(len(texts)) for _ in range(m)]
+    s_t2i = ce(t2i_pairs_text, itok[cand_t2i.reshape(-1)]).reshape(cand_t2i.shape)
+    mi = cand_i2t.shape[1]
+    i2t_pairs_text = [texts[j] for j in cand_i2t.reshape(-1)]
+    s_i2t = ce(i2t_pairs_text, np.repeat(itok, mi, axis=0)).reshape(cand_i2t.shape)
+    return {
+        "dot": {"t2i": _recall(cand_t2i, hit_t2i), "i2t": _recall(cand_i2t, hit_t2i.T)},
+        "rerank": {"t2i": _recall(_rerank(s_t2i, cand_t2i), hit_t2i),
+                   "i2t": _recall(_rerank(s_i2t, cand_i2t), hit_t2i.T)},
+    }
+
+
+def format_table(result: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Markdown table of an `evaluate` result."""
+    lines = ["| mode | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, r in result.items():
+        cells = [f"{r[d][f'R@{k}']:.1f}" for d in ("t2i", "i2t") for k in KS]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""duet's own joint image-text model (JOINT+COOP, Rerank-Smart).
+
+An image tower turns the picture into patch tokens, a text tower turns words
+into tokens, and one shared transformer serves twice:
+
+* bi-encoder: each modality alone -> masked mean pool -> projection -> L2-normalised vector;
+* cross-encoder: [ITM] + text tokens + image tokens together -> ITM logit.
+
+The image tower's patch tokens are what the index stores for re-ranking, so
+the service never needs the original image files of the corpus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class JointConfig:
+    """Shape of the joint model; saved as config.json beside the weights."""
+
+    vocab_size: int
+    image_size: int = 64
+    d_model: int = 128
+    n_heads: int = 4
+    tower_layers: int = 1
+    shared_layers: int = 3
+    embed_dim: int = 128
+    max_text_len: int = 32
+    grid: int = 4  # image tokens = grid * grid
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def _encoder(cfg: JointConfig, layers: int) -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(
+        cfg.d_model, cfg.n_heads, 4 * cfg.d_model, dropout=0.0,
+        activation="gelu", batch_first=True, norm_first=True,
+    )
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+class ImageTower(nn.Module):
+    """Conv stem over the picture -> grid x grid patch tokens with positions."""
+
+    def __init__(self, cfg: JointConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        chans = [3, 32, 64, 96, d]
+        stem: list[nn.Module] = []
+        for i in range(4):  # 64 -> 32 -> 16 -> 8 -> 4
+            stem += [nn.Conv2d(chans[i], chans[i + 1], 3, stride=2, padding=1), nn.GELU()]
+        self.stem = nn.Sequential(*stem[:-1])
+        self.pos = nn.Parameter(torch.zeros(1, cfg.grid * cfg.grid, d))
+        self.blocks = _encoder(cfg, cfg.tower_layers)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels (B, 3, H, W) in [0, 1] -> tokens (B, grid*grid, d)."""
+        x = self.stem(pixels * 2.0 - 1.0).flatten(2).transpose(1, 2)
+        return self.blocks(x + self.pos)
+
+
+class TextTower(nn.Module):
+    """Word embeddings with positions and one transformer block."""
+
+    def __init__(self, cfg: JointConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=0)
+        self.pos = nn.Parameter(torch.zeros(1, cfg.max_text_len, cfg.d_model))
+        self.blocks = _encoder(cfg, cfg.tower_layers)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.pos[:, : ids.shape[1]]
+        return self.blocks(x, src_key_padding_mask=pad)
+
+
+class JointModel(nn.Module):
+    """Image tower + text tower + one shared transformer for both retrieval and re-ranking."""
+
+    def __init__(self, cfg: JointConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.image_tower = ImageTower(cfg)
+        self.text_tower = TextTower(cfg)
+        self.type_embed = nn.Parameter(torch.zeros(2, d))  # 0 = text, 1 = image
+        self.itm_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.shared = _encoder(cfg, cfg.shared_layers)
+        self.norm = nn.LayerNorm(d)
+        self.text_proj = nn.Linear(d, cfg.embed_dim)
+        self.image_proj = nn.Linear(d, cfg.embed_dim)
+        self.itm_head = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1))
+        self.logit_scale = nn.Parameter(torch.tensor(2.996))  # log(1 / 0.05)
+        nn.init.normal_(self.type_embed, std=0.02)
+        nn.init.normal_(self.itm_token, std=0.02)
+
+    # -- towers -------------------------------------------------------------
+    def image_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The image tower's patch tokens (what the index stores for re-ranking)."""
+        return self.image_tower(pixels)
+
+    def text_tokens(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.text_tower(ids, pad)
+
+    # -- bi-encoder ---------------------------------------------------------
+    def embed_images(self, img_tokens: torch.Tensor) -> torch.Tensor:
+        """Image tokens -> L2-normalised global vectors."""
+        h = self.norm(self.shared(img_tokens + self.type_embed[1]))
+        return F.normalize(self.image_proj(h.mean(dim=1)), dim=-1)
+
+    def embed_texts(self, txt_tokens: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """Text tokens -> L2-normalised global vectors (mean over real tokens)."""
+        h = self.norm(self.shared(txt_tokens + self.type_embed[0], src_key_padding_mask=pad))
+        keep = (~pad).unsqueeze(-1).to(h.dtype)
+        pooled = (h * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
+        return F.normalize(self.text_proj(pooled), dim=-1)
+
+    # -- cross-encoder ------------------------------------------------------
+    def itm_logits(self, txt_tokens: torch.Tensor, pad: torch.Tensor,
+                   img_tokens: torch.Tensor) -> torch.Tensor:
+        """ITM logit for each (text, image) row pair: (B,) — higher means a match."""
+        b = txt_tokens.shape[0]
+        itm = self.itm_token.expand(b, -1, -1)
+        x = torch.cat([itm, txt_tokens + self.type_embed[0],
+                       img_tokens.to(txt_tokens.dtype) + self.type_embed[1]], dim=1)
+        no_pad = torch.zeros(b, 1, dtype=torch.bool, device=pad.device)
+        img_pad = torch.zeros(b, img_tokens.shape[1], dtype=torch.bool, device=pad.device)
+        mask = torch.cat([no_pad, pad, img_pad], dim=1)
+        h = self.norm(self.shared(x, src_key_padding_mask=mask))
+        return self.itm_head(h[:, 0]).squeeze(-1)

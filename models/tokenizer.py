@@ -1,0 +1,53 @@
+"""Word-level tokenizer for duet's own model (the synthetic world has a closed vocabulary)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+PAD, UNK, CLS = "[PAD]", "[UNK]", "[CLS]"
+_WORD = re.compile(r"[a-z]+|\d+")
+
+
+def normalise(text: str) -> str:
+    """Lower-case and collapse whitespace; also the cache's notion of "the same query"."""
+    return " ".join(_WORD.findall(text.lower()))
+
+
+class WordTokenizer:
+    """Maps words to ids; unknown words become [UNK], a [CLS] id leads every sequence."""
+
+    def __init__(self, words: list[str], max_len: int = 32) -> None:
+        self.itos = [PAD, UNK, CLS, *words]
+        self.stoi = {w: i for i, w in enumerate(self.itos)}
+        self.max_len = max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def ids(self, text: str) -> list[int]:
+        """Token ids of one text, [CLS] first, cut at `max_len`."""
+        unk = self.stoi[UNK]
+        toks = [self.stoi[CLS], *(self.stoi.get(w, unk) for w in _WORD.findall(text.lower()))]
+        return toks[: self.max_len]
+
+    def batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded ids (B, T) and a padding mask (True where padded)."""
+        seqs = [self.ids(t) for t in texts]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        return ids, ids == 0
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"words": self.itos[3:], "max_len": self.max_len}, indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> WordTokenizer:
+        data = json.loads(path.read_text())
+        return cls(list(data["words"]), int(data["max_len"]))

@@ -1,0 +1,135 @@
+"""Shared fixtures: a real redis-server, a generated corpus, a built index, a running service."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from index_builder.build import build
+from models.builtin import BuiltinModel
+from models.train import HELD_OUT_SEED_BASE
+from models.world import write_corpus
+
+REPO = Path(__file__).resolve().parent.parent
+DUET = [sys.executable, "-m", "duet.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RedisServer:
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def start_redis(tmp: Path) -> RedisServer:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("redis-server is not installed; .ci/run installs it with apt-get")
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return RedisServer(port, proc)
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = start_redis(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def model() -> BuiltinModel:
+    return BuiltinModel.load()
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 generated images, 5 captions each, from a seed never used in training."""
+    out = tmp_path_factory.mktemp("corpus")
+    return write_corpus(out, 40, HELD_OUT_SEED_BASE + 11, progress=False)
+
+
+@pytest.fixture(scope="session")
+def index_dir(tmp_path_factory: pytest.TempPathFactory, corpus: Path, model: BuiltinModel) -> Path:
+    out = tmp_path_factory.mktemp("indexes")
+    build(corpus, out, model, progress=False)
+    return out
+
+
+@dataclass
+class Service:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30)
+
+
+def start_service(index_dir: Path, log: Path, **env: str) -> Service:
+    """`duet serve` as a real process on a free port; returns once /readyz answers 200."""
+    port = free_port()
+    full_env = {**os.environ, "DUET_INDEX_DIR": str(index_dir), "DUET_PORT": str(port),
+                "DUET_HOST": "127.0.0.1", "PYTHONPATH": str(REPO), **env}
+    fh = log.open("wb")
+    proc = subprocess.Popen([*DUET, "serve"], env=full_env, stdout=fh, stderr=subprocess.STDOUT,
+                            cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"duet serve exited: {log.read_text()}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return Service(url, proc, log)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"duet serve did not become ready: {log.read_text()}")
+
+
+def stop_service(service: Service) -> None:
+    service.proc.terminate()
+    try:
+        service.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        service.proc.kill()

@@ -1,0 +1,67 @@
+"""Cache back-ends against a real redis-server; failures degrade to misses."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.cache import LRUCache, RedisCache, ResilientCache, cache_key
+from app.metrics import Metrics
+from tests.conftest import RedisServer, free_port
+
+
+def _count(m: Metrics, result: str) -> float:
+    return m.cache_requests.labels(result=result)._value.get()
+
+
+def test_key_depends_on_every_part() -> None:
+    base = dict(model="m", index="v1", endpoint="text", query="a", top_k=10, candidates=50,
+                rerank=True)
+    keys = {cache_key(**base)}
+    for k, v in (("model", "m2"), ("index", "v2"), ("endpoint", "image"), ("query", "b"),
+                 ("top_k", 5), ("candidates", 20), ("rerank", False)):
+        keys.add(cache_key(**{**base, k: v}))
+    assert len(keys) == 8
+    assert cache_key(**base) == cache_key(**dict(reversed(list(base.items()))))
+
+
+async def test_redis_round_trip_and_ttl(redis_server: RedisServer) -> None:
+    m = Metrics()
+    cache = ResilientCache(RedisCache(redis_server.url, ttl_s=1, timeout_s=0.5), m, 0.5)
+    assert await cache.get("k") is None
+    await cache.set("k", '{"a": 1}')
+    assert await cache.get("k") == '{"a": 1}'
+    assert (_count(m, "hit"), _count(m, "miss"), _count(m, "error")) == (1, 1, 0)
+    await asyncio.sleep(1.2)
+    assert await cache.get("k") is None  # expired
+    await cache.close()
+
+
+async def test_redis_down_is_a_miss_and_an_error_metric(redis_server: RedisServer) -> None:
+    m = Metrics()
+    cache = ResilientCache(RedisCache(redis_server.url, ttl_s=60, timeout_s=0.2), m, 0.2)
+    await cache.set("k", "v")
+    redis_server.stop()
+    assert await cache.get("k") is None
+    await cache.set("k", "v")  # does not raise either
+    assert _count(m, "error") == 2
+    await cache.close()
+
+
+async def test_unreachable_redis_never_raises() -> None:
+    m = Metrics()
+    cache = ResilientCache(RedisCache(f"redis://127.0.0.1:{free_port()}/0", 60, 0.1), m, 0.1)
+    assert await cache.get("x") is None
+    assert _count(m, "error") == 1
+
+
+async def test_lru_evicts_and_expires() -> None:
+    lru = LRUCache(max_entries=2, ttl_s=60)
+    await lru.set("a", "1")
+    await lru.set("b", "2")
+    assert await lru.get("a") == "1"  # a is now most recent
+    await lru.set("c", "3")
+    assert await lru.get("b") is None and await lru.get("a") == "1"
+    short = LRUCache(max_entries=2, ttl_s=0.05)
+    await short.set("a", "1")
+    await asyncio.sleep(0.1)
+    assert await short.get("a") is None

@@ -1,0 +1,265 @@
+"""End to end: generated corpus -> `duet build` -> `duet serve` (real uvicorn) -> httpx."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from models.builtin import save_model
+from models.joint import JointConfig, JointModel
+from models.tokenizer import WordTokenizer
+from models.world import vocabulary
+from tests.conftest import (
+    DUET,
+    REPO,
+    RedisServer,
+    Service,
+    start_redis,
+    start_service,
+    stop_service,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _manifest(corpus: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in corpus.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def service(index_dir: Path, redis: RedisServer,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    log = tmp_path_factory.mktemp("logs") / "serve.log"
+    svc = start_service(index_dir, log, DUET_REDIS_URL=redis.url,
+                        DUET_MAX_IMAGE_BYTES="200000", DUET_MAX_IMAGE_PIXELS="1000000")
+    yield svc
+    stop_service(svc)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+        if m and m.group(1) == name:
+            got = ",".join(sorted((m.group(2) or "").split(","))) if m.group(2) else ""
+            if got == want:
+                return float(m.group(3))
+    raise AssertionError(f"metric {name}{{{want}}} not exported")
+
+
+def test_caption_finds_its_image(service: Service, corpus: Path) -> None:
+    items = _manifest(corpus)
+    found = 0
+    with service.client() as c:
+        for item in items[:10]:
+            caption = item["captions"][0]  # type: ignore[index]
+            r = c.post("/search/text", json={"query": caption, "top_k": 10})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            ids = [h["id"] for h in body["hits"]]
+            assert len(ids) == 10 and [h["rank"] for h in body["hits"]] == list(range(1, 11))
+            found += item["id"] in ids
+            assert body["hits"][0]["meta"]["image"].startswith("images/")
+    assert found >= 9, f"only {found}/10 captions found their image in the top 10"
+
+
+def test_image_finds_one_of_its_captions(service: Service, corpus: Path) -> None:
+    items = _manifest(corpus)
+    found = 0
+    with service.client() as c:
+        for item in items[:10]:
+            data = (corpus.parent / str(item["image"])).read_bytes()
+            r = c.post("/search/image", files={"image": ("q.png", data, "image/png")},
+                       data={"top_k": "10"})
+            assert r.status_code == 200, r.text
+            hits = r.json()["hits"]
+            found += any(h["meta"]["image_id"] == item["id"] for h in hits)
+            assert all(h["id"].split("#")[0] == h["meta"]["image_id"] for h in hits)
+    assert found >= 9, f"only {found}/10 images found one of their captions in the top 10"
+
+
+def test_json_base64_image_equals_multipart(service: Service, corpus: Path) -> None:
+    data = (corpus.parent / "images" / "0003.png").read_bytes()
+    with service.client() as c:
+        a = c.post("/search/image", files={"image": ("q.png", data, "image/png")},
+                   data={"top_k": "5", "rerank": "false"}).json()
+        b = c.post("/search/image", json={"image_b64": base64.b64encode(data).decode(),
+                                          "top_k": 5, "rerank": False}).json()
+    assert [h["id"] for h in a["hits"]] == [h["id"] for h in b["hits"]]
+
+
+def test_rerank_false_returns_dot_order(service: Service) -> None:
+    with service.client() as c:
+        body = c.post("/search/text", json={"query": "a big blue square above a red circle",
+                                            "top_k": 8, "rerank": False}).json()
+    dots = [h["retrieval_score"] for h in body["hits"]]
+    assert dots == sorted(dots, reverse=True)
+    assert all(h["rerank_score"] is None and h["score"] == h["retrieval_score"]
+               for h in body["hits"])
+    assert "rerank" not in body["timings_ms"]
+
+
+def test_rerank_orders_by_cross_encoder(service: Service) -> None:
+    with service.client() as c:
+        body = c.post("/search/text", json={"query": "two small green triangles left of a "
+                                            "large red diamond", "top_k": 10,
+                                            "candidates": 20}).json()
+    scores = [h["rerank_score"] for h in body["hits"]]
+    assert all(s is not None and 0.0 <= s <= 1.0 for s in scores)
+    assert scores == sorted(scores, reverse=True)
+    assert body["timings_ms"]["rerank"] > 0
+
+
+def test_second_identical_request_is_cached(service: Service) -> None:
+    query = {"query": "a tiny purple cross in the top left", "top_k": 4}
+    with service.client() as c:
+        before = _metric(c.get("/metrics").text, "duet_cache_requests_total", result="hit")
+        first = c.post("/search/text", json=query).json()
+        # same query after normalisation (case, spacing) is the same cache entry
+        second = c.post("/search/text", json={**query, "query": "  A tiny purple CROSS in the "
+                                               "top left "}).json()
+        after = _metric(c.get("/metrics").text, "duet_cache_requests_total", result="hit")
+    assert first["cached"] is False and second["cached"] is True
+    assert second["hits"] == first["hits"]
+    assert after == before + 1
+
+
+def test_metrics_exported(service: Service) -> None:
+    with service.client() as c:
+        c.post("/search/text", json={"query": "a red circle"})
+        text = c.get("/metrics").text
+    assert _metric(text, "duet_index_items", modality="image") == 40
+    assert _metric(text, "duet_index_items", modality="text") == 200
+    assert _metric(text, "duet_request_seconds_count", endpoint="/search/text", status="200") >= 1
+    for stage in ("cache", "encode", "search", "rerank"):
+        assert _metric(text, "duet_stage_seconds_count", stage=stage) >= 1
+    assert _metric(text, "duet_rerank_batch_size_count") >= 1
+
+
+@pytest.mark.parametrize("body", [
+    {"query": ""},
+    {"query": "   "},
+    {"query": "a red circle " * 100},
+    {"query": "a red circle", "top_k": 0},
+    {"query": "a red circle", "top_k": 20, "candidates": 10},
+    {"query": "a red circle", "rerank": "maybe"},
+    {"query": "a red circle", "colour": "red"},
+    {},
+])
+def test_bad_text_queries_are_422(service: Service, body: dict[str, object]) -> None:
+    with service.client() as c:
+        r = c.post("/search/text", json=body)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == "validation_error"
+    assert r.json()["error"]["message"]
+
+
+def _png(size: tuple[int, int], noise: bool = False) -> bytes:
+    if noise:
+        arr = np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8)
+        img = Image.fromarray(arr)
+    else:
+        img = Image.new("RGB", size, (10, 200, 30))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(("payload", "status", "code"), [
+    (b"this is not an image", 400, "invalid_image"),
+    (_png((64, 64))[:60], 400, "invalid_image"),  # truncated
+    (b"", 400, "invalid_image"),
+    (_png((1200, 1200)), 413, "image_too_large"),  # 1.44 M pixels > DUET_MAX_IMAGE_PIXELS
+    (_png((300, 300), noise=True), 413, "image_too_large"),  # ~270 kB > DUET_MAX_IMAGE_BYTES
+])
+def test_bad_images_are_4xx(service: Service, payload: bytes, status: int, code: str) -> None:
+    with service.client() as c:
+        r = c.post("/search/image", files={"image": ("x.png", payload, "image/png")})
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["code"] == code
+        # and the service is still fine afterwards
+        assert c.post("/search/text", json={"query": "a red circle"}).status_code == 200
+
+
+def test_other_bad_image_requests(service: Service) -> None:
+    with service.client() as c:
+        assert c.post("/search/image", content=b"xx",
+                      headers={"content-type": "text/plain"}).status_code == 415
+        r = c.post("/search/image", json={"image_b64": "!!not base64!!"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image"
+        r = c.post("/search/image", data={"top_k": "3"}, files={"other": ("x", b"1")})
+        assert r.status_code == 422
+        r = c.post("/search/image", files={"image": ("x.png", _png((64, 64)), "image/png")},
+                   data={"top_k": "-1"})
+        assert r.status_code == 422 and "top_k" in r.json()["error"]["message"]
+        r = c.post("/search/image", json=[1, 2])
+        assert r.status_code == 422
+        assert c.get("/nope").json()["error"]["code"] == "not_found"
+
+
+def test_health_and_ready(service: Service) -> None:
+    with service.client() as c:
+        assert c.get("/healthz").json() == {"status": "ok"}
+        ready = c.get("/readyz").json()
+    assert ready["status"] == "ready" and ready["cache"] == "redis"
+    assert ready["items"] == {"images": 40, "texts": 200}
+
+
+def test_redis_killed_mid_test_requests_still_succeed(
+        index_dir: Path, tmp_path: Path) -> None:
+    redis = start_redis(tmp_path)
+    svc = start_service(index_dir, tmp_path / "serve.log", DUET_REDIS_URL=redis.url)
+    try:
+        with svc.client() as c:
+            q = {"query": "a large yellow diamond below a small blue circle", "top_k": 3}
+            assert c.post("/search/text", json=q).json()["cached"] is False
+            assert c.post("/search/text", json=q).json()["cached"] is True
+            redis.stop()
+            for i in range(5):
+                r = c.post("/search/text", json={**q, "top_k": 3 + i})
+                assert r.status_code == 200, r.text
+                assert r.json()["cached"] is False
+            errors = _metric(c.get("/metrics").text, "duet_cache_requests_total", result="error")
+            assert errors >= 5
+    finally:
+        redis.stop()
+        stop_service(svc)
+    assert "serving without the cache" in (tmp_path / "serve.log").read_text()
+
+
+def test_index_from_another_model_is_refused(corpus: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other-model"
+    tok = WordTokenizer(vocabulary())
+    save_model(JointModel(JointConfig(vocab_size=tok.vocab_size)), tok, other)
+    out = tmp_path / "idx"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([*DUET, "build", "--corpus", str(corpus), "--out", str(out),
+                    "--model-dir", str(other), "--no-progress"], check=True, env=env,
+                   capture_output=True)
+    proc = subprocess.run([*DUET, "serve"], env={**env, "DUET_INDEX_DIR": str(out)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "was built by model" in proc.stderr and "rebuild the index" in proc.stderr
+
+
+def test_missing_index_says_how_to_build(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(tmp_path / "none")}
+    proc = subprocess.run([*DUET, "serve"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "duet build" in proc.stderr

@@ -1,0 +1,46 @@
+"""Upload decoding: every kind of bad image is a 4xx DuetError, never a crash."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from PIL import Image
+
+from app.errors import DuetError, ImageTooLarge, InvalidImage
+from app.imaging import decode_image
+
+
+def _png(size: tuple[int, int], mode: str = "RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_good_image_becomes_rgb() -> None:
+    img = decode_image(_png((10, 20), "L"), max_bytes=10_000, max_pixels=1_000)
+    assert img.mode == "RGB" and img.size == (10, 20)
+
+
+@pytest.mark.parametrize(("data", "error"), [
+    (b"", InvalidImage),
+    (b"GIF89a but not really", InvalidImage),
+    (_png((32, 32))[:40], InvalidImage),
+    (_png((100, 100)), ImageTooLarge),  # 10,000 pixels > 5,000
+])
+def test_bad_images(data: bytes, error: type[DuetError]) -> None:
+    with pytest.raises(error) as exc:
+        decode_image(data, max_bytes=100_000, max_pixels=5_000)
+    assert 400 <= exc.value.status < 500 and exc.value.message
+
+
+def test_too_many_bytes() -> None:
+    with pytest.raises(ImageTooLarge, match="DUET_MAX_IMAGE_BYTES"):
+        decode_image(_png((8, 8)), max_bytes=10, max_pixels=10_000)
+
+
+def test_pillow_bomb_guard_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even when our own pixel limit is generous, Pillow's guard still refuses a bomb."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000)
+    with pytest.raises(ImageTooLarge, match="decompression bomb"):
+        decode_image(_png((100, 100)), max_bytes=100_000, max_pixels=10**9)
