@@ -95,8 +95,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    from models.builtin import DEFAULT_WEIGHTS
-    from models.train import TrainConfig
+    from models.trainconfig import DEFAULT_WEIGHTS, TrainConfig
 
     p = argparse.ArgumentParser(
         prog="duet", description="Image-text retrieval: encode a corpus into FAISS indexes, "

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from models.joint import JointConfig, JointModel
 from models.tokenizer import WordTokenizer
+from models.trainconfig import DEFAULT_WEIGHTS
 
-DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights"
 WEIGHTS_FILE = "model.safetensors"
 NAME = "duet-joint"
 

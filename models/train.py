@@ -16,7 +16,6 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,27 +27,9 @@ from models.evaluate import evaluate, format_table
 from models.joint import JointConfig, JointModel
 from models.losses import ce_bce_loss, cmr_loss
 from models.tokenizer import WordTokenizer
+from models.trainconfig import HELD_OUT_SEED_BASE, TrainConfig
 
 log = logging.getLogger("duet.train")
-
-# World seeds at or above this are never used for training; tests draw their splits there.
-HELD_OUT_SEED_BASE = 1_000_000
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything that decides the trained weights."""
-
-    seed: int = 0
-    images: int = 20_000
-    steps: int = 1_500
-    batch: int = 128
-    lr: float = 8e-4
-    warmup: int = 150
-    weight_decay: float = 0.02
-    threads: int = 2
-    easy_steps: int = 400  # cross-encoder sees random in-batch negatives first, hardest after
-
 
 def _lr(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:

@@ -17,7 +17,7 @@ import pytest
 
 from index_builder.build import build
 from models.builtin import BuiltinModel
-from models.train import HELD_OUT_SEED_BASE
+from models.trainconfig import HELD_OUT_SEED_BASE
 from models.world import write_corpus
 
 REPO = Path(__file__).resolve().parent.parent

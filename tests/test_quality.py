@@ -7,7 +7,7 @@ import pytest
 from models import world
 from models.builtin import BuiltinModel
 from models.evaluate import evaluate, format_table
-from models.train import HELD_OUT_SEED_BASE
+from models.trainconfig import HELD_OUT_SEED_BASE
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,26 @@
+"""What decides the trained weights (kept free of torch so `duet --help` is fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights"
+
+# World seeds at or above this are never used for training; tests draw their splits there.
+HELD_OUT_SEED_BASE = 1_000_000
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides the trained weights."""
+
+    seed: int = 0
+    images: int = 20_000
+    steps: int = 1_500
+    batch: int = 128
+    lr: float = 8e-4
+    warmup: int = 150
+    weight_decay: float = 0.02
+    threads: int = 2
+    easy_steps: int = 400  # cross-encoder sees random in-batch negatives first, hardest after
