@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from models.fusion import DEFAULT_FUSION_LAMBDA
+
 
 class Settings(BaseSettings):
     """Every knob of `duet serve`; each field is DUET_<NAME> in the environment."""
@@ -28,6 +30,9 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(10 * 1024 * 1024, ge=1)
     max_image_pixels: int = Field(25_000_000, ge=1)
 
+    rerank_fusion_lambda: float = Field(
+        DEFAULT_FUSION_LAMBDA, ge=0.0, le=1.0,
+        description="score = lambda * dot + (1 - lambda) * sigmoid(CE); 0 = CE alone")
     rerank_max_batch: int = Field(256, ge=1, description="pairs per cross-encoder forward pass")
     rerank_max_wait_ms: float = Field(4.0, ge=0, description="how long a batch waits to fill")
     rerank_max_queue: int = Field(512, ge=1, description="waiting requests before 429")

@@ -61,7 +61,8 @@ def _describe(errors: list[dict[str, object]]) -> str:
     parts = []
     for e in errors:
         loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query"))  # type: ignore[attr-defined]
-        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+        msg = str(e.get("msg")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
 

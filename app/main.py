@@ -63,7 +63,8 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
             res.model, res.index, cache, metrics,
             rerank_max_batch=settings.rerank_max_batch,
             rerank_max_wait_s=settings.rerank_max_wait_ms / 1000,
-            rerank_max_queue=settings.rerank_max_queue)
+            rerank_max_queue=settings.rerank_max_queue,
+            fusion_lambda=settings.rerank_fusion_lambda)
         await pipeline.start()
         app.state.pipeline = pipeline
         log.info("duet ready (cache: %s)", cache.backend.name)

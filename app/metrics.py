@@ -29,5 +29,5 @@ class Metrics:
             "duet_index_items", "Items in the served index", ["modality"], registry=r)
         for result in ("hit", "miss", "error"):
             self.cache_requests.labels(result=result)
-        for stage in ("cache", "encode", "search", "rerank"):
+        for stage in ("cache", "encode", "search", "rerank", "lookup"):
             self.stage_seconds.labels(stage=stage)

@@ -11,10 +11,10 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -24,13 +24,14 @@ from app.cache import ResilientCache, cache_key
 from app.metrics import Metrics
 from app.schemas import Hit, SearchOptions, SearchResponse
 from duet.indexio import IndexVersion
+from models.fusion import fuse
 from models.protocols import JointEncoder
 from models.tokenizer import normalise
 
 log = logging.getLogger("duet.pipeline")
-V = TypeVar("V")
 
 RerankItem = tuple[list[str], np.ndarray]  # texts and their paired image tokens
+Ranked = tuple[int, float, float | None, float]  # row, dot, rerank probability, score
 
 
 @dataclass
@@ -44,11 +45,12 @@ class SearchPipeline:
 
     def __init__(self, model: JointEncoder, index: IndexVersion, cache: ResilientCache,
                  metrics: Metrics, *, rerank_max_batch: int, rerank_max_wait_s: float,
-                 rerank_max_queue: int) -> None:
+                 rerank_max_queue: int, fusion_lambda: float) -> None:
         self.model = model
         self.index = index
         self.cache = cache
         self.metrics = metrics
+        self.fusion_lambda = fusion_lambda
         self.batcher: MicroBatcher[RerankItem, np.ndarray] = MicroBatcher(
             self._score_batch, max_batch=rerank_max_batch, max_wait_s=rerank_max_wait_s,
             size_of=lambda item: len(item[0]), max_queue=rerank_max_queue,
@@ -74,11 +76,6 @@ class SearchPipeline:
             timings[name] = round(timings.get(name, 0.0) + dt * 1000, 3)
             self.metrics.stage_seconds.labels(stage=name).observe(dt)
 
-    async def _timed(self, name: str, timings: dict[str, float],
-                     fn: Callable[[], Awaitable[V]]) -> V:
-        with self._stage(name, timings):
-            return await fn()
-
     def _score_batch(self, items: list[RerankItem]) -> list[np.ndarray]:
         """One cross-encoder forward pass over every request's pairs."""
         texts = [t for item in items for t in item[0]]
@@ -93,7 +90,8 @@ class SearchPipeline:
                          candidates=opts.candidates, rerank=opts.rerank)
 
     async def _cached(self, key: str, timings: dict[str, float]) -> SearchResponse | None:
-        raw = await self._timed("cache", timings, lambda: self.cache.get(key))
+        with self._stage("cache", timings):
+            raw = await self.cache.get(key)
         if raw is None:
             return None
         try:
@@ -115,22 +113,30 @@ class SearchPipeline:
         return _Candidates(rows[0][keep], dots[0][keep])
 
     def _order(self, cand: _Candidates, scores: np.ndarray | None,
-               top_k: int) -> list[tuple[int, float, float | None]]:
-        """(row, dot, rerank probability) for the top-k, best first."""
+               top_k: int) -> list[Ranked]:
+        """(row, dot, rerank probability, score) for the top-k, best first."""
         if scores is None:
-            return [(int(r), float(d), None) for r, d in zip(cand.rows[:top_k], cand.dots[:top_k],
-                                                             strict=True)]
-        order = np.argsort(-scores, kind="stable")[:top_k]
-        probs = 1.0 / (1.0 + np.exp(-scores.astype(np.float64)))
-        return [(int(cand.rows[i]), float(cand.dots[i]), float(probs[i])) for i in order]
+            return [(int(r), float(d), None, float(d))
+                    for r, d in zip(cand.rows[:top_k], cand.dots[:top_k], strict=True)]
+        fused = fuse(cand.dots, scores, self.fusion_lambda)
+        order = np.argsort(-fused, kind="stable")[:top_k]
+        probs = fuse(cand.dots, scores, 0.0)
+        return [(int(cand.rows[i]), float(cand.dots[i]), float(probs[i]), float(fused[i]))
+                for i in order]
 
-    @staticmethod
-    def _hits(ranked: list[tuple[int, float, float | None]],
-              rows_meta: list[tuple[str, dict[str, Any]]]) -> list[Hit]:
-        return [Hit(id=item_id, score=rr if rr is not None else dot, retrieval_score=dot,
-                    rerank_score=rr, rank=i + 1, meta=meta)
-                for i, ((_, dot, rr), (item_id, meta)) in enumerate(zip(ranked, rows_meta,
-                                                                       strict=True))]
+    async def _respond(self, key: str, ranked: list[Ranked],
+                       rows_meta: list[tuple[str, dict[str, Any]]], index: IndexVersion,
+                       timings: dict[str, float], t0: float) -> SearchResponse:
+        """Build the response from ranked rows and their (id, meta), and cache it."""
+        hits = [Hit(id=item_id, score=score, retrieval_score=dot, rerank_score=rr, rank=i + 1,
+                    meta=meta)
+                for i, ((_, dot, rr, score), (item_id, meta)) in enumerate(zip(ranked, rows_meta,
+                                                                              strict=True))]
+        timings["total"] = round((time.perf_counter() - t0) * 1000, 3)
+        resp = SearchResponse(hits=hits, timings_ms=timings, index_version=index.version,
+                              cached=False)
+        await self._store(key, resp)
+        return resp
 
     # -- endpoints -------------------------------------------------------------
     async def search_text(self, query: str, opts: SearchOptions) -> SearchResponse:
@@ -152,14 +158,10 @@ class SearchPipeline:
                 tokens = np.asarray(index.image_tokens[cand.rows])  # copy out of the memmap
                 scores = await self.batcher.submit(([query] * len(cand.rows), tokens))
         ranked = self._order(cand, scores, opts.top_k)
-        with self._stage("search", timings):
-            rows = await asyncio.to_thread(index.store.images, [r for r, _, _ in ranked])
-        meta = [(r.id, {"image": r.path, **r.meta}) for r in rows]
-        timings["total"] = round((time.perf_counter() - t0) * 1000, 3)
-        resp = SearchResponse(hits=self._hits(ranked, meta), timings_ms=timings,
-                              index_version=index.version, cached=False)
-        await self._store(key, resp)
-        return resp
+        with self._stage("lookup", timings):
+            rows = await asyncio.to_thread(index.store.images, [r for r, _, _, _ in ranked])
+        meta = [(r.id, {**r.meta, "image": r.path}) for r in rows]
+        return await self._respond(key, ranked, meta, index, timings, t0)
 
     async def search_image(self, data: bytes, image: Image.Image,
                            opts: SearchOptions) -> SearchResponse:
@@ -175,6 +177,7 @@ class SearchPipeline:
         m = opts.candidates if opts.rerank else opts.top_k
         with self._stage("search", timings):
             cand = await asyncio.to_thread(self._top, vec, index.text_index, m)
+        with self._stage("lookup", timings):  # the re-ranker reads the candidates' captions
             cand_rows = await asyncio.to_thread(index.store.texts, [int(r) for r in cand.rows])
         scores = None
         if opts.rerank and len(cand.rows):
@@ -183,10 +186,6 @@ class SearchPipeline:
                 scores = await self.batcher.submit((texts, np.repeat(toks, len(texts), axis=0)))
         ranked = self._order(cand, scores, opts.top_k)
         by_row = dict(zip(cand.rows.tolist(), cand_rows, strict=True))
-        meta = [(by_row[r].id, {"text": by_row[r].text, "image_id": by_row[r].image_id,
-                                **by_row[r].meta}) for r, _, _ in ranked]
-        timings["total"] = round((time.perf_counter() - t0) * 1000, 3)
-        resp = SearchResponse(hits=self._hits(ranked, meta), timings_ms=timings,
-                              index_version=index.version, cached=False)
-        await self._store(key, resp)
-        return resp
+        meta = [(by_row[r].id, {**by_row[r].meta, "text": by_row[r].text,
+                                "image_id": by_row[r].image_id}) for r, _, _, _ in ranked]
+        return await self._respond(key, ranked, meta, index, timings, t0)

@@ -84,7 +84,8 @@ def cmd_demo_corpus(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from models.evaluate import format_table
-    from models.train import TrainConfig, train
+    from models.train import train
+    from models.trainconfig import TrainConfig
 
     _setup_logging()
     cfg = TrainConfig(seed=args.seed, images=args.images, steps=args.steps, batch=args.batch)

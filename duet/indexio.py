@@ -104,6 +104,8 @@ class ItemStore:
         self._lock = threading.Lock()
 
     def _rows(self, sql: str, rows: Sequence[int]) -> dict[int, tuple[Any, ...]]:
+        if not rows:
+            return {}
         marks = ",".join("?" * len(rows))
         with self._lock:
             cur = self._con.execute(sql.format(marks=marks), [int(r) for r in rows])

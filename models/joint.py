@@ -51,19 +51,26 @@ class ImageTower(nn.Module):
     def __init__(self, cfg: JointConfig) -> None:
         super().__init__()
         d = cfg.d_model
-        chans = [3, 32, 64, 96, d]
+        # (out channels, stride): 64 px -> 32 -> 16 -> 16 -> 8 -> 4; the stride-1 layer at
+        # 16 px is what tells a small circle from a small diamond or square
+        plan = [(32, 2), (64, 2), (64, 1), (96, 2), (d, 2)]
         stem: list[nn.Module] = []
-        for i in range(4):  # 64 -> 32 -> 16 -> 8 -> 4
-            stem += [nn.Conv2d(chans[i], chans[i + 1], 3, stride=2, padding=1), nn.GELU()]
+        c_in = 3
+        for c_out, stride in plan:
+            stem += [nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1), nn.GELU()]
+            c_in = c_out
         self.stem = nn.Sequential(*stem[:-1])
+        self.stem_norm = nn.LayerNorm(d)
         self.pos = nn.Parameter(torch.zeros(1, cfg.grid * cfg.grid, d))
         self.blocks = _encoder(cfg, cfg.tower_layers)
-        nn.init.normal_(self.pos, std=0.02)
+        # positions on the same scale as the (normalised) patch features: a 0.02-scale
+        # position code is drowned out and the model cannot tell left from right
+        nn.init.normal_(self.pos, std=1.0)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (B, 3, H, W) in [0, 1] -> tokens (B, grid*grid, d)."""
         x = self.stem(pixels * 2.0 - 1.0).flatten(2).transpose(1, 2)
-        return self.blocks(x + self.pos)
+        return self.blocks(self.stem_norm(x) + self.pos)
 
 
 class TextTower(nn.Module):
@@ -74,7 +81,9 @@ class TextTower(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=0)
         self.pos = nn.Parameter(torch.zeros(1, cfg.max_text_len, cfg.d_model))
         self.blocks = _encoder(cfg, cfg.tower_layers)
-        nn.init.normal_(self.pos, std=0.02)
+        # same scale as the N(0, 1) word embeddings, else word order is lost (measured: with
+        # 0.02 the text side was a bag of words, swapped captions at cosine 1.0)
+        nn.init.normal_(self.pos, std=1.0)
 
     def forward(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids) + self.pos[:, : ids.shape[1]]
@@ -98,7 +107,7 @@ class JointModel(nn.Module):
         self.image_proj = nn.Linear(d, cfg.embed_dim)
         self.itm_head = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1))
         self.logit_scale = nn.Parameter(torch.tensor(2.996))  # log(1 / 0.05)
-        nn.init.normal_(self.type_embed, std=0.02)
+        nn.init.normal_(self.type_embed, std=1.0)
         nn.init.normal_(self.itm_token, std=0.02)
 
     # -- towers -------------------------------------------------------------

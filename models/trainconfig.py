@@ -17,10 +17,10 @@ class TrainConfig:
 
     seed: int = 0
     images: int = 20_000
-    steps: int = 1_500
-    batch: int = 128
+    steps: int = 1_300
+    batch: int = 112
     lr: float = 8e-4
     warmup: int = 150
     weight_decay: float = 0.02
     threads: int = 2
-    easy_steps: int = 400  # cross-encoder sees random in-batch negatives first, hardest after
+    easy_steps: int = 300  # cross-encoder sees random in-batch negatives first, hardest after

@@ -29,7 +29,7 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "purple": (160, 60, 200),
     "orange": (245, 140, 30),
 }
-SIZES = {"small": (5, 6), "large": (10, 12)}
+SIZES = {"small": (6, 7), "large": (10, 12)}
 SIZE_WORDS = {"small": ("small", "little", "tiny"), "large": ("large", "big")}
 RELATIONS = ("left of", "right of", "above", "below")
 INVERSE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
@@ -152,8 +152,12 @@ def captions(rng: random.Random, s: Scene, n: int) -> list[str]:
     return variants[:n]
 
 
-def perturb(rng: random.Random, s: Scene) -> Scene:
-    """A scene that differs from `s` in one binding detail; its captions are hard negatives."""
+def perturb(rng: random.Random, s: Scene, binding: float = 0.6) -> Scene:
+    """A scene that differs from `s` in one detail; its captions and image are hard negatives.
+
+    With probability `binding` (when the scene allows it) the change keeps every word and
+    breaks only the binding: a flipped relation, or two objects' colours or shapes swapped.
+    """
     if s.kind == "single":
         choice = rng.choice(("colour", "shape", "size", "position"))
         if choice == "position":
@@ -165,9 +169,10 @@ def perturb(rng: random.Random, s: Scene) -> Scene:
         options.append("swap_colour")
     if s.a.shape != s.b.shape:
         options.append("swap_shape")
-    if s.a.count > 1:
+    if s.a.count > 1 and s.a.size == "small":  # three large shapes would not fit
         options.append("count")
-    choice = rng.choice(options)
+    swaps = [o for o in options if o in ("flip", "swap_colour", "swap_shape")]
+    choice = rng.choice(swaps if rng.random() < binding else options)
     if choice == "flip":
         return replace(s, relation=INVERSE[s.relation or "above"])
     if choice == "swap_colour":
@@ -176,7 +181,7 @@ def perturb(rng: random.Random, s: Scene) -> Scene:
         return replace(s, a=replace(s.a, shape=s.b.shape), b=replace(s.b, shape=s.a.shape))
     if choice == "count":
         return replace(s, a=replace(s.a, count=5 - s.a.count))  # 2 <-> 3
-    if rng.random() < 0.5:
+    if rng.random() < 0.5 and not (choice == "size" and s.a.count == 3):
         return replace(s, a=_change(rng, s.a, choice))
     return replace(s, b=_change(rng, s.b, choice))
 

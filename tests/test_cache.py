@@ -65,3 +65,26 @@ async def test_lru_evicts_and_expires() -> None:
     await short.set("a", "1")
     await asyncio.sleep(0.1)
     assert await short.get("a") is None
+
+
+async def test_slow_redis_is_skipped_within_the_timeout() -> None:
+    """A server that accepts connections but never answers (a hung Redis)."""
+    silent: list[asyncio.StreamWriter] = []
+
+    async def accept(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        silent.append(w)  # keep the connection open, say nothing
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    m = Metrics()
+    cache = ResilientCache(RedisCache(f"redis://127.0.0.1:{port}/0", 60, 0.1), m, 0.1)
+    t0 = asyncio.get_running_loop().time()
+    assert await cache.get("k") is None
+    await cache.set("k", "v")
+    elapsed = asyncio.get_running_loop().time() - t0
+    assert elapsed < 1.0 and _count(m, "error") == 2
+    for w in silent:
+        w.close()
+    server.close()
+    await server.wait_closed()
+    await cache.close()

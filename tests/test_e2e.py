@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from models.builtin import save_model
+from models.fusion import DEFAULT_FUSION_LAMBDA
 from models.joint import JointConfig, JointModel
 from models.tokenizer import WordTokenizer
 from models.world import vocabulary
@@ -121,8 +122,14 @@ def test_rerank_orders_by_cross_encoder(service: Service) -> None:
         body = c.post("/search/text", json={"query": "two small green triangles left of a "
                                             "large red diamond", "top_k": 10,
                                             "candidates": 20}).json()
-    scores = [h["rerank_score"] for h in body["hits"]]
-    assert all(s is not None and 0.0 <= s <= 1.0 for s in scores)
+    hits = body["hits"]
+    assert all(h["rerank_score"] is not None and 0.0 <= h["rerank_score"] <= 1.0 for h in hits)
+    # ordered by ADD_lambda fusion of the dot product and the cross-encoder probability
+    lam = DEFAULT_FUSION_LAMBDA
+    for h in hits:
+        assert h["score"] == pytest.approx(lam * h["retrieval_score"]
+                                           + (1 - lam) * h["rerank_score"], abs=1e-6)
+    scores = [h["score"] for h in hits]
     assert scores == sorted(scores, reverse=True)
     assert body["timings_ms"]["rerank"] > 0
 

@@ -46,7 +46,8 @@ def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOption
     try:
         return model.model_validate(fields)
     except ValidationError as exc:
-        msgs = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}".lstrip(": ")
+        msgs = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: "
+                         f"{e['msg'].removeprefix('Value error, ')}".lstrip(": ")
                          for e in exc.errors())
         raise ValidationFailed(msgs) from exc
 
