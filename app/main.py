@@ -87,12 +87,15 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
     async def _observe(request: Request,
                        call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         t0 = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        endpoint = getattr(route, "path", "other")
-        if endpoint != "/metrics":
-            metrics.request_seconds.labels(endpoint=endpoint, status=str(response.status_code)
-                                           ).observe(time.perf_counter() - t0)
-        return response
+        status = 500  # an exception escaping the handlers still counts as a 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            endpoint = getattr(request.scope.get("route"), "path", "other")
+            if endpoint != "/metrics":
+                metrics.request_seconds.labels(endpoint=endpoint, status=str(status)).observe(
+                    time.perf_counter() - t0)
 
     return app

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+import numpy as np
+from prometheus_client import generate_latest
 
 from app.config import Settings
-from app.main import create_app
+from app.main import Resources, create_app
+from duet.indexio import IndexVersion, resolve_current
+from models.builtin import BuiltinModel
 
 
 async def test_concurrent_requests_share_rerank_batches(index_dir: Path) -> None:
@@ -38,3 +43,37 @@ async def test_not_ready_before_startup(index_dir: Path) -> None:
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
         assert (await client.get("/readyz")).status_code == 503
         assert (await client.get("/healthz")).status_code == 200
+
+
+class _BrokenReranker:
+    """The real model, except that its cross-encoder fails (e.g. out of memory)."""
+
+    def __init__(self, model: BuiltinModel) -> None:
+        self._model = model
+        self.name, self.fingerprint, self.dim = model.name, model.fingerprint, model.dim
+        self.token_shape = model.token_shape
+        self.encode_texts = model.encode_texts
+        self.encode_images = model.encode_images
+
+    def score_pairs(self, texts: Sequence[str], image_tokens: np.ndarray) -> np.ndarray:
+        raise MemoryError("simulated failure inside the cross-encoder")
+
+
+async def test_rerank_failure_is_a_json_500_for_every_request(index_dir: Path,
+                                                              model: BuiltinModel) -> None:
+    settings = Settings(index_dir=index_dir, rerank_max_wait_ms=50)
+    index = IndexVersion.open(resolve_current(index_dir), expect_fingerprint=model.fingerprint)
+    app = create_app(settings, Resources(_BrokenReranker(model), index))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://duet") as client:
+            rs = await asyncio.wait_for(asyncio.gather(*(client.post("/search/text", json={
+                "query": f"a red circle {i}"}) for i in range(4))), timeout=30)
+            ok = await client.post("/search/text", json={"query": "a red circle",
+                                                         "rerank": False})
+        text = generate_latest(app.state.metrics.registry).decode()
+    assert [r.status_code for r in rs] == [500] * 4
+    assert all(r.json()["error"]["code"] == "internal_error" for r in rs)
+    assert "simulated" not in rs[0].text  # internals stay in the log
+    assert ok.status_code == 200  # dot-only search still works
+    assert 'duet_request_seconds_count{endpoint="/search/text",status="500"} 4.0' in text
