@@ -10,7 +10,14 @@ import torch
 
 from models import world
 from models.builtin import BuiltinModel, ModelLoadError
-from models.losses import ce_bce_loss, cmr_loss
+from models.losses import (
+    ce_bce_loss,
+    cmc_loss,
+    cmr_loss,
+    softmax_triplet_loss,
+    triplet_hardest_loss,
+    triplet_sum_loss,
+)
 
 
 def test_shipped_weights_load_with_stable_fingerprint(model: BuiltinModel) -> None:
@@ -74,3 +81,58 @@ def test_ce_bce_loss_hand_computed() -> None:
     # positives weighted by #neg/#pos = 2; both classes count equally
     want = (2 * softplus(-2.0) + softplus(-1.0) + softplus(0.5)) / 4
     assert ce_bce_loss(pos, neg).item() == pytest.approx(want, rel=1e-6)
+
+
+SIM3 = torch.tensor([[0.9, 0.5, 0.2],
+                     [0.7, 0.6, 0.1],
+                     [0.3, 0.65, 0.8]])
+
+
+def test_triplet_losses_hand_computed() -> None:
+    # margin 0.2; hinge [S_ij - S_ii + 0.2]+ over rows and columns
+    # row 0: 0.5-0.9+0.2=-0.2 -> 0, 0.2-0.9+0.2 -> 0          => row sum 0, max 0
+    # row 1: 0.7-0.6+0.2=0.3, 0.1-0.6+0.2 -> 0                  => 0.3, 0.3
+    # row 2: 0.3-0.8+0.2 -> 0, 0.65-0.8+0.2=0.05                => 0.05, 0.05
+    # col 0: 0.7-0.9+0.2=0.0, 0.3-0.9+0.2 -> 0                  => 0, 0
+    # col 1: 0.5-0.6+0.2=0.1, 0.65-0.6+0.2=0.25                 => 0.35, 0.25
+    # col 2: 0.2-0.8+0.2 -> 0, 0.1-0.8+0.2 -> 0                 => 0, 0
+    assert triplet_sum_loss(SIM3, 0.2).item() == pytest.approx((0.3 + 0.05 + 0.35) / 3)
+    assert triplet_hardest_loss(SIM3, 0.2).item() == pytest.approx((0.3 + 0.05 + 0.25) / 3)
+    p2 = (0.3 + 0.05 + math.sqrt(0.1**2 + 0.25**2)) / 3
+    assert softmax_triplet_loss(SIM3, 0.2, p=2).item() == pytest.approx(p2, rel=1e-6)
+
+
+def test_softmax_triplet_spans_sum_to_max() -> None:
+    sim = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
+    assert softmax_triplet_loss(sim, 0.2, p=1).item() == pytest.approx(
+        triplet_sum_loss(sim, 0.2).item(), rel=1e-6)
+    assert softmax_triplet_loss(sim, 0.2, p=200).item() == pytest.approx(
+        triplet_hardest_loss(sim, 0.2).item(), rel=2e-2)
+    values = [softmax_triplet_loss(sim, 0.2, p=p).item() for p in (1, 2, 8, 64)]
+    assert values == sorted(values, reverse=True)  # p-norms shrink towards the max
+
+
+def test_cmc_loss_hand_computed() -> None:
+    # two pairs in 2-d: images at angles 0 and 90 degrees, texts at 30 and 90 degrees
+    def unit(deg: float) -> list[float]:
+        return [math.cos(math.radians(deg)), math.sin(math.radians(deg))]
+    images = torch.tensor([unit(0), unit(90)])
+    texts = torch.tensor([unit(30), unit(90)])
+    c = math.cos
+    s_it = [[c(math.radians(30)), c(math.radians(90))],
+            [c(math.radians(60)), c(0.0)]]
+    # hardest wrong text/image is the other pair for both anchors (B = 2)
+    l_r0 = max(0.0, 0.2 - s_it[0][0] + s_it[0][1]) + max(0.0, 0.2 - s_it[0][0] + s_it[1][0])
+    l_r1 = max(0.0, 0.2 - s_it[1][1] + s_it[1][0]) + max(0.0, 0.2 - s_it[1][1] + s_it[0][1])
+    # S(I0, I1) = cos 90 = 0, S(T0, T1) = cos 60 = 0.5 -> |0 - 0.5| - 0.3 = 0.2, twice per pair
+    l_a = 2 * 0.2
+    want = (l_r0 + l_r1 + 2 * l_a) / 2
+    assert cmc_loss(images, texts, delta=0.2, sigma=0.3).item() == pytest.approx(want, rel=1e-5)
+
+
+def test_losses_have_finite_gradients_when_all_hinges_are_zero() -> None:
+    sim = torch.eye(4, requires_grad=True)  # every positive far ahead: all hinges zero
+    for loss in (softmax_triplet_loss(sim, 0.2, p=8), triplet_hardest_loss(sim, 0.2),
+                 triplet_sum_loss(sim, 0.2)):
+        (grad,) = torch.autograd.grad(loss, sim)
+        assert loss.item() == pytest.approx(0.0, abs=1e-6) and torch.isfinite(grad).all()
