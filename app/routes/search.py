@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from typing import Any
@@ -89,6 +90,7 @@ async def search_image(request: Request, pipeline: PipelineDep,
         raise UnsupportedMediaType(
             f"content-type {ctype or '(none)'} is not accepted; send multipart/form-data with "
             'a file field "image", or application/json with "image_b64"')
-    image = decode_image(data, max_bytes, settings.max_image_pixels)
+    # decoding a large upload takes a while: keep it off the event loop too
+    image = await asyncio.to_thread(decode_image, data, max_bytes, settings.max_image_pixels)
     return await pipeline.search_image(data, image, opts)
 
