@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,7 +58,8 @@ def error_body(code: str, message: str, **extra: object) -> dict[str, object]:
     return {"error": {"code": code, "message": message, **extra}}
 
 
-def _describe(errors: list[dict[str, object]]) -> str:
+def describe_errors(errors: Sequence[Mapping[str, object]]) -> str:
+    """One line from pydantic errors: `field: message; ...`."""
     parts = []
     for e in errors:
         loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query"))  # type: ignore[attr-defined]
@@ -76,7 +78,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
-        return JSONResponse(error_body("validation_error", _describe(errors), details=errors),
+        return JSONResponse(error_body("validation_error", describe_errors(errors), details=errors),
                             status_code=422)
 
     @app.exception_handler(StarletteHTTPException)

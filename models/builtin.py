@@ -25,16 +25,20 @@ class ModelLoadError(RuntimeError):
     """The model directory is missing a file or holds something unreadable."""
 
 
-def pixels(images: Sequence[Image.Image], size: int) -> torch.Tensor:
-    """PIL images -> float tensor (B, 3, size, size) in [0, 1]."""
+def pixel_bytes(images: Sequence[Image.Image], size: int) -> torch.Tensor:
+    """PIL images -> uint8 tensor (B, 3, size, size), resized (bilinear) where needed."""
     arrs = []
     for img in images:
         rgb = img.convert("RGB")
         if rgb.size != (size, size):
             rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
         arrs.append(np.asarray(rgb, dtype=np.uint8))
-    batch = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2)
-    return batch.float() / 255.0
+    return torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2)
+
+
+def pixels(images: Sequence[Image.Image], size: int) -> torch.Tensor:
+    """PIL images -> float tensor (B, 3, size, size) in [0, 1]."""
+    return pixel_bytes(images, size).float() / 255.0
 
 
 def save_model(model: JointModel, tokenizer: WordTokenizer, out: Path) -> None:

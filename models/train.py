@@ -8,9 +8,9 @@ Optimiser steps alternate between the two roles of the shared transformer:
   image and caption per pair: trained from scratch on hard negatives only, the
   cross-encoder sits on the ln 2 plateau for hundreds of steps. After that: a random
   wrong pairing, the in-batch hardest wrong image under the current bi-encoder, a
-  perturbed caption and the
-  perturbed scene rendered as an image (mostly binding changes: relation flipped, two
-  objects' colours or shapes swapped), and the cross-encoder gets two steps in three.
+  perturbed caption and the perturbed scene rendered as an image (mostly binding
+  changes: relation flipped, two objects' colours or shapes swapped), and the
+  cross-encoder gets two steps in three.
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ import random
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 from models import world
-from models.builtin import BuiltinModel, save_model
+from models.builtin import BuiltinModel, pixel_bytes, pixels, save_model
 from models.evaluate import evaluate, format_table
 from models.joint import JointConfig, JointModel
 from models.losses import ce_bce_loss, cmr_loss
@@ -55,7 +53,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
     t0 = time.perf_counter()
     samples = list(tqdm(world.generate(cfg.images, cfg.seed, n_captions=6), total=cfg.images,
                         desc="rendering", unit="img", disable=not progress))
-    pix = _pixels([s.image for s in samples], scale=False)
+    pix = pixel_bytes([s.image for s in samples], world.IMAGE_SIZE)  # uint8 in memory
     tok = WordTokenizer(world.vocabulary())
     model = JointModel(JointConfig(vocab_size=tok.vocab_size))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "pos" not in n]
@@ -83,7 +81,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
         elif not hard:
             name, loss = "ce", _cross_encoder_easy_loss(model, tok, images, texts)
         else:
-            wrong_px = _pixels([world.render(rng, w) for w in wrong])
+            wrong_px = pixels([world.render(rng, w) for w in wrong], world.IMAGE_SIZE)
             name, loss = "ce", _cross_encoder_loss(model, tok, images, texts, perturbed, wrong_px)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -111,12 +109,6 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
     }
     (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
-
-
-def _pixels(images: list[Image.Image], scale: bool = True) -> torch.Tensor:
-    """PIL images -> (B, 3, H, W): uint8 to keep in memory, or float in [0, 1] to train on."""
-    px = torch.from_numpy(np.stack([np.asarray(im) for im in images])).permute(0, 3, 1, 2)
-    return px.float() / 255.0 if scale else px
 
 
 def _bi_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Tensor,

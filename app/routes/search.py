@@ -12,7 +12,13 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from app.deps import PipelineDep, SettingsDep
-from app.errors import ImageTooLarge, InvalidImage, UnsupportedMediaType, ValidationFailed
+from app.errors import (
+    ImageTooLarge,
+    InvalidImage,
+    UnsupportedMediaType,
+    ValidationFailed,
+    describe_errors,
+)
 from app.imaging import decode_image
 from app.schemas import ImageSearchJSON, SearchOptions, SearchResponse, TextSearchRequest
 
@@ -47,10 +53,7 @@ def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOption
     try:
         return model.model_validate(fields)
     except ValidationError as exc:
-        msgs = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: "
-                         f"{e['msg'].removeprefix('Value error, ')}".lstrip(": ")
-                         for e in exc.errors())
-        raise ValidationFailed(msgs) from exc
+        raise ValidationFailed(describe_errors(exc.errors())) from exc
 
 
 @router.post("/search/image", response_model=SearchResponse, openapi_extra=_IMAGE_BODY_DOC)
