@@ -50,6 +50,15 @@ class MicroBatcher(Generic[T, R]):
         self._queue: asyncio.Queue[_Pending[T, R]] | None = None
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def depth(self) -> int:
+        """Items waiting to be batched (not counting the batch being run)."""
+        return 0 if self._queue is None else self._queue.qsize()
+
+    @property
+    def max_queue(self) -> int:
+        return self._max_queue
+
     async def start(self) -> None:
         self._queue = asyncio.Queue()
         self._task = asyncio.create_task(self._run(), name="micro-batcher")

@@ -67,11 +67,13 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
             fusion_lambda=settings.rerank_fusion_lambda)
         await pipeline.start()
         app.state.pipeline = pipeline
+        metrics.ready.set(1)
         log.info("duet ready (cache: %s)", cache.backend.name)
         try:
             yield
         finally:
             app.state.pipeline = None
+            metrics.ready.set(0)
             await pipeline.stop()
 
     app = FastAPI(title="duet", version="0.1.0", lifespan=lifespan,

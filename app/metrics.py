@@ -27,6 +27,20 @@ class Metrics:
             buckets=BATCH_BUCKETS, registry=r)
         self.index_items = Gauge(
             "duet_index_items", "Items in the served index", ["modality"], registry=r)
+        self.index_info = Gauge(
+            "duet_index_info", "1 for the index version being served", ["version"], registry=r)
+        self.index_reloads = Counter(
+            "duet_index_reloads", "Attempts to load a new index version, by result", ["result"],
+            registry=r)
+        self.ready = Gauge("duet_ready", "1 when model and index are loaded and search is served",
+                           registry=r)
+        self.rerank_queue_depth = Gauge(
+            "duet_rerank_queue_depth", "Requests waiting for the re-ranker", registry=r)
+        self.rerank_queue_capacity = Gauge(
+            "duet_rerank_queue_capacity", "Requests the re-rank queue holds before answering 429",
+            registry=r)
+        for result in ("ok", "refused"):
+            self.index_reloads.labels(result=result)
         for result in ("hit", "miss", "error"):
             self.cache_requests.labels(result=result)
         for stage in ("cache", "encode", "search", "rerank", "lookup"):

@@ -57,6 +57,9 @@ class SearchPipeline:
             on_batch=metrics.rerank_batch_size.observe)
         metrics.index_items.labels(modality="image").set(index.image_index.ntotal)
         metrics.index_items.labels(modality="text").set(index.text_index.ntotal)
+        metrics.index_info.labels(version=index.version).set(1)
+        metrics.rerank_queue_depth.set_function(lambda: self.batcher.depth)
+        metrics.rerank_queue_capacity.set(self.batcher.max_queue)
 
     async def start(self) -> None:
         await self.batcher.start()

@@ -158,6 +158,17 @@ def test_metrics_exported(service: Service) -> None:
     for stage in ("cache", "encode", "search", "rerank"):
         assert _metric(text, "duet_stage_seconds_count", stage=stage) >= 1
     assert _metric(text, "duet_rerank_batch_size_count") >= 1
+    assert _metric(text, "duet_ready") == 1
+    assert _metric(text, "duet_rerank_queue_depth") == 0
+    assert _metric(text, "duet_rerank_queue_capacity") == 512
+    assert _metric(text, "duet_index_reloads_total", result="refused") == 0
+
+
+def test_index_version_metric_matches_readyz(service: Service) -> None:
+    with service.client() as c:
+        version = c.get("/readyz").json()["index_version"]
+        text = c.get("/metrics").text
+    assert _metric(text, "duet_index_info", version=version) == 1
 
 
 @pytest.mark.parametrize("body", [
