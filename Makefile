@@ -21,11 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo-index: $(STAMP)
-	@if [ ! -e $(INDEXES)/current ]; then \
-	  echo "no $(INDEXES)/current: generating a demo corpus and building its index"; \
-	  $(BIN)/duet demo-corpus --out $(DEMO) --images 2000 --seed 7 && \
-	  $(BIN)/duet build --corpus $(DEMO)/manifest.jsonl --out $(INDEXES); \
-	fi
+	$(BIN)/duet demo-index --out $(INDEXES) --corpus-out $(DEMO) --images 2000 --seed 7
 
 serve: demo-index
 	@echo ""

@@ -14,6 +14,7 @@ class Settings(BaseSettings):
     """Every knob of `duet serve`; each field is DUET_<NAME> in the environment."""
 
     model_config = SettingsConfigDict(env_prefix="DUET_", env_file=".env", extra="ignore",
+                                      env_ignore_empty=True,
                                       protected_namespaces=())
 
     index_dir: Path = Field(Path("indexes"), description="serves INDEX_DIR/current")

@@ -82,6 +82,42 @@ def cmd_demo_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo_index(args: argparse.Namespace) -> int:
+    """First-run convenience (make serve, docker compose): a demo index unless one exists."""
+    from index_builder.build import build
+    from models.builtin import BuiltinModel
+    from models.world import write_corpus
+
+    _setup_logging()
+    out = Path(args.out)
+    if (out / "current").exists():
+        print(f"{out / 'current'} exists; nothing to do")
+        return 0
+    corpus = Path(args.corpus_out) if args.corpus_out else out.parent / "demo-corpus"
+    print(f"no index in {out}: generating {args.images} demo images in {corpus} and building")
+    manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
+    report = build(manifest, out, BuiltinModel.load(), progress=not args.no_progress)
+    print(f"built {report.path} ({report.images} images, {report.texts} texts) in "
+          f"{report.seconds:.1f}s")
+    return 0
+
+
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    """Exit 0 when the service answers /healthz with 200 (Docker HEALTHCHECK, k8s exec probes)."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    url = args.url or f"http://127.0.0.1:{os.environ.get('DUET_PORT', '8000')}/healthz"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as resp:
+            ok = resp.status == 200
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"duet: unhealthy: {url}: {exc}", file=sys.stderr)
+        return 1
+    return 0 if ok else 1
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from models.evaluate import format_table
     from models.train import train
@@ -138,6 +174,27 @@ def parser() -> argparse.ArgumentParser:
                    help="captions per image (default 5)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(fn=cmd_demo_corpus)
+
+    i = sub.add_parser("demo-index", help="generate the demo corpus and build it, unless "
+                       "OUT/current exists",
+                       description="First-run convenience used by `make serve` and the "
+                       "docker-compose index-init job: if OUT/current does not exist, generate a "
+                       "synthetic corpus and build it into OUT; otherwise do nothing.")
+    i.add_argument("--out", default="indexes", help="index directory (default: ./indexes)")
+    i.add_argument("--corpus-out", default=None,
+                   help="where the demo images go (default: OUT/../demo-corpus)")
+    i.add_argument("--images", type=int, default=2000, help="number of images (default 2000)")
+    i.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
+    i.add_argument("--no-progress", action="store_true", help="no progress bars")
+    i.set_defaults(fn=cmd_demo_index)
+
+    h = sub.add_parser("healthcheck", help="exit 0 if the service answers /healthz",
+                       description="Probe a running service: exit 0 when GET /healthz answers "
+                       "200, else 1. Used by the Docker HEALTHCHECK.")
+    h.add_argument("--url", default=None,
+                   help="URL to probe (default: http://127.0.0.1:$DUET_PORT/healthz)")
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    h.set_defaults(fn=cmd_healthcheck)
 
     defaults = TrainConfig()
     t = sub.add_parser("train", help="train duet's own model on the synthetic world",
