@@ -84,19 +84,25 @@ def cmd_demo_corpus(args: argparse.Namespace) -> int:
 
 def cmd_demo_index(args: argparse.Namespace) -> int:
     """First-run convenience (make serve, docker compose): a demo index unless one exists."""
+    import fcntl
+
     from index_builder.build import build
     from models.builtin import BuiltinModel
     from models.world import write_corpus
 
     _setup_logging()
     out = Path(args.out)
-    if (out / "current").exists():
-        print(f"{out / 'current'} exists; nothing to do")
-        return 0
-    corpus = Path(args.corpus_out) if args.corpus_out else out.parent / "demo-corpus"
-    print(f"no index in {out}: generating {args.images} demo images in {corpus} and building")
-    manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
-    report = build(manifest, out, BuiltinModel.load(), progress=not args.no_progress)
+    out.mkdir(parents=True, exist_ok=True)
+    # several replicas may start at once on one shared volume (k8s init containers): one builds
+    with (out / ".demo-index.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "current").exists():
+            print(f"{out / 'current'} exists; nothing to do")
+            return 0
+        corpus = Path(args.corpus_out) if args.corpus_out else out.parent / "demo-corpus"
+        print(f"no index in {out}: generating {args.images} demo images in {corpus} and building")
+        manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
+        report = build(manifest, out, BuiltinModel.load(), progress=not args.no_progress)
     print(f"built {report.path} ({report.images} images, {report.texts} texts) in "
           f"{report.seconds:.1f}s")
     return 0

@@ -452,15 +452,17 @@ def test_prometheus_scrapes_a_running_duet(service: Service, tmp_path: Path) -> 
 
 
 # -- first run -------------------------------------------------------------------------------
-def test_demo_index_builds_once(tmp_path: Path) -> None:
+def test_demo_index_builds_once_even_when_started_twice_at_once(tmp_path: Path) -> None:
+    """Two replicas' init containers on one volume: one builds, the other waits and skips."""
     out = tmp_path / "indexes"
     cmd = [sys.executable, "-m", "duet.cli", "demo-index", "--out", str(out), "--images", "12",
            "--no-progress"]
-    first = run(*cmd)
-    assert first.returncode == 0, first.stderr
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert sum("nothing to do" in stdout for stdout, _ in outputs) == 1
     assert (out / "current" / "manifest.json").is_file()
     assert (tmp_path / "demo-corpus" / "manifest.jsonl").is_file()
-    version = (out / "current").resolve()
-    second = run(*cmd)
-    assert second.returncode == 0 and "nothing to do" in second.stdout
-    assert (out / "current").resolve() == version
+    versions = [d for d in out.iterdir() if d.is_dir() and not d.is_symlink()]
+    assert versions == [(out / "current").resolve()]
