@@ -1,0 +1,158 @@
+"""Local Hugging Face checkpoints behind duet's protocols.
+
+- `HFDualEncoder`: a CLIP or SigLIP directory as the bi-encoder (`BiEncoder`). Its image
+  "tokens" are the vision tower's patch features (CLIP: through `post_layernorm` and
+  `visual_projection`, so they live in the joint space; SigLIP: the last hidden state).
+- `HFBlipReranker`: a BLIP image-text-matching directory (`BlipForImageTextRetrieval`) as
+  the cross-encoder (`PairReranker`). Its image tokens are the BLIP vision encoder's output,
+  which the builder stores so a query never re-encodes candidate images.
+
+Nothing is downloaded: every load is `from_pretrained(directory, local_files_only=True)`.
+transformers is imported lazily, so the built-in model never needs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from models.builtin import ModelLoadError
+
+DUAL_ENCODER_TYPES = ("clip", "siglip")
+RERANKER_TYPES = ("blip",)
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def model_type(directory: Path) -> str:
+    """`model_type` from a checkpoint's config.json ('' when there is none)."""
+    try:
+        return str(json.loads((Path(directory) / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError):
+        return ""
+
+
+def fingerprint(kind: str, directory: Path) -> str:
+    """`hf-<kind>:<first 16 hex of sha256 over the weight files>`: which weights built an index."""
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(directory).iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    if not files:
+        raise ModelLoadError(f"{directory} holds no weights (*.safetensors or *.bin)")
+    for p in files:
+        h.update(p.name.encode())
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return f"hf-{kind}:{h.hexdigest()[:16]}"
+
+
+def _load(directory: Path, allowed: Sequence[str], role: str) -> tuple[Any, Any, str]:
+    """(model, processor, model_type) from a local directory, or a ModelLoadError that says why."""
+    d = Path(directory)
+    kind = model_type(d)
+    if kind not in allowed:
+        found = f"model_type {kind!r}" if kind else "no readable config.json"
+        raise ModelLoadError(f"{d} is not a {' or '.join(a.upper() for a in allowed)} checkpoint "
+                             f"({found}); the {role} needs a local Hugging Face directory with "
+                             "config.json, weights, tokenizer and processor files")
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - transformers is a dependency
+        raise ModelLoadError("Hugging Face checkpoints need `pip install transformers`") from exc
+    try:
+        processor = transformers.AutoProcessor.from_pretrained(d, local_files_only=True)
+        cls = (transformers.BlipForImageTextRetrieval if kind == "blip"
+               else transformers.AutoModel)
+        model = cls.from_pretrained(d, local_files_only=True).eval()
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load the {kind} checkpoint in {d}: {exc}") from exc
+    return model, processor, kind
+
+
+def _pooled(out: Any) -> torch.Tensor:
+    """transformers < 5 returns the projected features, >= 5 an output with `pooler_output`."""
+    return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+
+def _rgb(images: Sequence[Image.Image]) -> list[Image.Image]:
+    return [img.convert("RGB") for img in images]
+
+
+class HFDualEncoder:
+    """A CLIP or SigLIP checkpoint as duet's bi-encoder."""
+
+    def __init__(self, directory: Path) -> None:
+        self.model, self.processor, self.kind = _load(directory, DUAL_ENCODER_TYPES,
+                                                      "encoder (DUET_ENCODER)")
+        self.name = f"hf-{self.kind}"
+        self.fingerprint = fingerprint(self.kind, Path(directory))
+        cfg = self.model.config
+        self.dim = int(getattr(cfg, "projection_dim", 0) or cfg.text_config.hidden_size)
+        vision = cfg.vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2
+        width = self.dim if self.kind == "clip" else vision.hidden_size
+        self.token_shape = (patches, width)
+
+    def _text_inputs(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        # SigLIP was trained on max-length padding; CLIP on the longest in the batch
+        padding = "max_length" if self.kind == "siglip" else True
+        enc = self.processor.tokenizer(list(texts), padding=padding, truncation=True,
+                                       return_tensors="pt")
+        return {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+
+    def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        with torch.inference_mode():
+            feats = _pooled(self.model.get_text_features(**self._text_inputs(texts)))
+        return torch.nn.functional.normalize(feats.float(), dim=-1).numpy()
+
+    def encode_images(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
+        pix = self.processor.image_processor(_rgb(images), return_tensors="pt")["pixel_values"]
+        with torch.inference_mode():
+            feats = _pooled(self.model.get_image_features(pixel_values=pix))
+            hidden = self.model.vision_model(pixel_values=pix).last_hidden_state
+            if self.kind == "clip":  # drop [CLS]; the same head the pooled feature goes through
+                tokens = self.model.visual_projection(
+                    self.model.vision_model.post_layernorm(hidden[:, 1:]))
+            else:
+                tokens = hidden
+        vecs = torch.nn.functional.normalize(feats.float(), dim=-1).numpy()
+        return vecs, tokens.to(torch.float16).numpy()
+
+
+class HFBlipReranker:
+    """A BLIP image-text-matching checkpoint as duet's cross-encoder."""
+
+    def __init__(self, directory: Path) -> None:
+        self.model, self.processor, self.kind = _load(directory, RERANKER_TYPES,
+                                                      "re-ranker (DUET_RERANKER)")
+        self.name = "hf-blip-itm"
+        self.fingerprint = fingerprint("blip", Path(directory))
+        vision = self.model.config.vision_config
+        self.token_shape = ((vision.image_size // vision.patch_size) ** 2 + 1, vision.hidden_size)
+
+    def image_tokens(self, images: Sequence[Image.Image]) -> np.ndarray:
+        """The vision encoder's output per image (what `score_pairs` reads), float16."""
+        pix = self.processor.image_processor(_rgb(images), return_tensors="pt")["pixel_values"]
+        with torch.inference_mode():
+            hidden = self.model.vision_model(pixel_values=pix).last_hidden_state
+        return hidden.to(torch.float16).numpy()
+
+    def score_pairs(self, texts: Sequence[str], image_tokens: np.ndarray) -> np.ndarray:
+        """ITM logit (match minus no-match) per (text, image tokens) pair."""
+        enc = self.processor.tokenizer(list(texts), padding=True, truncation=True,
+                                       return_tensors="pt")
+        image = torch.from_numpy(np.asarray(image_tokens, dtype=np.float32))
+        with torch.inference_mode():
+            hidden = self.model.text_encoder(
+                input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                encoder_hidden_states=image,
+                encoder_attention_mask=torch.ones(image.shape[:2], dtype=torch.long),
+            ).last_hidden_state
+            logits = self.model.itm_head(hidden[:, 0, :]).float()
+        return (logits[:, 1] - logits[:, 0]).numpy()
