@@ -8,6 +8,7 @@ Prometheus server scraping a real `duet serve`, hadolint, and the Kubernetes Ope
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -32,7 +33,7 @@ COMPOSE = REPO / "docker-compose.yml"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "duet.json"
-K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
+K8S = sorted((DEPLOY / "k8s").rglob("*.yaml"))
 SETTINGS = sorted(f"DUET_{name.upper()}" for name in Settings.model_fields)
 VENV_BIN = Path(sys.executable).parent
 
@@ -99,10 +100,13 @@ def test_compose_gpu_and_cpu_hosts() -> None:
     # both api variants answer to `api`, the name prometheus scrapes
     for name in ("api", "api-cpu"):
         assert gpu[name]["networks"]["default"]["aliases"] == ["api"]
-    cpu_env = {**os.environ, "DUET_FLAVOR": "cpu"}
-    args = [tool("docker-compose"), "-f", str(COMPOSE), "--profile", "cpu", "config"]
-    cpu = yaml.safe_load(run(*args, env=cpu_env).stdout)["services"]
-    assert cpu["api-cpu"]["image"] == "duet:cpu"
+    # a CPU host: .env.example with DUET_FLAVOR=cpu
+    cpu_env = {**os.environ, "DUET_FLAVOR": "cpu", "COMPOSE_PROFILES": "cpu"}
+    res = run(tool("docker-compose"), "--env-file", str(REPO / ".env.example"), "-f",
+              str(COMPOSE), "config", env=cpu_env)
+    assert res.returncode == 0, res.stderr
+    cpu = yaml.safe_load(res.stdout)["services"]
+    assert cpu["api-cpu"]["image"] == "duet:cpu" and _devices(cpu["api-cpu"]) == []
     assert cpu["api-cpu"]["build"]["args"]["FLAVOR"] == "cpu"
 
 
@@ -121,6 +125,8 @@ def test_compose_services_come_up_in_order() -> None:
         "index-init": {"condition": "service_completed_successfully"}}
     assert svc["grafana"]["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
     assert svc["api"]["healthcheck"]["test"] == ["CMD", "duet", "healthcheck"]
+    for name in ("index-init", "index-builder", "index-builder-cpu"):  # jobs, not servers
+        assert svc[name]["healthcheck"] in ({"disable": True}, {"test": ["NONE"]})
     # the builder is a one-shot job in its own profile that writes where the api reads
     builder = svc["index-builder"]
     assert builder["profiles"] == ["build"] and builder["restart"] == "no"
@@ -197,7 +203,8 @@ def test_dockerfile_gpu_and_cpu_images_run_the_same_way() -> None:
     ins = dockerfile_instructions()
     args = dict(a.split("=", 1) for k, a in ins if k == "ARG" and "=" in a)
     assert args["FLAVOR"] == "gpu"
-    assert args["CUDA_IMAGE"].startswith("nvidia/cuda:") and "runtime" in args["CUDA_IMAGE"]
+    # the CUDA base brings the NVIDIA runtime hooks; CUDA libraries come as torch's wheels
+    assert args["CUDA_IMAGE"].startswith("nvidia/cuda:12.") and "-base-" in args["CUDA_IMAGE"]
     assert args["PYTHON_IMAGE"].startswith("python:3.")
     stages = [a for k, a in ins if k == "FROM"]
     assert "${PYTHON_IMAGE} AS os-cpu" in stages and "${CUDA_IMAGE} AS os-gpu" in stages
@@ -274,6 +281,13 @@ def test_promtool_checks_config_and_rules() -> None:
     assert res.returncode == 0 and "SUCCESS: 8 rules found" in res.stdout, res.stdout
 
 
+def test_alerts_fire_when_they_should() -> None:
+    """promtool's rule unit tests: down, 5xx ratio (probes excluded, idle = no alert),
+    queue saturation, not ready."""
+    res = run(tool("promtool"), "test", "rules", str(DEPLOY / "prometheus" / "alerts_test.yml"))
+    assert res.returncode == 0 and "SUCCESS" in res.stdout, res.stdout + res.stderr
+
+
 def alert_rules() -> list[dict[str, Any]]:
     return [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
 
@@ -325,9 +339,16 @@ def test_dashboard_panels_and_datasource() -> None:
                    'duet_cache_requests_total{result="hit"}', "duet_rerank_batch_size",
                    "duet_index_items", "duet_index_info"):
         assert needle in exprs, needle
+    # the provider reads the directory compose mounts the dashboards into, the home dashboard
+    # is in it, and Grafana's own data directory is the persistent volume
     board = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards"
                             / "duet.yml").read_text())["providers"][0]
-    assert board["options"]["path"] == "/var/lib/grafana/dashboards"
+    grafana = compose_config()["services"]["grafana"]
+    mounts = {target: source for source, target, _ in volumes(grafana)}
+    assert Path(mounts[board["options"]["path"]]) == DASHBOARD.parent
+    home = Path(grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
+    assert home.parent == Path(board["options"]["path"]) and home.name == DASHBOARD.name
+    assert mounts["/var/lib/grafana"] == "grafana"
 
 
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
@@ -453,12 +474,18 @@ def test_prometheus_scrapes_a_running_duet(service: Service, tmp_path: Path) -> 
 
 # -- first run -------------------------------------------------------------------------------
 def test_demo_index_builds_once_even_when_started_twice_at_once(tmp_path: Path) -> None:
-    """Two replicas' init containers on one volume: one builds, the other waits and skips."""
+    """Two replicas' init containers on one volume: one builds, the other waits and skips.
+    The test holds the lock while both start, so both reach it before either has built."""
     out = tmp_path / "indexes"
+    out.mkdir()
     cmd = [sys.executable, "-m", "duet.cli", "demo-index", "--out", str(out), "--images", "12",
            "--no-progress"]
-    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    with (out / ".demo-index.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(2)]
+        time.sleep(3)  # both import and wait on the lock
+        assert not (out / "current").exists() and all(p.poll() is None for p in procs)
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert sum("nothing to do" in stdout for stdout, _ in outputs) == 1
