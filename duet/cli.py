@@ -82,6 +82,32 @@ def cmd_demo_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from duet.evaluation import M_SWEEP, EvalError, evaluate_index, format_tables, load_pool
+    from duet.indexio import IndexLoadError
+    from models.builtin import BuiltinModel, ModelLoadError
+
+    _setup_logging("warning")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if unknown := set(modes) - {"dot", "coop", "ce-full"}:
+        return _fail(f"unknown mode(s) {sorted(unknown)}; choose from dot, coop, ce-full")
+    try:
+        model = BuiltinModel.load(args.model_dir)
+        version, pool = load_pool(Path(args.index), model.fingerprint, args.distractors)
+        say = (lambda _: None) if args.json else (lambda m: print(m, file=sys.stderr))
+        result = evaluate_index(
+            pool, model, candidates=args.candidates, modes=modes,
+            m_sweep=M_SWEEP if args.m_sweep else (), fusion_sweep=args.fusion_sweep,
+            ce_full_queries=args.ce_full_queries, progress=say)
+    except (IndexLoadError, ModelLoadError, EvalError) as exc:
+        return _fail(str(exc))
+    result["index_version"] = version
+    print(json.dumps(result) if args.json else format_tables(result))
+    return 0
+
+
 def cmd_demo_index(args: argparse.Namespace) -> int:
     """First-run convenience (make serve, docker compose): a demo index unless one exists."""
     import fcntl
@@ -180,6 +206,31 @@ def parser() -> argparse.ArgumentParser:
                    help="captions per image (default 5)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(fn=cmd_demo_corpus)
+
+    e = sub.add_parser("eval", help="recall@1/5/10 of an index's corpus per re-ranking mode",
+                       description="Evaluate retrieval on an index's own image-caption pairs, "
+                       "as the papers do: every caption finds its image (t2i), every image "
+                       "finds any of its captions (i2t). Modes: dot (bi-encoder), coop (dot "
+                       "top-M then the cross-encoder), ce-full (the cross-encoder over the "
+                       "whole pool, on a query sample; pools of at most 1000 images).")
+    e.add_argument("--index", required=True,
+                   help="index directory (its `current`) or one version directory")
+    e.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    e.add_argument("--modes", default="dot,coop,ce-full",
+                   help="comma-separated: dot, coop, ce-full (default: all)")
+    e.add_argument("--candidates", type=int, default=20,
+                   help="M, candidates the cross-encoder re-ranks (default 20)")
+    e.add_argument("--m-sweep", action="store_true", help="also coop with M = 10, 20, 50, 100")
+    e.add_argument("--fusion-sweep", action="store_true",
+                   help="also ADD_lambda and NORM_ADD_lambda fusion, lambda = 0.1, 0.5, 0.9")
+    e.add_argument("--distractors", type=Path, default=None,
+                   help="another index whose items join the pool (queries stay the same)")
+    e.add_argument("--ce-full-queries", type=int, default=100,
+                   help="queries per direction that ce-full scores against the whole pool "
+                   "(default 100)")
+    e.add_argument("--model-dir", type=Path, default=None,
+                   help="model weights directory (default: the shipped weights)")
+    e.set_defaults(fn=cmd_eval)
 
     i = sub.add_parser("demo-index", help="generate the demo corpus and build it, unless "
                        "OUT/current exists",

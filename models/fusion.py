@@ -13,3 +13,16 @@ DEFAULT_FUSION_LAMBDA = 0.7
 def fuse(dots: np.ndarray, logits: np.ndarray, lam: float) -> np.ndarray:
     """ADD_lambda: lam * dot + (1 - lam) * sigmoid(cross-encoder logit); lam = 0 is the CE alone."""
     return lam * dots + (1.0 - lam) / (1.0 + np.exp(-logits.astype(np.float64)))
+
+
+def _minmax(x: np.ndarray) -> np.ndarray:
+    """0-1 normalise along the last axis (each query's candidates); a constant row -> 0."""
+    lo = x.min(axis=-1, keepdims=True)
+    span = x.max(axis=-1, keepdims=True) - lo
+    return np.divide(x - lo, span, out=np.zeros_like(x, dtype=np.float64), where=span > 0)
+
+
+def norm_fuse(dots: np.ndarray, logits: np.ndarray, lam: float) -> np.ndarray:
+    """NORM_ADD_lambda: ADD_lambda after 0-1 normalising both scores over each query's top-k."""
+    probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    return lam * _minmax(dots.astype(np.float64)) + (1.0 - lam) * _minmax(probs)

@@ -1,0 +1,246 @@
+"""`duet eval`: recall@K over an index's own corpus, as the papers measure it.
+
+Every caption is a text->image query answered by its image; every image is an image->text
+query answered by any of its captions. Queries and pool come from the index itself (stored
+vectors, stored image tokens, stored captions), so an evaluation needs no raw images and
+encodes nothing twice. A distractor index adds its items to the pool, never to the queries.
+
+Modes: `dot` (bi-encoder only), `coop` (dot top-M, then the cross-encoder reorders them;
+the papers' retrieve-and-rerank), `ce-full` (the cross-encoder over the whole pool, on a
+query sample: the slow baseline). Sweeps: M (Rerank-Smart Table 8) and score fusion
+ADD_lambda / NORM_ADD_lambda (Table 9). Recalls are percentages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from duet.indexio import IndexVersion, resolve_current
+from models.fusion import fuse, norm_fuse
+from models.protocols import PairReranker
+
+KS = (1, 5, 10)
+M_SWEEP = (10, 20, 50, 100)
+LAMBDAS = (0.1, 0.5, 0.9)
+CE_FULL_MAX_POOL = 1000
+PAIR_BATCH = 512
+
+
+class EvalError(ValueError):
+    """The index cannot be evaluated as asked (no ground truth, pool too large, ...)."""
+
+
+@dataclass
+class Pool:
+    """What queries search over; the first `n_images` / `n_texts` items are the queries'."""
+
+    image_vecs: np.ndarray  # (images, d) float32
+    image_tokens: np.ndarray  # (images, T, D), what the cross-encoder reads
+    text_vecs: np.ndarray  # (texts, d) float32
+    texts: list[str]
+    owner: np.ndarray  # (texts,) pool row of each caption's image; -1 when unknown
+    n_images: int
+    n_texts: int
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"images": len(self.image_vecs), "texts": len(self.texts)}
+
+
+def _vectors(index: Any) -> np.ndarray:
+    return np.asarray(index.reconstruct_n(0, index.ntotal), dtype=np.float32)
+
+
+def _load_part(path: Path, fingerprint: str | None) -> tuple[IndexVersion, Pool]:
+    if (Path(path) / "current").exists():
+        path = resolve_current(Path(path))
+    v = IndexVersion.open(Path(path), expect_fingerprint=fingerprint)
+    n_img, n_txt = v.image_index.ntotal, v.text_index.ntotal
+    images = v.store.images(list(range(n_img)))
+    texts = v.store.texts(list(range(n_txt)))
+    row_of = {r.id: i for i, r in enumerate(images)}
+    owner = np.array([row_of.get(t.image_id or "", -1) for t in texts], dtype=np.int64)
+    pool = Pool(_vectors(v.image_index), np.asarray(v.image_tokens), _vectors(v.text_index),
+                [t.text for t in texts], owner, n_img, n_txt)
+    return v, pool
+
+
+def load_pool(index: Path, fingerprint: str | None = None,
+              distractors: Path | None = None) -> tuple[str, Pool]:
+    """(version, pool) of INDEX (a version directory or an index directory with `current`),
+    with DISTRACTORS' items appended to the pool."""
+    version, pool = _load_part(index, fingerprint)
+    if (pool.owner >= 0).sum() == 0:
+        raise EvalError(f"index {version.path} has no caption whose image is in it: "
+                        "recall needs the manifest's image-caption pairing")
+    if distractors is None:
+        return version.version, pool
+    _, extra = _load_part(distractors, fingerprint)
+    shifted = np.where(extra.owner >= 0, extra.owner + pool.n_images, -1)
+    return version.version, Pool(
+        np.concatenate([pool.image_vecs, extra.image_vecs]),
+        np.concatenate([pool.image_tokens, extra.image_tokens]),
+        np.concatenate([pool.text_vecs, extra.text_vecs]),
+        pool.texts + extra.texts, np.concatenate([pool.owner, shifted]),
+        pool.n_images, pool.n_texts)
+
+
+def top_m(queries: np.ndarray, items: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, dots), both (Q, m), best first, by exact inner product."""
+    m = min(m, len(items))
+    out_i, out_d = [], []
+    for s in range(0, len(queries), 1024):
+        sim = queries[s : s + 1024] @ items.T
+        part = np.argpartition(-sim, m - 1, axis=1)[:, :m]
+        d = np.take_along_axis(sim, part, axis=1)
+        order = np.argsort(-d, axis=1, kind="stable")
+        out_i.append(np.take_along_axis(part, order, axis=1))
+        out_d.append(np.take_along_axis(d, order, axis=1))
+    return np.concatenate(out_i), np.concatenate(out_d)
+
+
+def recall(good: np.ndarray) -> dict[str, float]:
+    """`good[q, r]` is True when the item at rank r answers query q."""
+    return {f"R@{k}": round(float(100.0 * good[:, :k].any(axis=1).mean()), 2) for k in KS}
+
+
+def reorder(cand: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    return np.take_along_axis(cand, np.argsort(-scores, axis=1, kind="stable"), axis=1)
+
+
+@dataclass
+class Direction:
+    """One retrieval direction: its queries, the pool side, and what counts as a hit."""
+
+    name: str
+    query_vecs: np.ndarray
+    item_vecs: np.ndarray
+    pair_texts: Callable[[np.ndarray, np.ndarray], list[str]]  # (query ids, item ids) -> texts
+    pair_tokens: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    is_hit: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (query ids (Q,1), items (Q,M))
+
+
+def directions(pool: Pool) -> list[Direction]:
+    texts = np.array(pool.texts, dtype=object)
+    t_ids = np.flatnonzero(pool.owner[: pool.n_texts] >= 0)  # captions whose image is known
+    i_ids = np.arange(pool.n_images)
+    return [
+        Direction("t2i", pool.text_vecs[t_ids], pool.image_vecs,
+                  lambda q, it: list(texts[t_ids[q]]), lambda q, it: pool.image_tokens[it],
+                  lambda q, it: pool.owner[t_ids[q]] == it),
+        Direction("i2t", pool.image_vecs[i_ids], pool.text_vecs,
+                  lambda q, it: list(texts[it]), lambda q, it: pool.image_tokens[i_ids[q]],
+                  lambda q, it: pool.owner[it] == i_ids[q]),
+    ]
+
+
+def cross_scores(reranker: PairReranker, d: Direction, queries: np.ndarray,
+                 cand: np.ndarray) -> np.ndarray:
+    """Cross-encoder logits (Q, M) for each query against its candidates, in pair batches."""
+    q = np.repeat(queries, cand.shape[1])
+    it = cand.reshape(-1)
+    out = [reranker.score_pairs(d.pair_texts(q[s : s + PAIR_BATCH], it[s : s + PAIR_BATCH]),
+                                np.asarray(d.pair_tokens(q[s : s + PAIR_BATCH],
+                                                         it[s : s + PAIR_BATCH])))
+           for s in range(0, len(q), PAIR_BATCH)]
+    return np.concatenate(out).reshape(cand.shape)
+
+
+def evaluate_index(pool: Pool, reranker: PairReranker | None, *, candidates: int = 20,
+                   modes: Sequence[str] = ("dot", "coop", "ce-full"),
+                   m_sweep: Sequence[int] = (), fusion_sweep: bool = False,
+                   ce_full_queries: int = 100, seed: int = 0,
+                   progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """The `duet eval` result: {"pool", "modes": {mode: {t2i, i2t, ms_per_query}}, "sweeps"}."""
+    need = max([candidates, *m_sweep])
+    result: dict[str, Any] = {"pool": pool.sizes, "modes": {}, "sweeps": {}}
+    if reranker is None and set(modes) - {"dot"}:
+        raise EvalError("modes other than dot need a re-ranker")
+    if "ce-full" in modes and pool.sizes["images"] > CE_FULL_MAX_POOL:
+        raise EvalError(f"ce-full scores every pool item per query; it is allowed on pools of "
+                        f"at most {CE_FULL_MAX_POOL} images, this one has "
+                        f"{pool.sizes['images']}: leave it out (--modes dot,coop)")
+    rng = np.random.default_rng(seed)
+    for d in directions(pool):
+        queries = np.arange(len(d.query_vecs))
+        progress(f"{d.name}: {len(queries)} queries over {len(d.item_vecs)} items")
+        t0 = time.perf_counter()
+        cand, dots = top_m(d.query_vecs, d.item_vecs, max(need, 10))
+        dot_ms = 1000 * (time.perf_counter() - t0) / len(queries)
+        hits = d.is_hit(queries[:, None], cand)
+        result["modes"].setdefault("dot", {})[d.name] = recall(hits)
+        result["modes"]["dot"].setdefault("ms_per_query", {})[d.name] = round(dot_ms, 4)
+        if reranker is None:
+            continue
+        m = min(need, cand.shape[1])
+        t0 = time.perf_counter()
+        logits = cross_scores(reranker, d, queries, cand[:, :m])
+        ce_ms_per_pair = 1000 * (time.perf_counter() - t0) / logits.size
+
+        def coop(mm: int, scores: np.ndarray | None = None) -> dict[str, float]:
+            s = logits[:, :mm] if scores is None else scores
+            return recall(d.is_hit(queries[:, None], reorder(cand[:, :mm], s)))
+
+        if "coop" in modes:
+            result["modes"].setdefault("coop", {})[d.name] = coop(candidates)
+            result["modes"]["coop"].setdefault("ms_per_query", {})[d.name] = round(
+                dot_ms + ce_ms_per_pair * candidates, 4)
+        for mm in m_sweep:
+            entry = result["sweeps"].setdefault("M", {}).setdefault(str(mm), {})
+            entry[d.name] = coop(mm)
+            entry.setdefault("ms_per_query", {})[d.name] = round(dot_ms + ce_ms_per_pair * mm, 4)
+        if fusion_sweep:
+            c = min(candidates, m)
+            for lam in LAMBDAS:
+                for name, f in (("ADD", fuse), ("NORM_ADD", norm_fuse)):
+                    entry = result["sweeps"].setdefault("fusion", {}).setdefault(
+                        f"{name}_{lam}", {})
+                    entry[d.name] = coop(c, f(dots[:, :c], logits[:, :c], lam))
+        if "ce-full" in modes:
+            sample = np.sort(rng.choice(queries, min(ce_full_queries, len(queries)),
+                                        replace=False))
+            progress(f"{d.name}: ce-full over {len(d.item_vecs)} items for {len(sample)} queries")
+            every = np.broadcast_to(np.arange(len(d.item_vecs)), (len(sample), len(d.item_vecs)))
+            t0 = time.perf_counter()
+            full = cross_scores(reranker, d, sample, np.ascontiguousarray(every))
+            full_ms = 1000 * (time.perf_counter() - t0) / len(sample)
+            entry = result["modes"].setdefault("ce-full", {"queries": {}})
+            entry[d.name] = recall(d.is_hit(sample[:, None], reorder(every, full)))
+            entry["queries"][d.name] = int(len(sample))
+            entry.setdefault("ms_per_query", {})[d.name] = round(full_ms, 4)
+            # coop on the very same queries, for a like-for-like comparison
+            same = d.is_hit(sample[:, None], reorder(cand[sample, :candidates],
+                                                     logits[sample, :candidates]))
+            entry.setdefault("coop_same_queries", {})[d.name] = recall(same)
+    return result
+
+
+def format_tables(result: dict[str, Any]) -> str:
+    """Markdown tables of an `evaluate_index` result."""
+    head = ["| {} | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 | ms/query "
+            "(t2i, i2t) |", "|---|---|---|---|---|---|---|---|"]
+
+    def row(name: str, r: dict[str, Any]) -> str:
+        cells = [f"{r[d][f'R@{k}']:.1f}" if d in r else "–" for d in ("t2i", "i2t") for k in KS]
+        ms = r.get("ms_per_query", {})
+        timing = ", ".join(f"{ms[d]:.3g}" for d in ("t2i", "i2t") if d in ms) or "–"
+        return f"| {name} | " + " | ".join(cells) + f" | {timing} |"
+
+    pool = result["pool"]
+    out = [f"pool: {pool['images']} images, {pool['texts']} texts", "", head[0].format("mode"),
+           head[1]]
+    for mode, r in result["modes"].items():
+        out.append(row(mode, r))
+        if "queries" in r:
+            out.append(row(f"coop, same {r['queries'].get('t2i', 0)}/"
+                           f"{r['queries'].get('i2t', 0)} queries", r["coop_same_queries"]))
+    for sweep, entries in result["sweeps"].items():
+        out += ["", head[0].format(sweep), head[1]]
+        out += [row(name, r) for name, r in entries.items()]
+    return "\n".join(out)
