@@ -143,6 +143,13 @@ class IndexVersion:
     def fingerprint(self) -> str:
         return str(self.manifest["model"]["fingerprint"])
 
+    def close(self) -> None:
+        """Close the item store now; FAISS indexes and the token memmap go with the object.
+
+        The service calls this once no request holds the version any more (after a swap).
+        """
+        self.store.close()
+
     @classmethod
     def open(cls, path: Path, expect_fingerprint: str | None = None) -> IndexVersion:
         """Load a version directory; refuse it if another model built it."""
