@@ -130,9 +130,13 @@ def main() -> None:
     print("| RSS MiB | before | peak during | after 2 s |\n|---|---|---|---|")
     for f in FIELDS:
         print(f"| {f} | {before[f]} | {max(s[f] for s in samples)} | {after[f]} |")
-    during = latencies["during"]
-    ratio = statistics.median(during) / statistics.median(latencies["before"]) if during else 0
-    print(f"searches during the swap: {len(during)}, p50 during / p50 before = {ratio:.2f}")
+    during, base = latencies["during"], statistics.median(latencies["before"])
+    if during:
+        p50 = statistics.median(during)
+        print(f"searches that ended during the swap: {len(during)}, p50 {p50:.1f} ms vs "
+              f"{base:.1f} ms before (ratio {p50 / base:.2f})")
+    else:
+        print(f"no search ended during the swap; p50 before {base:.1f} ms")
 
 
 if __name__ == "__main__":

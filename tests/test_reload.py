@@ -33,6 +33,7 @@ def test_swapped_out_version_stays_open_until_its_last_request_ends(index_dir: P
     assert served.in_use(old) == 0
     with pytest.raises(sqlite3.ProgrammingError):  # closed by the last release
         old.store.images([0])
+    assert old.image_index.ntotal == old.text_index.ntotal == len(old.image_tokens) == 0
     newer = _open(index_dir)
     served.swap(newer)  # nobody holds `new`: closed at once
     with pytest.raises(sqlite3.ProgrammingError):
