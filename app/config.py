@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.fusion import DEFAULT_FUSION_LAMBDA
@@ -18,6 +18,10 @@ class Settings(BaseSettings):
                                       protected_namespaces=())
 
     index_dir: Path = Field(Path("indexes"), description="serves INDEX_DIR/current")
+    index_poll_s: float = Field(
+        5.0, ge=0, description="how often to look for a new INDEX_DIR/current; 0 = never")
+    admin_token: SecretStr | None = Field(
+        None, description="bearer token for POST /admin/reload; unset = endpoint disabled")
     model_dir: Path | None = Field(None, description="model weights; empty = shipped weights")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +19,7 @@ class DuetError(Exception):
 
     status = 400
     code = "bad_request"
+    headers: ClassVar[dict[str, str] | None] = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -49,6 +51,17 @@ class Overloaded(DuetError):
     code = "overloaded"
 
 
+class Unauthorized(DuetError):
+    status = 401
+    code = "unauthorized"
+    headers: ClassVar[dict[str, str] | None] = {"WWW-Authenticate": "Bearer"}
+
+
+class AdminDisabled(DuetError):
+    status = 403
+    code = "admin_disabled"
+
+
 class NotReady(DuetError):
     status = 503
     code = "not_ready"
@@ -73,7 +86,8 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(DuetError)
     async def _duet(_: Request, exc: DuetError) -> JSONResponse:
-        return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status)
+        return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status,
+                            headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,7 +17,8 @@ from app.config import Settings
 from app.errors import install_handlers
 from app.metrics import Metrics
 from app.pipeline import SearchPipeline
-from app.routes import health, search
+from app.reload import IndexReloader
+from app.routes import admin, health, search
 from duet.indexio import IndexVersion, resolve_current
 from models.builtin import BuiltinModel
 from models.protocols import JointEncoder
@@ -66,14 +68,24 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
             rerank_max_queue=settings.rerank_max_queue,
             fusion_lambda=settings.rerank_fusion_lambda)
         await pipeline.start()
+        reloader = IndexReloader(pipeline, settings.index_dir, metrics, settings.index_poll_s)
+        poller = (asyncio.create_task(reloader.poll_forever(), name="index-poller")
+                  if settings.index_poll_s > 0 else None)
         app.state.pipeline = pipeline
+        app.state.reloader = reloader
         metrics.ready.set(1)
-        log.info("duet ready (cache: %s)", cache.backend.name)
+        log.info("duet ready (cache: %s, index poll: %s)", cache.backend.name,
+                 f"every {settings.index_poll_s:g}s" if poller else "off")
         try:
             yield
         finally:
             app.state.pipeline = None
+            app.state.reloader = None
             metrics.ready.set(0)
+            if poller is not None:
+                poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await poller
             await pipeline.stop()
 
     app = FastAPI(title="duet", version="0.1.0", lifespan=lifespan,
@@ -81,9 +93,11 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.pipeline = None
+    app.state.reloader = None
     install_handlers(app)
     app.include_router(search.router)
     app.include_router(health.router)
+    app.include_router(admin.router)
 
     @app.middleware("http")
     async def _observe(request: Request,

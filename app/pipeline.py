@@ -23,6 +23,7 @@ from app.batching import MicroBatcher
 from app.cache import ResilientCache, cache_key
 from app.metrics import Metrics
 from app.schemas import Hit, SearchOptions, SearchResponse
+from app.versions import ServedIndex
 from duet.indexio import IndexVersion
 from models.fusion import fuse
 from models.protocols import JointEncoder
@@ -41,13 +42,17 @@ class _Candidates:
 
 
 class SearchPipeline:
-    """Owns the loaded model, index, cache and re-rank batcher for one running service."""
+    """Owns the loaded model, index, cache and re-rank batcher for one running service.
+
+    Each search leases the index version current when it starts (`ServedIndex.lease`) and
+    uses only that one, so `swap_index` can replace the version while requests are in flight.
+    """
 
     def __init__(self, model: JointEncoder, index: IndexVersion, cache: ResilientCache,
                  metrics: Metrics, *, rerank_max_batch: int, rerank_max_wait_s: float,
                  rerank_max_queue: int, fusion_lambda: float) -> None:
         self.model = model
-        self.index = index
+        self.indexes = ServedIndex(index)
         self.cache = cache
         self.metrics = metrics
         self.fusion_lambda = fusion_lambda
@@ -55,11 +60,30 @@ class SearchPipeline:
             self._score_batch, max_batch=rerank_max_batch, max_wait_s=rerank_max_wait_s,
             size_of=lambda item: len(item[0]), max_queue=rerank_max_queue,
             on_batch=metrics.rerank_batch_size.observe)
-        metrics.index_items.labels(modality="image").set(index.image_index.ntotal)
-        metrics.index_items.labels(modality="text").set(index.text_index.ntotal)
-        metrics.index_info.labels(version=index.version).set(1)
+        self._publish(index)
         metrics.rerank_queue_depth.set_function(lambda: self.batcher.depth)
         metrics.rerank_queue_capacity.set(self.batcher.max_queue)
+
+    @property
+    def index(self) -> IndexVersion:
+        """The version new requests will use."""
+        return self.indexes.current
+
+    def _publish(self, index: IndexVersion) -> None:
+        self.metrics.index_items.labels(modality="image").set(index.image_index.ntotal)
+        self.metrics.index_items.labels(modality="text").set(index.text_index.ntotal)
+        self.metrics.index_info.labels(version=index.version).set(1)
+
+    def swap_index(self, new: IndexVersion) -> IndexVersion:
+        """Serve `new` from the next request on; in-flight requests finish on the old one.
+
+        The old version's `duet_index_info` series is removed, so exactly one version shows.
+        """
+        old = self.indexes.swap(new)
+        self._publish(new)
+        if old.version != new.version:
+            self.metrics.index_info.remove(old.version)
+        return old
 
     async def start(self) -> None:
         await self.batcher.start()
@@ -87,8 +111,9 @@ class SearchPipeline:
         bounds = np.cumsum([0] + [len(item[0]) for item in items])
         return [scores[a:b] for a, b in itertools.pairwise(bounds)]
 
-    def _key(self, endpoint: str, query: str, opts: SearchOptions) -> str:
-        return cache_key(model=self.model.fingerprint, index=self.index.version,
+    def _key(self, index: IndexVersion, endpoint: str, query: str, opts: SearchOptions) -> str:
+        """The request's identity, including the version it runs on: no entry outlives a swap."""
+        return cache_key(model=self.model.fingerprint, index=index.version,
                          endpoint=endpoint, query=query, top_k=opts.top_k,
                          candidates=opts.candidates, rerank=opts.rerank)
 
@@ -144,10 +169,20 @@ class SearchPipeline:
     # -- endpoints -------------------------------------------------------------
     async def search_text(self, query: str, opts: SearchOptions) -> SearchResponse:
         """A sentence finds images."""
+        with self.indexes.lease() as index:  # one version for the whole request
+            return await self._search_text(index, query, opts)
+
+    async def search_image(self, data: bytes, image: Image.Image,
+                           opts: SearchOptions) -> SearchResponse:
+        """An image finds captions."""
+        with self.indexes.lease() as index:
+            return await self._search_image(index, data, image, opts)
+
+    async def _search_text(self, index: IndexVersion, query: str,
+                           opts: SearchOptions) -> SearchResponse:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        index = self.index  # one version for the whole request
-        key = self._key("text", normalise(query), opts)
+        key = self._key(index, "text", normalise(query), opts)
         if (hit := await self._cached(key, timings)) is not None:
             return hit
         with self._stage("encode", timings):
@@ -166,13 +201,11 @@ class SearchPipeline:
         meta = [(r.id, {**r.meta, "image": r.path}) for r in rows]
         return await self._respond(key, ranked, meta, index, timings, t0)
 
-    async def search_image(self, data: bytes, image: Image.Image,
-                           opts: SearchOptions) -> SearchResponse:
-        """An image finds captions."""
+    async def _search_image(self, index: IndexVersion, data: bytes, image: Image.Image,
+                            opts: SearchOptions) -> SearchResponse:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        index = self.index
-        key = self._key("image", hashlib.sha256(data).hexdigest(), opts)
+        key = self._key(index, "image", hashlib.sha256(data).hexdigest(), opts)
         if (hit := await self._cached(key, timings)) is not None:
             return hit
         with self._stage("encode", timings):

@@ -143,6 +143,20 @@ class IndexVersion:
     def fingerprint(self) -> str:
         return str(self.manifest["model"]["fingerprint"])
 
+    def close(self) -> None:
+        """Release the version now: close the item store, free the vectors, unmap the tokens.
+
+        The service calls this once no request holds the version any more (after a swap).
+        Releasing explicitly, rather than when the object is collected, returns the memory
+        even while something else still references the object (`duet serve` keeps the
+        version it started with referenced for the life of the process).
+        """
+        self.store.close()
+        # empty stand-ins: the loaded indexes are freed with their last reference (this one)
+        self.image_index = faiss.IndexFlat(self.image_index.d, self.image_index.metric_type)
+        self.text_index = faiss.IndexFlat(self.text_index.d, self.text_index.metric_type)
+        self.image_tokens = np.zeros((0, *self.image_tokens.shape[1:]), self.image_tokens.dtype)
+
     @classmethod
     def open(cls, path: Path, expect_fingerprint: str | None = None) -> IndexVersion:
         """Load a version directory; refuse it if another model built it."""

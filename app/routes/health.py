@@ -25,12 +25,14 @@ async def readyz(request: Request) -> JSONResponse:
         return JSONResponse(error_body("not_ready", "model and index are loading"),
                             status_code=503)
     index = pipeline.index
+    reloader = getattr(request.app.state, "reloader", None)
     return JSONResponse({
         "status": "ready",
         "model": pipeline.model.fingerprint,
         "index_version": index.version,
         "items": {"images": index.image_index.ntotal, "texts": index.text_index.ntotal},
         "cache": pipeline.cache.backend.name,
+        "reload": reloader.status() if reloader is not None else None,
     })
 
 

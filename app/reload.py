@@ -1,0 +1,173 @@
+"""Zero-downtime index swap: notice a new INDEX_DIR/current, load and check it off the event
+loop, then swap it in; refuse a broken one and keep serving the old.
+
+Triggered by a poller (DUET_INDEX_POLL_S) and by POST /admin/reload. A version is identified on
+disk by its resolved path and the newest mtime among its files, so a refused version is not
+retried (nor logged again) by the poller until its files change; /admin/reload always retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from app.metrics import Metrics
+from app.pipeline import SearchPipeline
+from duet.indexio import CURRENT, IndexLoadError, IndexVersion, resolve_current
+from models.protocols import JointEncoder
+
+log = logging.getLogger("duet.reload")
+
+SMOKE_QUERY = "a red circle"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one reload attempt did; `version` is the one now served, or the one refused."""
+
+    result: Literal["swapped", "current", "refused"]
+    version: str
+    path: str
+    at: str  # UTC, ISO 8601
+    reason: str | None = None
+    previous: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def probe(index_dir: Path) -> tuple[Path, int]:
+    """The version directory `current` points at and the newest mtime among its files."""
+    path = resolve_current(index_dir)
+    if not path.is_dir():
+        raise IndexLoadError(f"{Path(index_dir) / CURRENT} points at {path}, not a directory")
+    stamps = [path.stat().st_mtime_ns, *(f.stat().st_mtime_ns for f in path.iterdir())]
+    return path, max(stamps)
+
+
+def smoke_test(index: IndexVersion, model: JointEncoder) -> None:
+    """Search both FAISS indexes with a real query and read back what a request would read."""
+    for name, faiss_index in (("image", index.image_index), ("text", index.text_index)):
+        if faiss_index.d != model.dim:
+            raise IndexLoadError(f"{name} index has dimension {faiss_index.d}, the model "
+                                 f"{model.dim}")
+    if tuple(index.image_tokens.shape[1:]) != tuple(model.token_shape):
+        raise IndexLoadError(f"image tokens have shape {index.image_tokens.shape[1:]}, the model "
+                             f"needs {model.token_shape}")
+    vec = np.ascontiguousarray(model.encode_texts([SMOKE_QUERY]), dtype=np.float32)
+    for faiss_index, lookup in ((index.image_index, index.store.images),
+                                (index.text_index, index.store.texts)):
+        n = faiss_index.ntotal
+        if n == 0:
+            continue
+        _, rows = faiss_index.search(vec, 1)
+        top = int(rows[0][0])
+        if not 0 <= top < n:
+            raise IndexLoadError(f"a test search returned row {top} of {n}")
+        lookup([top, 0, n - 1])  # the last row too: the item store covers every FAISS row
+    if len(index.image_tokens):
+        np.asarray(index.image_tokens[[0, -1]])
+
+
+def load_checked(path: Path, model: JointEncoder) -> IndexVersion:
+    """Open a version (fingerprint and counts are checked there), then smoke-test it."""
+    index = IndexVersion.open(path, expect_fingerprint=model.fingerprint)
+    try:
+        smoke_test(index, model)
+    except Exception as exc:
+        index.close()
+        if isinstance(exc, IndexLoadError):
+            raise
+        raise IndexLoadError(f"index {path} failed a test search: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    return index
+
+
+class IndexReloader:
+    """Loads, checks and swaps in new versions for one `SearchPipeline`; one attempt at a time."""
+
+    def __init__(self, pipeline: SearchPipeline, index_dir: Path, metrics: Metrics,
+                 poll_s: float) -> None:
+        self._pipeline = pipeline
+        self._index_dir = Path(index_dir)
+        self._metrics = metrics
+        self.poll_s = poll_s
+        self._lock = asyncio.Lock()
+        self._refused: dict[Path, tuple[object, Outcome]] = {}  # path -> (stamp, outcome)
+        self.last_swap: Outcome | None = None
+        self.last_refused: Outcome | None = None
+
+    @property
+    def serving(self) -> str:
+        """The version requests starting now get."""
+        return self._pipeline.index.version
+
+    async def reload(self, *, force: bool) -> Outcome:
+        """Swap to INDEX_DIR/current if it is new and sound; `force` retries a refused one."""
+        async with self._lock:
+            served = self._pipeline.index
+            link = self._index_dir / CURRENT
+            try:
+                path, stamp = await asyncio.to_thread(probe, self._index_dir)
+            except (IndexLoadError, OSError) as exc:
+                return self._refuse(link, str(exc), str(exc), force)
+            if path == Path(served.path):  # both resolved: load_resources and probe resolve
+                return Outcome("current", served.version, str(path), _now())
+            if (known := self._known_refusal(path, stamp, force)) is not None:
+                return known
+            try:
+                new = await asyncio.to_thread(load_checked, path, self._pipeline.model)
+            except Exception as exc:  # anything that stops a load refuses the version
+                reason = str(exc) if isinstance(exc, IndexLoadError) else (
+                    f"{type(exc).__name__}: {exc}")
+                return self._refuse(path, reason, stamp, force)
+            self._pipeline.swap_index(new)
+            self._refused.pop(path, None)
+            self._metrics.index_reloads.labels(result="ok").inc()
+            self.last_swap = Outcome("swapped", new.version, str(path), _now(),
+                                     previous=served.version)
+            log.info("swapped index %s -> %s (%d images, %d texts)", served.version,
+                     new.version, new.image_index.ntotal, new.text_index.ntotal)
+            return self.last_swap
+
+    def _known_refusal(self, path: Path, stamp: object, force: bool) -> Outcome | None:
+        """The earlier refusal of these very files, unless `force` asks to try again."""
+        remembered = self._refused.get(path)
+        if force or remembered is None or remembered[0] != stamp:
+            return None
+        return remembered[1]
+
+    def _refuse(self, path: Path, reason: str, stamp: object, force: bool) -> Outcome:
+        if (known := self._known_refusal(path, stamp, force)) is not None:
+            return known
+        outcome = Outcome("refused", path.name, str(path), _now(), reason=reason)
+        self._refused[path] = (stamp, outcome)
+        self.last_refused = outcome
+        self._metrics.index_reloads.labels(result="refused").inc()
+        log.error("refused index %s: %s; still serving %s", path, reason, self.serving)
+        return outcome
+
+    async def poll_forever(self) -> None:
+        """Check INDEX_DIR/current every `poll_s` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self.reload(force=False)
+            except Exception:  # the poller must outlive any one bad attempt
+                log.exception("index poll failed")
+
+    def status(self) -> dict[str, Any]:
+        """For /readyz: poll interval, the last swap and the last refusal."""
+        return {"poll_s": self.poll_s,
+                "last_swap": self.last_swap.as_json() if self.last_swap else None,
+                "last_refused": self.last_refused.as_json() if self.last_refused else None}
