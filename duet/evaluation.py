@@ -13,6 +13,7 @@ ADD_lambda / NORM_ADD_lambda (Table 9). Recalls are percentages.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -140,6 +141,12 @@ def directions(pool: Pool) -> list[Direction]:
     ]
 
 
+def reranked_recall(d: Direction, queries: np.ndarray, cand: np.ndarray,
+                    scores: np.ndarray) -> dict[str, float]:
+    """Recall of `queries` once their candidates are reordered by `scores` (best first)."""
+    return recall(d.is_hit(queries[:, None], reorder(cand, scores)))
+
+
 def cross_scores(reranker: PairReranker, d: Direction, queries: np.ndarray,
                  cand: np.ndarray) -> np.ndarray:
     """Cross-encoder logits (Q, M) for each query against its candidates, in pair batches."""
@@ -183,17 +190,15 @@ def evaluate_index(pool: Pool, reranker: PairReranker | None, *, candidates: int
         logits = cross_scores(reranker, d, queries, cand[:, :m])
         ce_ms_per_pair = 1000 * (time.perf_counter() - t0) / logits.size
 
-        def coop(mm: int, scores: np.ndarray | None = None) -> dict[str, float]:
-            s = logits[:, :mm] if scores is None else scores
-            return recall(d.is_hit(queries[:, None], reorder(cand[:, :mm], s)))
-
+        coop = functools.partial(reranked_recall, d, queries)
         if "coop" in modes:
-            result["modes"].setdefault("coop", {})[d.name] = coop(candidates)
+            result["modes"].setdefault("coop", {})[d.name] = coop(cand[:, :candidates],
+                                                                  logits[:, :candidates])
             result["modes"]["coop"].setdefault("ms_per_query", {})[d.name] = round(
                 dot_ms + ce_ms_per_pair * candidates, 4)
         for mm in m_sweep:
             entry = result["sweeps"].setdefault("M", {}).setdefault(str(mm), {})
-            entry[d.name] = coop(mm)
+            entry[d.name] = coop(cand[:, :mm], logits[:, :mm])
             entry.setdefault("ms_per_query", {})[d.name] = round(dot_ms + ce_ms_per_pair * mm, 4)
         if fusion_sweep:
             c = min(candidates, m)
@@ -201,7 +206,7 @@ def evaluate_index(pool: Pool, reranker: PairReranker | None, *, candidates: int
                 for name, f in (("ADD", fuse), ("NORM_ADD", norm_fuse)):
                     entry = result["sweeps"].setdefault("fusion", {}).setdefault(
                         f"{name}_{lam}", {})
-                    entry[d.name] = coop(c, f(dots[:, :c], logits[:, :c], lam))
+                    entry[d.name] = coop(cand[:, :c], f(dots[:, :c], logits[:, :c], lam))
         if "ce-full" in modes:
             sample = np.sort(rng.choice(queries, min(ce_full_queries, len(queries)),
                                         replace=False))
@@ -211,13 +216,12 @@ def evaluate_index(pool: Pool, reranker: PairReranker | None, *, candidates: int
             full = cross_scores(reranker, d, sample, np.ascontiguousarray(every))
             full_ms = 1000 * (time.perf_counter() - t0) / len(sample)
             entry = result["modes"].setdefault("ce-full", {"queries": {}})
-            entry[d.name] = recall(d.is_hit(sample[:, None], reorder(every, full)))
-            entry["queries"][d.name] = int(len(sample))
+            entry[d.name] = reranked_recall(d, sample, every, full)
+            entry["queries"][d.name] = len(sample)
             entry.setdefault("ms_per_query", {})[d.name] = round(full_ms, 4)
             # coop on the very same queries, for a like-for-like comparison
-            same = d.is_hit(sample[:, None], reorder(cand[sample, :candidates],
-                                                     logits[sample, :candidates]))
-            entry.setdefault("coop_same_queries", {})[d.name] = recall(same)
+            entry.setdefault("coop_same_queries", {})[d.name] = reranked_recall(
+                d, sample, cand[sample, :candidates], logits[sample, :candidates])
     return result
 
 

@@ -160,7 +160,11 @@ def test_every_setting_is_in_env_example_compose_and_k8s() -> None:
     assert set(SETTINGS) <= set(api_env), set(SETTINGS) - set(api_env)
     configmap = next(d for d in load_yaml_docs(DEPLOY / "k8s" / "config.yaml")
                      if d["kind"] == "ConfigMap")
-    assert set(SETTINGS) == set(configmap["data"])
+    api = next(d for d in load_yaml_docs(DEPLOY / "k8s" / "api.yaml")
+               if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    secret_env = {e["name"] for e in api["env"] if "secretKeyRef" in e["valueFrom"]}
+    assert secret_env == {"DUET_ADMIN_TOKEN"}  # a secret, not in the ConfigMap
+    assert set(SETTINGS) == set(configmap["data"]) | secret_env
     # values the ConfigMap sets must be valid settings (an empty value = the default)
     Settings(**{k[5:].lower(): v for k, v in configmap["data"].items() if v})
 

@@ -1,0 +1,92 @@
+"""`duet eval`: recalls checked against brute force on a real built index and the real model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from duet import evaluation
+from duet.evaluation import EvalError, evaluate_index, load_pool
+from models.builtin import BuiltinModel
+from models.fusion import fuse, norm_fuse
+from tests.conftest import REPO
+
+
+def test_norm_add_normalises_each_querys_candidates() -> None:
+    dots = np.array([[0.2, 0.4, 0.6]])
+    logits = np.array([[0.0, 0.0, np.log(3.0)]])  # sigmoid: 0.5, 0.5, 0.75
+    # 0-1 normalised: dots 0, .5, 1; probs 0, 0, 1
+    np.testing.assert_allclose(norm_fuse(dots, logits, 0.5), [[0.0, 0.25, 1.0]])
+    np.testing.assert_allclose(norm_fuse(np.ones((1, 3)), logits, 0.5), [[0.0, 0.0, 0.5]])
+    np.testing.assert_allclose(fuse(dots, logits, 0.5), [[0.35, 0.45, 0.675]])
+
+
+def test_recalls_match_brute_force(index_dir: Path, model: BuiltinModel) -> None:
+    _, pool = load_pool(index_dir, model.fingerprint)
+    assert pool.sizes == {"images": 40, "texts": 200}
+    res = evaluate_index(pool, model, candidates=40, modes=("dot", "coop", "ce-full"),
+                         ce_full_queries=8)
+    # dot: brute-force argsort of the stored vectors
+    sim = pool.text_vecs @ pool.image_vecs.T
+    ranks = np.argsort(-sim, axis=1, kind="stable")
+    for k in (1, 5, 10):
+        want = 100 * np.mean([pool.owner[q] in ranks[q, :k] for q in range(len(sim))])
+        assert res["modes"]["dot"]["t2i"][f"R@{k}"] == pytest.approx(want, abs=0.01)
+    i2t = np.argsort(-sim.T, axis=1, kind="stable")
+    want = 100 * np.mean([pool.owner[i2t[i, 0]] == i for i in range(40)])
+    assert res["modes"]["dot"]["i2t"]["R@1"] == pytest.approx(want, abs=0.01)
+    # with M = the whole image pool, coop and ce-full rank the same scores the same way
+    full = res["modes"]["ce-full"]
+    assert full["queries"] == {"t2i": 8, "i2t": 8}
+    assert full["t2i"] == full["coop_same_queries"]["t2i"]
+    assert set(res["modes"]) == {"dot", "coop", "ce-full"}
+    assert all(res["modes"][m]["ms_per_query"]["t2i"] > 0 for m in res["modes"])
+
+
+def test_sweeps_and_distractors(index_dir: Path, tmp_path: Path, model: BuiltinModel,
+                                corpus: Path) -> None:
+    from index_builder.build import build
+    from models.trainconfig import HELD_OUT_SEED_BASE
+    from models.world import write_corpus
+
+    other = write_corpus(tmp_path / "c", 30, HELD_OUT_SEED_BASE + 12, progress=False)
+    build(other, tmp_path / "d", model, progress=False)
+    _, plain = load_pool(index_dir, model.fingerprint)
+    _, mixed = load_pool(index_dir, model.fingerprint, distractors=tmp_path / "d")
+    assert mixed.sizes == {"images": 70, "texts": 350} and mixed.n_texts == 200
+    a = evaluate_index(plain, model, modes=("dot", "coop"), m_sweep=(10, 20), fusion_sweep=True)
+    b = evaluate_index(mixed, model, modes=("dot", "coop"))
+    for d in ("t2i", "i2t"):  # distractors can only push the right answer down
+        assert b["modes"]["dot"][d]["R@10"] <= a["modes"]["dot"][d]["R@10"]
+    assert set(a["sweeps"]["M"]) == {"10", "20"}
+    assert a["sweeps"]["M"]["20"]["t2i"] == a["modes"]["coop"]["t2i"]  # M=20 is the default
+    assert set(a["sweeps"]["fusion"]) == {f"{f}_{lam}" for f in ("ADD", "NORM_ADD")
+                                          for lam in (0.1, 0.5, 0.9)}
+
+
+
+def test_ce_full_refuses_a_large_pool(index_dir: Path, model: BuiltinModel,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(evaluation, "CE_FULL_MAX_POOL", 39)  # 40 images: one too many
+    _, pool = load_pool(index_dir, model.fingerprint)
+    with pytest.raises(EvalError, match="at most 39 images"):
+        evaluate_index(pool, model, modes=("ce-full",))
+
+
+def test_cli_json_and_errors(index_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "duet.cli", "eval", "--index", str(index_dir), "--json",
+           "--modes", "dot,coop"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    body = json.loads(out.stdout)
+    assert body["pool"] == {"images": 40, "texts": 200}
+    assert set(body["modes"]["coop"]["t2i"]) == {"R@1", "R@5", "R@10"}
+    assert {"t2i", "i2t"} <= set(body["modes"]["dot"]["ms_per_query"])
+    bad = subprocess.run([*cmd[:-1], "dot,late-ish"], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert bad.returncode == 2 and "late-ish" in bad.stderr
