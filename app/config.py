@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -23,6 +24,8 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = Field(
         None, description="bearer token for POST /admin/reload; unset = endpoint disabled")
     model_dir: Path | None = Field(None, description="model weights; empty = shipped weights")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the model runs: auto = a CUDA GPU when torch sees one")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: str = "info"

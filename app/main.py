@@ -36,7 +36,7 @@ class Resources:
 
 def load_resources(settings: Settings) -> Resources:
     """Load the model, then the current index; refuse an index built by another model."""
-    model = BuiltinModel.load(settings.model_dir)
+    model = BuiltinModel.load(settings.model_dir, settings.device)
     index = IndexVersion.open(resolve_current(settings.index_dir),
                               expect_fingerprint=model.fingerprint)
     log.info("loaded model %s and index %s (%d images, %d texts)", model.fingerprint,

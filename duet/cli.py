@@ -24,23 +24,30 @@ def _fail(message: str) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from pydantic import ValidationError
 
     from app.config import Settings
     from app.main import create_app, load_resources
     from duet.indexio import IndexLoadError
     from models.builtin import ModelLoadError
+    from models.device import DeviceError
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
                                    ("index_dir", args.index_dir)) if v is not None}
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        bad = "; ".join(f"DUET_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}"
+                        for e in exc.errors())
+        return _fail(f"invalid setting(s): {bad} (see .env.example for every setting)")
     _setup_logging(settings.log_level)
     try:
         resources = load_resources(settings)
-    except (IndexLoadError, ModelLoadError) as exc:
+    except (IndexLoadError, ModelLoadError, DeviceError) as exc:
         return _fail(str(exc))
     app = create_app(settings, resources)
-    log.info("serving on http://%s:%d (index %s)", settings.host, settings.port,
-             resources.index.version)
+    log.info("serving on http://%s:%d (index %s, model on %s)", settings.host, settings.port,
+             resources.index.version, getattr(resources.model, "device", "cpu"))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False)
     return 0

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from models.device import resolve_device
 from models.joint import JointConfig, JointModel
 from models.tokenizer import WordTokenizer
 from models.trainconfig import DEFAULT_WEIGHTS
@@ -54,11 +55,14 @@ class BuiltinModel:
     """duet's joint model behind the bi-encoder and re-ranker protocols.
 
     Thread-safe for concurrent callers: torch modules in eval mode hold no
-    per-call state, and inference runs under `torch.inference_mode`.
+    per-call state, and inference runs under `torch.inference_mode`. On a CUDA device the
+    weights live on the GPU; inputs go there and results come back as numpy arrays.
     """
 
-    def __init__(self, model: JointModel, tokenizer: WordTokenizer, fingerprint: str) -> None:
-        self.model = model.eval()
+    def __init__(self, model: JointModel, tokenizer: WordTokenizer, fingerprint: str,
+                 device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
         self.name = NAME
@@ -67,8 +71,9 @@ class BuiltinModel:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, directory: Path | None = None) -> BuiltinModel:
-        """Load from a directory holding model.safetensors, config.json and vocab.json."""
+    def load(cls, directory: Path | None = None, device: str = "cpu") -> BuiltinModel:
+        """Load from a directory holding model.safetensors, config.json and vocab.json, onto
+        `device` (auto, cpu or cuda)."""
         d = Path(directory) if directory is not None else DEFAULT_WEIGHTS
         try:
             cfg = JointConfig(**json.loads((d / "config.json").read_text()))
@@ -82,22 +87,23 @@ class BuiltinModel:
         model = JointModel(cfg)
         model.load_state_dict(state)
         digest = hashlib.sha256(weights).hexdigest()[:16]
-        return cls(model, tok, f"{NAME}:{digest}")
+        return cls(model, tok, f"{NAME}:{digest}", resolve_device(device))
 
     # -- bi-encoder -----------------------------------------------------------
     @torch.inference_mode()
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         """Texts -> (n, dim) float32, L2-normalised."""
-        ids, pad = self.tokenizer.batch(list(texts))
+        ids, pad = self._batch(texts)
         vec = self.model.embed_texts(self.model.text_tokens(ids, pad), pad)
-        return vec.float().numpy()
+        return vec.float().cpu().numpy()
 
     @torch.inference_mode()
     def encode_images(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
         """Images -> ((n, dim) float32 L2-normalised vectors, (n, T, d) float16 patch tokens)."""
-        toks = self.model.image_tokens(pixels(images, self.model.cfg.image_size))
+        toks = self.model.image_tokens(
+            pixels(images, self.model.cfg.image_size).to(self.device))
         vec = self.model.embed_images(toks)
-        return vec.float().numpy(), toks.half().numpy()
+        return vec.float().cpu().numpy(), toks.half().cpu().numpy()
 
     # -- cross-encoder --------------------------------------------------------
     @torch.inference_mode()
@@ -105,7 +111,11 @@ class BuiltinModel:
         """ITM logits (n,) for n (text, image-tokens) pairs; higher means a better match."""
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
-        ids, pad = self.tokenizer.batch(list(texts))
+        ids, pad = self._batch(texts)
         txt = self.model.text_tokens(ids, pad)
-        img = torch.from_numpy(np.ascontiguousarray(image_tokens)).float()
-        return self.model.itm_logits(txt, pad, img).float().numpy()
+        img = torch.from_numpy(np.ascontiguousarray(image_tokens)).to(self.device).float()
+        return self.model.itm_logits(txt, pad, img).float().cpu().numpy()
+
+    def _batch(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, pad = self.tokenizer.batch(list(texts))
+        return ids.to(self.device), pad.to(self.device)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from models.builtin import save_model
@@ -281,3 +282,21 @@ def test_missing_index_says_how_to_build(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(tmp_path / "none")}
     proc = subprocess.run([*DUET, "serve"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "duet build" in proc.stderr
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({"DUET_RERANK_MAX_BATCH": "lots"}, "DUET_RERANK_MAX_BATCH"),
+    ({"DUET_DEVICE": "tpu"}, "DUET_DEVICE"),
+])
+def test_bad_setting_is_a_clear_error(index_dir: Path, env: dict[str, str], says: str) -> None:
+    full = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(index_dir), **env}
+    proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_refused(index_dir: Path) -> None:
+    full = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(index_dir),
+            "DUET_DEVICE": "cuda"}
+    proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -58,6 +59,31 @@ def test_cross_encoder_prefers_the_true_caption(model: BuiltinModel) -> None:
 def test_missing_model_dir_says_how_to_fix(tmp_path: object) -> None:
     with pytest.raises(ModelLoadError, match="duet train"):
         BuiltinModel.load(tmp_path)  # type: ignore[arg-type]
+
+
+def test_device_choice() -> None:
+    from models.device import DeviceError, resolve_device
+
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(DeviceError, match="unknown device"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="no CUDA GPU"):
+            BuiltinModel.load(device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_model_matches_cpu(model: BuiltinModel) -> None:
+    gpu = BuiltinModel.load(device="cuda")
+    rngs = [random.Random(s) for s in range(4)]
+    imgs = [world.render(r, world.sample_scene(r)) for r in rngs]
+    texts = ["a red circle", "two small blue squares left of a green cross"]
+    np.testing.assert_allclose(gpu.encode_texts(texts), model.encode_texts(texts), atol=1e-4)
+    (gv, gt), (cv, ct) = gpu.encode_images(imgs), model.encode_images(imgs)
+    np.testing.assert_allclose(gv, cv, atol=1e-4)
+    np.testing.assert_allclose(gpu.score_pairs(texts, ct[:2]), model.score_pairs(texts, ct[:2]),
+                               atol=1e-3)
 
 
 def test_cmr_loss_hand_computed() -> None:
