@@ -82,6 +82,7 @@ def test_gpu_model_matches_cpu(model: BuiltinModel) -> None:
     np.testing.assert_allclose(gpu.encode_texts(texts), model.encode_texts(texts), atol=1e-4)
     (gv, gt), (cv, ct) = gpu.encode_images(imgs), model.encode_images(imgs)
     np.testing.assert_allclose(gv, cv, atol=1e-4)
+    np.testing.assert_allclose(gt.astype(np.float32), ct.astype(np.float32), atol=1e-2)
     np.testing.assert_allclose(gpu.score_pairs(texts, ct[:2]), model.score_pairs(texts, ct[:2]),
                                atol=1e-3)
 
