@@ -17,6 +17,8 @@ from typing import Any
 import faiss
 import numpy as np
 
+_faiss: Any = faiss  # the SWIG module's stubs lack some SearchParameters classes
+
 DEFAULT_NPROBE = 16
 DEFAULT_EF_SEARCH = 64
 # Exact search up to this many vectors: a Flat scan of 200k x 128 floats is a few ms and
@@ -168,22 +170,22 @@ def search_params(index: faiss.Index, knobs: SearchKnobs) -> _Params | None:
         sub = search_params(faiss.downcast_index(inner.index), knobs)
         if sub is None:
             return None
-        p = faiss.SearchParametersPreTransform()
+        p: Any = _faiss.SearchParametersPreTransform()
         p.index_params = sub.params
         return _Params(p, [sub, *keep])
     if isinstance(inner, faiss.IndexIVF):
-        p = faiss.SearchParametersIVF()
+        p = _faiss.SearchParametersIVF()
         if knobs.nprobe is not None:
             p.nprobe = int(min(knobs.nprobe, inner.nlist))
         q = faiss.downcast_index(inner.quantizer)
         if isinstance(q, faiss.IndexHNSW) and knobs.ef_search is not None:
-            qp = faiss.SearchParametersHNSW()
+            qp = _faiss.SearchParametersHNSW()
             qp.efSearch = int(knobs.ef_search)
             p.quantizer_params = qp
             keep.append(qp)
         return _Params(p, keep)
     if isinstance(inner, faiss.IndexHNSW):
-        p = faiss.SearchParametersHNSW()
+        p = _faiss.SearchParametersHNSW()
         if knobs.ef_search is not None:
             p.efSearch = int(knobs.ef_search)
         return _Params(p, keep)

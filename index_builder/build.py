@@ -15,6 +15,7 @@ reusing the stored vectors and tokens of everything kept.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -45,6 +46,7 @@ from index_builder.encode import (
     resolve_device,
     shard_batches,
     shard_bytes,
+    shard_path,
     write_atomic,
 )
 from models.builtin import BuiltinModel
@@ -137,6 +139,8 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
     if base is not None:
         _check_duplicates(items, kept_images, kept_texts)
 
+    if factory is None and base is not None:  # an append keeps the base's explicit choice
+        factory = base.manifest.get("build", {}).get("factory_arg")
     n_img = len(kept_images) + sum(1 for it in items if it.image is not None)
     n_txt = len(kept_texts) + sum(len(it.captions) for it in items)
     try:
@@ -152,7 +156,7 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
     ranges = [(k, a, min(a + shard_size, len(plan)))
               for k, a in enumerate(range(0, len(plan), shard_size))]
     shard_dir.mkdir(parents=True, exist_ok=True)
-    done = {k for k, _, _ in ranges if _shard_path(shard_dir, k).is_file()}
+    done = {k for k, _, _ in ranges if shard_path(shard_dir, k).is_file()}
     missing = [r for r in ranges if r[0] not in done]
     if done:
         log.info("resuming: %d of %d shards already encoded in %s", len(done), len(ranges),
@@ -165,13 +169,13 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
         if skip_bad:
             return
         _, a, b = ranges[k]
-        for it, err in zip([p for p in plan[a:b] if p.image is not None],
-                           arrays["image_error"].tolist(), strict=True):
+        for p, err in zip([p for p in plan[a:b] if p.image is not None],
+                          arrays["image_error"].tolist(), strict=True):
             if err:
-                raise CorpusError(corpus_path, it.line, err)
+                raise CorpusError(corpus_path, p.line, err)
 
     for k in sorted(done):
-        check(k, read_shard(_shard_path(shard_dir, k), ("image_error",)))
+        check(k, read_shard(shard_path(shard_dir, k), ("image_error",)))
     t_enc = time.perf_counter()
     encoded = sum(b - a for _, a, b in missing)
     if missing and engine == "ray":
@@ -189,13 +193,13 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
     shas: list[bytes] = []
     errors: list[str] = []
     for k, _, _ in ranges:
-        arrays = read_shard(_shard_path(shard_dir, k), ("image_ok", "image_sha", "image_error"))
+        arrays = read_shard(shard_path(shard_dir, k), ("image_ok", "image_sha", "image_error"))
         ok_flags.extend(arrays["image_ok"].tolist())
         shas.extend(bytes(s) for s in arrays["image_sha"])
         errors.extend(arrays["image_error"].tolist())
-    for it, err in zip([p for p in plan if p.image is not None], errors, strict=True):
+    for p, err in zip([p for p in plan if p.image is not None], errors, strict=True):
         if err:
-            bad(CorpusError(corpus_path, it.line, err))  # raises unless skip_bad
+            bad(CorpusError(corpus_path, p.line, err))  # raises unless skip_bad
     flags = iter(zip(ok_flags, shas, strict=True))
     content = hashlib.sha256()
     kept: list[CorpusItem] = []
@@ -222,7 +226,7 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
 
     def shard_arrays(name: str) -> Iterator[np.ndarray]:
         for k, _, _ in ranges:
-            yield read_shard(_shard_path(shard_dir, k))[name]
+            yield read_shard(shard_path(shard_dir, k))[name]
 
     def base_rows(name: str, rows: list[int]) -> Iterator[np.ndarray]:
         if base is not None and rows:
@@ -296,6 +300,8 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
         raise
     indexio.point_current(out, version)
     shutil.rmtree(shard_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        shard_dir.parent.rmdir()  # only when no other build's shards are waiting there
     return BuildReport(version, out / version, len(image_rows), len(text_rows), seconds, skipped,
                        encoded=encoded, resumed_shards=len(done), shards=len(ranges),
                        encode_seconds=encode_seconds, items_per_s=rate, manifest=manifest)
@@ -319,13 +325,9 @@ def _encode_local(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
             for _ in bs:
                 shard.add(next(batches))
             arrays = shard.finish(model.dim, model.token_shape)
-            write_atomic(_shard_path(shard_dir, k), shard_bytes(arrays))
+            write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
             bar.update(b - a)
             on_shard(k, arrays)
-
-
-def _shard_path(shard_dir: Path, k: int) -> Path:
-    return shard_dir / f"shard-{k:06d}.npy"
 
 
 def _shard_key(corpus: Path | None, plan: Sequence[PlanItem], model: BuiltinModel, dev: Any,
@@ -427,8 +429,6 @@ def _check_duplicates(items: Sequence[CorpusItem], images: Sequence[tuple[int, A
 def _factories(factory: str | None, base: _Base | None, n_img: int, n_txt: int,
                dim: int) -> tuple[str, str]:
     """(image, text) factory strings, checked before anything is encoded."""
-    if factory is None and base is not None:
-        factory = base.manifest.get("build", {}).get("factory_arg")
     chosen = (factory or ann.default_factory(n_img), factory or ann.default_factory(n_txt))
     for f, n in zip(chosen, (n_img, n_txt), strict=True):
         ann.check_factory(f, dim, n)

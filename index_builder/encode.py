@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from models.builtin import BuiltinModel, pixel_bytes
+from models.joint import JointModel
 
 TEXT_BATCH_MIN = 256
 
@@ -65,7 +66,7 @@ class Encoder:
         self.dtype = autocast_dtype(device)
         self.tokenizer = model.tokenizer
         self.image_size = model.model.cfg.image_size
-        self.net = model.model if device.type == "cpu" else _moved(model, device)
+        self.net: JointModel = model.model if device.type == "cpu" else _moved(model, device)
 
     def _autocast(self) -> AbstractContextManager[Any]:
         if self.dtype is None:
@@ -92,7 +93,7 @@ class Encoder:
         return F.normalize(vec.float(), dim=-1).cpu().numpy()
 
 
-def _moved(model: BuiltinModel, device: torch.device) -> torch.nn.Module:
+def _moved(model: BuiltinModel, device: torch.device) -> JointModel:
     import copy
 
     return copy.deepcopy(model.model).to(device).eval()
@@ -232,16 +233,29 @@ def shard_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return buf.getvalue()
 
 
+def shard_path(shard_dir: Path, k: int) -> Path:
+    return shard_dir / f"shard-{k:06d}.npy"
+
+
 def read_shard(path: Path, fields: Sequence[str] = SHARD_FIELDS) -> dict[str, np.ndarray]:
     """A shard's arrays (only `fields`; reading stops after the last one asked for)."""
-    out: dict[str, np.ndarray] = {}
     with path.open("rb") as fh:
-        for name in SHARD_FIELDS:
-            if len(out) == len(fields):
-                break
-            arr = np.load(fh, allow_pickle=False)
-            if name in fields:
-                out[name] = arr
+        return _read_fields(fh, fields)
+
+
+def read_shard_bytes(data: bytes, fields: Sequence[str] = SHARD_FIELDS
+                     ) -> dict[str, np.ndarray]:
+    return _read_fields(io.BytesIO(data), fields)
+
+
+def _read_fields(fh: Any, fields: Sequence[str]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for name in SHARD_FIELDS:
+        if len(out) == len(fields):
+            break
+        arr = np.load(fh, allow_pickle=False)
+        if name in fields:
+            out[name] = arr
     return out
 
 
