@@ -55,7 +55,8 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def default_workers() -> int:
     """Decoding workers: one per core left over after the main (encoding) process, up to 8."""
-    return max(0, min(8, (os.cpu_count() or 1) - 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(0, min(8, (cores or 1) - 1))
 
 
 class Encoder:
@@ -169,13 +170,13 @@ def shard_batches(plan: Sequence[PlanItem], start: int, stop: int,
 
 
 def decoded_batches(plan: Sequence[PlanItem], batches: list[list[int]], size: int,
-                    workers: int) -> Iterator[list[Decoded]]:
+                    workers: int, pin_memory: bool = False) -> Iterator[list[Decoded]]:
     """The decoded batches, in order, from `workers` DataLoader processes (0 = this one)."""
     if not batches:
         return iter(())
     loader = torch.utils.data.DataLoader(
         DecodeDataset(plan, size), batch_sampler=batches, num_workers=workers,
-        collate_fn=_as_list, pin_memory=torch.cuda.is_available(),
+        collate_fn=_as_list, pin_memory=pin_memory,
         prefetch_factor=4 if workers else None, persistent_workers=False)
     return iter(loader)
 
