@@ -57,6 +57,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.corpus and args.append:
         return _fail("give --corpus (a new build) or --append (add to the current version), "
                      "not both")
+    if args.corpus and args.delete:
+        return _fail("--delete changes the current version: use it alone or with --append")
     corpus = args.corpus or args.append
     if corpus is None and args.delete is None:
         return _fail("give --corpus MANIFEST, --append MANIFEST or --delete IDS_FILE")
@@ -68,8 +70,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                        batch_size=args.batch_size, skip_bad=args.skip_bad,
                        progress=not args.no_progress, factory=args.factory or None,
                        shard_size=args.shard_size, workers=args.workers, device=args.device,
-                       engine=args.engine, append=args.append is not None or
-                       (args.delete is not None and args.corpus is None),
+                       engine=args.engine, append=args.append is not None,
                        delete=args.delete, ray_actors=args.ray_actors)
     except CorpusError as exc:
         return _fail(f"{exc}\n  fix or remove that line, or pass --skip-bad to skip bad lines")

@@ -317,7 +317,7 @@ def _encode_local(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
     encoder = Encoder(model, dev)
     per_shard = [shard_batches(plan, a, b, batch_size) for _, a, b in missing]
     batches = decoded_batches(plan, [b for bs in per_shard for b in bs], encoder.image_size,
-                              workers, pin_memory=dev.type == "cuda")
+                              workers)
     with tqdm(total=sum(b - a for _, a, b in missing), desc="encoding", unit="item",
               disable=not progress) as bar:
         for (k, a, b), bs in zip(missing, per_shard, strict=True):

@@ -77,6 +77,8 @@ class Encoder:
     @torch.inference_mode()
     def images(self, pixels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """uint8 (B, 3, S, S) -> ((B, dim) float32 unit vectors, (B, T, d) float16 tokens)."""
+        if self.device.type == "cuda":  # page-locked, so the copy can overlap the last batch
+            pixels = pixels.pin_memory()
         x = pixels.to(self.device, non_blocking=True).float() / 255.0
         with self._autocast():
             toks = self.net.image_tokens(x)
@@ -170,13 +172,13 @@ def shard_batches(plan: Sequence[PlanItem], start: int, stop: int,
 
 
 def decoded_batches(plan: Sequence[PlanItem], batches: list[list[int]], size: int,
-                    workers: int, pin_memory: bool = False) -> Iterator[list[Decoded]]:
+                    workers: int) -> Iterator[list[Decoded]]:
     """The decoded batches, in order, from `workers` DataLoader processes (0 = this one)."""
     if not batches:
         return iter(())
     loader = torch.utils.data.DataLoader(
         DecodeDataset(plan, size), batch_sampler=batches, num_workers=workers,
-        collate_fn=_as_list, pin_memory=pin_memory,
+        collate_fn=_as_list,
         prefetch_factor=4 if workers else None, persistent_workers=False)
     return iter(loader)
 

@@ -137,6 +137,25 @@ def test_device_selection() -> None:
             resolve_device("cuda")
 
 
+def test_autocast_path_matches_fp32(model: BuiltinModel, corpus: Path) -> None:
+    """The GPU path's autocast code, run on CPU in bf16: same shapes, dtypes, close vectors."""
+    from index_builder.encode import Encoder, PlanItem, decode
+
+    items = [PlanItem(i, str(i), str(corpus.parent / f"images/{i:04d}.png"), None, i + 1, ())
+             for i in range(4)]
+    pixels = torch.stack([p for p in (decode(it, 64).pixels for it in items) if p is not None])
+    exact = Encoder(model, torch.device("cpu"))
+    mixed = Encoder(model, torch.device("cpu"))
+    mixed.dtype = torch.bfloat16
+    (v32, t32), (v16, t16) = exact.images(pixels), mixed.images(pixels)
+    assert v16.dtype == np.float32 and t16.dtype == np.float16 and t16.shape == t32.shape
+    np.testing.assert_allclose(np.linalg.norm(v16, axis=1), 1.0, atol=1e-5)
+    assert (v16 * v32).sum(axis=1).min() > 0.98
+    texts = ["a small red circle", "two blue squares"]
+    assert (mixed.texts(texts) * exact.texts(texts)).sum(axis=1).min() > 0.98
+    np.testing.assert_allclose(exact.texts(texts), model.encode_texts(texts), atol=1e-5)
+
+
 # -- factories through `duet build` --------------------------------------------------------
 
 
