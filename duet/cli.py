@@ -156,8 +156,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--shard-size", type=int, default=1024,
                    help="items per shard; a killed build resumes from the last whole shard")
     b.add_argument("--workers", type=int, default=None,
-                   help="image-decoding DataLoader workers (default: cores - 1, at most 8; "
-                   "0 = decode in the main process)")
+                   help="image-decoding DataLoader workers (default: on a GPU cores - 1, at "
+                   "most 8; on CPU cores / 4, at most 4; 0 = decode in the main process)")
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="encode on (auto: CUDA with autocast when a GPU is present)")
     b.add_argument("--engine", choices=["local", "ray"], default="local",

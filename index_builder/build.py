@@ -115,7 +115,7 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
     if engine not in ("local", "ray"):
         raise BuildError(f"unknown engine {engine!r}: use local or ray")
     dev = resolve_device(device)
-    workers = default_workers() if workers is None else workers
+    workers = default_workers(dev) if workers is None else workers
     if workers < 0:
         raise BuildError("--workers must be 0 or more")
     skipped: list[str] = []

@@ -53,10 +53,15 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def default_workers() -> int:
-    """Decoding workers: one per core left over after the main (encoding) process, up to 8."""
+def default_workers(device: torch.device) -> int:
+    """Decoding workers. On a GPU the CPU only decodes: cores - 1 (at most 8). On CPU the
+    encoder needs the cores itself (on 2 cores, 1 worker made the demo build 25% slower than
+    0), so a quarter of them, at most 4."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(0, min(8, (cores or 1) - 1))
+    cores = cores or 1
+    if device.type == "cuda":
+        return max(0, min(8, cores - 1))
+    return min(4, cores // 4)
 
 
 class Encoder:

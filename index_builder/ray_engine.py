@@ -1,8 +1,8 @@
 """`duet build --engine ray`: the encode step as a Ray Data pipeline.
 
 One dataset row per missing shard; `map_batches` hands rows to a pool of encoding actors
-(`concurrency=N`, `num_gpus=1` each when the cluster has GPUs). An actor decodes its shard's
-images, encodes them with the same batch boundaries and the same `ShardBuilder` as the local
+(`ActorPoolStrategy(size=N)`, `num_gpus=1` each when the cluster has GPUs). An actor
+decodes its shard's images, encodes them with the same batch boundaries and the same `ShardBuilder` as the local
 engine, and returns the shard file's bytes; the driver writes each shard (temp name, fsync,
 rename) as it arrives, so a killed Ray build resumes like a local one.
 
@@ -95,7 +95,8 @@ def encode_ray(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]], sh
     log.info("ray: %d shards on %d actor(s) (%s)", len(rows), actors,
              f"{gpus} GPU(s)" if gpus else f"{cpus} CPU(s)")
     ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
-        ShardEncoder, batch_size=1, batch_format="numpy", concurrency=actors,
+        ShardEncoder, batch_size=1, batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=actors),
         num_gpus=1 if gpus else 0, num_cpus=0 if gpus else max(1, cpus // actors),
         fn_constructor_kwargs={"parts": (model.model, model.tokenizer, model.fingerprint),
                                "device": dev.type, "batch_size": batch_size})

@@ -112,6 +112,25 @@ def test_per_call_params_do_not_touch_the_shared_index() -> None:
     assert hnsw.hnsw.efSearch == own_ef
 
 
+def test_service_search_uses_its_settings_per_call() -> None:
+    from types import SimpleNamespace
+
+    from app.config import Settings
+    from app.pipeline import SearchPipeline
+
+    settings = Settings(index_nprobe=1, index_ef_search=8)
+    vecs, query = _unit(4000), _unit(1, seed=3)
+    index = ann.build_index("IVF64,Flat", vecs)
+    faiss.extract_index_ivf(index).nprobe = 64  # what the pipeline must not rely on or touch
+    fake = SimpleNamespace(search_knobs=ann.SearchKnobs(settings.index_nprobe,
+                                                        settings.index_ef_search))
+    cand = SearchPipeline._top(fake, query, index, 10)  # type: ignore[arg-type]
+    _, want = ann.search(index, query, 10, ann.SearchKnobs(nprobe=1))
+    assert cand.rows.tolist() == want[0][want[0] >= 0].tolist()
+    assert faiss.extract_index_ivf(index).nprobe == 64
+    assert Settings().index_nprobe == ann.DEFAULT_NPROBE
+
+
 def test_ivf_hnsw_quantizer_gets_ef_search_per_call() -> None:
     index = ann.build_index("IVF16_HNSW32,SQ8", _unit(2000))
     params = ann.search_params(index, ann.SearchKnobs(nprobe=8, ef_search=40))
