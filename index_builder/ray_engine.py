@@ -2,9 +2,9 @@
 
 One dataset row per missing shard; `map_batches` hands rows to a pool of encoding actors
 (`ActorPoolStrategy(size=N)`, `num_gpus=1` each when the cluster has GPUs). An actor
-decodes its shard's images, encodes them with the same batch boundaries and the same `ShardBuilder` as the local
-engine, and returns the shard file's bytes; the driver writes each shard (temp name, fsync,
-rename) as it arrives, so a killed Ray build resumes like a local one.
+decodes its shard's images, encodes them with the same batch boundaries and the same
+`ShardBuilder` as the local engine, and returns the shard file's bytes; the driver writes each
+shard (temp name, fsync, rename) as it arrives, so a killed Ray build resumes like a local one.
 
 Cluster: `ray.init()` joins the cluster named by RAY_ADDRESS (e.g. `ray://head:10001` or
 `auto` on a cluster node) and starts a local instance when it is unset. Workers must see the
