@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -226,7 +227,7 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
 
     def shard_arrays(name: str) -> Iterator[np.ndarray]:
         for k, _, _ in ranges:
-            yield read_shard(shard_path(shard_dir, k))[name]
+            yield read_shard(shard_path(shard_dir, k), (name,))[name]
 
     def base_rows(name: str, rows: list[int]) -> Iterator[np.ndarray]:
         if base is not None and rows:
@@ -242,7 +243,9 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
                     (0, model.dim), np.float32)
     if len(ivecs) != len(image_rows) or len(tvecs) != len(text_rows):
         raise RuntimeError("encoded vectors do not match the item rows (stale shards?)")
-    token_chunks = [*base_rows("image_tokens", img_rows), *shard_arrays("image_tokens")]
+    # tokens (4 KiB per image) are streamed into the version, never held whole in memory
+    token_chunks = itertools.chain(base_rows("image_tokens", img_rows),
+                                   shard_arrays("image_tokens"))
 
     version = _new_version(out, digest)
     tmp = out / f".building-{version}"
