@@ -24,7 +24,7 @@ import os
 import shutil
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,31 +190,8 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
     encode_seconds = time.perf_counter() - t_enc
 
     # -- assemble: kept base rows, then the new items in corpus order -----------------------
-    ok_flags: list[bool] = []
-    shas: list[bytes] = []
-    errors: list[str] = []
-    for k, _, _ in ranges:
-        arrays = read_shard(shard_path(shard_dir, k), ("image_ok", "image_sha", "image_error"))
-        ok_flags.extend(arrays["image_ok"].tolist())
-        shas.extend(bytes(s) for s in arrays["image_sha"])
-        errors.extend(arrays["image_error"].tolist())
-    for p, err in zip([p for p in plan if p.image is not None], errors, strict=True):
-        if err:
-            bad(CorpusError(corpus_path, p.line, err))  # raises unless skip_bad
-    flags = iter(zip(ok_flags, shas, strict=True))
-    content = hashlib.sha256()
-    kept: list[CorpusItem] = []
-    for it in items:
-        if it.image is None:
-            kept.append(it)
-            continue
-        ok, sha = next(flags)
-        if ok:
-            content.update(sha)
-            kept.append(it)
-    for it in kept:
-        content.update(json.dumps([it.id, it.image_rel, it.captions], sort_keys=True).encode())
-    digest = content.hexdigest()
+    kept, digest = _kept_items(items, plan, [shard_path(shard_dir, k) for k, _, _ in ranges],
+                               lambda line, err: bad(CorpusError(corpus_path, line, err)))
     if base is not None:
         digest = hashlib.sha256(json.dumps(
             [base.manifest.get("content_hash"), sorted(deleted), digest]).encode()).hexdigest()
@@ -352,6 +329,37 @@ def _shard_key(corpus: Path | None, plan: Sequence[PlanItem], model: BuiltinMode
             except OSError:
                 h.update(f"{it.image}\0missing\n".encode())
     return h.hexdigest()[:24]
+
+
+def _kept_items(items: Sequence[CorpusItem], plan: Sequence[PlanItem], shards: Sequence[Path],
+                bad: Callable[[int, str], None]) -> tuple[list[CorpusItem], str]:
+    """The items whose image decoded (or that have none), and the content hash over them:
+    image sha256s in order, then [id, image, captions] per item."""
+    ok_flags: list[bool] = []
+    shas: list[bytes] = []
+    errors: list[str] = []
+    for path in shards:
+        arrays = read_shard(path, ("image_ok", "image_sha", "image_error"))
+        ok_flags.extend(arrays["image_ok"].tolist())
+        shas.extend(bytes(s) for s in arrays["image_sha"])
+        errors.extend(arrays["image_error"].tolist())
+    for p, err in zip([p for p in plan if p.image is not None], errors, strict=True):
+        if err:
+            bad(p.line, err)  # raises unless skipping
+    flags = iter(zip(ok_flags, shas, strict=True))
+    content = hashlib.sha256()
+    kept: list[CorpusItem] = []
+    for it in items:
+        if it.image is None:
+            kept.append(it)
+            continue
+        ok, sha = next(flags)
+        if ok:
+            content.update(sha)
+            kept.append(it)
+    for it in kept:
+        content.update(json.dumps([it.id, it.image_rel, it.captions], sort_keys=True).encode())
+    return kept, content.hexdigest()
 
 
 # -- base version (append / delete) ---------------------------------------------------------
