@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from duet import ann
 from models.fusion import DEFAULT_FUSION_LAMBDA
 
 
@@ -44,3 +45,8 @@ class Settings(BaseSettings):
     rerank_max_batch: int = Field(256, ge=1, description="pairs per cross-encoder forward pass")
     rerank_max_wait_ms: float = Field(4.0, ge=0, description="how long a batch waits to fill")
     rerank_max_queue: int = Field(512, ge=1, description="waiting requests before 429")
+
+    index_nprobe: int = Field(ann.DEFAULT_NPROBE, ge=1,
+                              description="IVF lists searched per query (per call)")
+    index_ef_search: int = Field(ann.DEFAULT_EF_SEARCH, ge=1,
+                                 description="HNSW search breadth per query (per call)")

@@ -24,6 +24,7 @@ from app.cache import ResilientCache, cache_key
 from app.metrics import Metrics
 from app.schemas import Hit, SearchOptions, SearchResponse
 from app.versions import ServedIndex
+from duet import ann
 from duet.indexio import IndexVersion
 from models.fusion import fuse
 from models.protocols import JointEncoder
@@ -50,9 +51,12 @@ class SearchPipeline:
 
     def __init__(self, model: JointEncoder, index: IndexVersion, cache: ResilientCache,
                  metrics: Metrics, *, rerank_max_batch: int, rerank_max_wait_s: float,
-                 rerank_max_queue: int, fusion_lambda: float) -> None:
+                 rerank_max_queue: int, fusion_lambda: float,
+                 index_nprobe: int = ann.DEFAULT_NPROBE,
+                 index_ef_search: int = ann.DEFAULT_EF_SEARCH) -> None:
         self.model = model
         self.indexes = ServedIndex(index)
+        self.search_knobs = ann.SearchKnobs(nprobe=index_nprobe, ef_search=index_ef_search)
         self.cache = cache
         self.metrics = metrics
         self.fusion_lambda = fusion_lambda
@@ -134,9 +138,9 @@ class SearchPipeline:
         body = {"hits": [h.model_dump() for h in resp.hits], "index_version": resp.index_version}
         await self.cache.set(key, json.dumps(body))
 
-    @staticmethod
-    def _top(vec: np.ndarray, index: Any, m: int) -> _Candidates:
-        dots, rows = index.search(np.ascontiguousarray(vec, dtype=np.float32), m)
+    def _top(self, vec: np.ndarray, index: Any, m: int) -> _Candidates:
+        # nprobe / efSearch go with this call only: the index is shared by every request
+        dots, rows = ann.search(index, vec, m, self.search_knobs)
         keep = rows[0] >= 0
         return _Candidates(rows[0][keep], dots[0][keep])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,11 @@ EXIT_USAGE = 2
 def _setup_logging(level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _env_model_dir() -> Path | None:
+    """DUET_MODEL_DIR, the service's setting, so the builders encode with the model it serves."""
+    return Path(os.environ["DUET_MODEL_DIR"]) if os.environ.get("DUET_MODEL_DIR") else None
 
 
 def _fail(message: str) -> int:
@@ -54,23 +60,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from index_builder.build import build
+    from index_builder.build import BuildError, build
     from index_builder.corpus import CorpusError
     from models.builtin import BuiltinModel, ModelLoadError
+    from models.device import DeviceError
 
     _setup_logging()
-    if not Path(args.corpus).is_file():
-        return _fail(f"corpus manifest {args.corpus} does not exist")
+    if args.corpus and args.append:
+        return _fail("give --corpus (a new build) or --append (add to the current version), "
+                     "not both")
+    if args.corpus and args.delete:
+        return _fail("--delete changes the current version: use it alone or with --append")
+    corpus = args.corpus or args.append
+    if corpus is None and args.delete is None:
+        return _fail("give --corpus MANIFEST, --append MANIFEST or --delete IDS_FILE")
+    if corpus is not None and not Path(corpus).is_file():
+        return _fail(f"corpus manifest {corpus} does not exist")
     try:
         model = BuiltinModel.load(args.model_dir)
-        report = build(Path(args.corpus), Path(args.out), model, batch_size=args.batch_size,
-                       skip_bad=args.skip_bad, progress=not args.no_progress)
+        report = build(Path(corpus) if corpus else None, Path(args.out), model,
+                       batch_size=args.batch_size, skip_bad=args.skip_bad,
+                       progress=not args.no_progress, factory=args.factory or None,
+                       shard_size=args.shard_size, workers=args.workers, device=args.device,
+                       engine=args.engine, append=args.append is not None,
+                       delete=args.delete, ray_actors=args.ray_actors)
     except CorpusError as exc:
         return _fail(f"{exc}\n  fix or remove that line, or pass --skip-bad to skip bad lines")
-    except ModelLoadError as exc:
+    except (ModelLoadError, BuildError, DeviceError) as exc:
         return _fail(str(exc))
-    print(f"built {report.path} ({report.images} images, {report.texts} texts) in "
-          f"{report.seconds:.1f}s; {Path(args.out) / 'current'} -> {report.version}")
+    m = report.manifest
+    print(f"built {report.path} ({report.images} images, {report.texts} texts, "
+          f"{m['index_type']}) in {report.seconds:.1f}s; "
+          f"{Path(args.out) / 'current'} -> {report.version}")
+    print(f"encoded {report.encoded} items in {report.encode_seconds:.1f}s: "
+          f"{report.items_per_s:.1f} items/s ({m['build']['engine']} engine, "
+          f"{m['build']['device']}); {report.resumed_shards} of {report.shards} shards resumed")
+    for name, info in m["indexes"].items():
+        print(f"  {name}: {info['factory']}, recall@10 {info['recall_at_10']:.4f} vs exact, "
+              f"{info['bytes_per_vector']:.1f} bytes/vector")
     if report.skipped:
         print(f"skipped {len(report.skipped)} bad line(s):")
         for line in report.skipped:
@@ -135,7 +162,8 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
         corpus = Path(args.corpus_out) if args.corpus_out else out.parent / "demo-corpus"
         print(f"no index in {out}: generating {args.images} demo images in {corpus} and building")
         manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
-        report = build(manifest, out, BuiltinModel.load(), progress=not args.no_progress)
+        report = build(manifest, out, BuiltinModel.load(_env_model_dir()),
+                       progress=not args.no_progress)
     print(f"built {report.path} ({report.images} images, {report.texts} texts) in "
           f"{report.seconds:.1f}s")
     return 0
@@ -143,7 +171,6 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
 
 def cmd_healthcheck(args: argparse.Namespace) -> int:
     """Exit 0 when the service answers /healthz with 200 (Docker HEALTHCHECK, k8s exec probes)."""
-    import os
     import urllib.error
     import urllib.request
 
@@ -190,16 +217,40 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="encode a corpus into a new index version",
                        description="Encode images and captions of a JSONL corpus manifest into "
-                       "OUT/<version>/ (FAISS indexes, item store, manifest.json) and atomically "
-                       "point OUT/current at it.")
-    b.add_argument("--corpus", required=True, help="manifest.jsonl (one image per line)")
+                       "OUT/<version>/ (FAISS indexes, vectors, item store, manifest.json) and "
+                       "atomically point OUT/current at it. Encoding is written in shards under "
+                       "OUT/.shards/; run the same command again after a crash to resume.")
+    b.add_argument("--corpus", help="manifest.jsonl (one image per line): a fresh build")
+    b.add_argument("--append", metavar="CORPUS",
+                   help="add this manifest's items to OUT/current as a new version, reusing the "
+                   "stored vectors of the old ones (ids must be new)")
+    b.add_argument("--delete", type=Path, metavar="IDS_FILE",
+                   help="drop these item ids (one per line; an image's captions go with it) "
+                   "from OUT/current, alone or with --append")
     b.add_argument("--out", default="indexes", help="index directory (default: ./indexes)")
+    b.add_argument("--factory", default=os.environ.get("DUET_INDEX_FACTORY"),
+                   help="FAISS index-factory string, inner product: Flat, IVF1024,Flat, "
+                   "IVF4096_HNSW32,SQ8, IVF1024,PQ16, HNSW32, ... (DUET_INDEX_FACTORY; default: "
+                   "by size, Flat up to 200k vectors, IVF above)")
     b.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
+    b.add_argument("--shard-size", type=int, default=1024,
+                   help="items per shard; a killed build resumes from the last whole shard")
+    b.add_argument("--workers", type=int, default=None,
+                   help="image-decoding DataLoader workers (default: on a GPU cores - 1, at "
+                   "most 8; on CPU cores / 4, at most 4; 0 = decode in the main process)")
+    b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="encode on (auto: CUDA with autocast when a GPU is present)")
+    b.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="local: this process; ray: a Ray Data actor pool (RAY_ADDRESS picks "
+                   "the cluster; needs the [ray] extra)")
+    b.add_argument("--ray-actors", type=int, default=None,
+                   help="encoding actors for --engine ray (default: one per GPU, else per 2 CPUs)")
     b.add_argument("--skip-bad", action="store_true",
                    help="skip malformed lines and unreadable images, list them at the end "
                    "(default: stop at the first one)")
-    b.add_argument("--model-dir", type=Path, default=None,
-                   help=f"model weights directory (default: the shipped {DEFAULT_WEIGHTS})")
+    b.add_argument("--model-dir", type=Path, default=_env_model_dir(),
+                   help=f"model weights directory (default: $DUET_MODEL_DIR, else the shipped "
+                   f"{DEFAULT_WEIGHTS})")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.set_defaults(fn=cmd_build)
 
@@ -235,8 +286,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--ce-full-queries", type=int, default=100,
                    help="queries per direction that ce-full scores against the whole pool "
                    "(default 100)")
-    e.add_argument("--model-dir", type=Path, default=None,
-                   help="model weights directory (default: the shipped weights)")
+    e.add_argument("--model-dir", type=Path, default=_env_model_dir(),
+                   help="model weights directory (default: $DUET_MODEL_DIR, else the shipped "
+                   "weights)")
     e.set_defaults(fn=cmd_eval)
 
     i = sub.add_parser("demo-index", help="generate the demo corpus and build it, unless "

@@ -5,6 +5,8 @@
     DIR/<version>/text.faiss      caption vectors (row i = texts table row i)
     DIR/<version>/image_tokens.npy  float16 patch tokens per image, for re-ranking
     DIR/<version>/items.sqlite    ids, paths, captions and meta per row
+    DIR/<version>/image_vectors.npy, text_vectors.npy  float32 vectors (row i = row i), kept
+                                  so `duet build --append/--delete` need not re-encode
     DIR/current -> <version>      symlink, replaced atomically
 """
 
@@ -27,6 +29,8 @@ IMAGE_INDEX = "image.faiss"
 TEXT_INDEX = "text.faiss"
 IMAGE_TOKENS = "image_tokens.npy"
 ITEMS = "items.sqlite"
+IMAGE_VECTORS = "image_vectors.npy"
+TEXT_VECTORS = "text_vectors.npy"
 CURRENT = "current"
 FORMAT_VERSION = 1
 

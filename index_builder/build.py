@@ -1,26 +1,71 @@
-"""`duet build`: read a corpus -> encode in batches -> write a version -> point `current` at it."""
+"""`duet build`: read a corpus -> encode in shards -> train/fill FAISS -> write a version ->
+point `current` at it.
+
+Resumable: encoded shards are written (temp name, fsync, rename) under
+`OUT/.shards/<key>/` as they finish, where <key> hashes everything that decides their
+contents (model, device and autocast dtype, batch and shard size, the corpus manifest's bytes,
+each image's path, size and mtime, the base version of an append). A build started again with
+the same arguments skips the shards already there. Encoding order, batch boundaries and the
+FAISS training seed are fixed, and no time goes into the data files, so a resumed build
+writes the same bytes as an uninterrupted one (see IDENTICAL_FILES).
+
+Incremental: `append=True` adds a corpus's items to the current version, `delete` drops ids,
+reusing the stored vectors and tokens of everything kept.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import io
+import itertools
 import json
 import logging
+import os
 import shutil
+import sqlite3
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
-from PIL import Image
 from tqdm import tqdm
 
-from duet import indexio
+from duet import ann, indexio
 from index_builder.corpus import CorpusError, CorpusItem, read_manifest
-from models.protocols import JointEncoder
+from index_builder.encode import (
+    Encoder,
+    PlanItem,
+    ShardBuilder,
+    autocast_dtype,
+    decoded_batches,
+    default_workers,
+    fsync_dir,
+    read_shard,
+    shard_batches,
+    shard_bytes,
+    shard_path,
+    write_atomic,
+)
+from models.builtin import BuiltinModel
+from models.device import resolve_device
 
 log = logging.getLogger("duet.build")
+
+DEFAULT_SHARD_SIZE = 1024
+SHARDS_DIR = ".shards"
+RECALL_K = 10
+RECALL_QUERIES = 1000
+# What "a resumed build is identical to an uninterrupted one" compares, byte for byte.
+# manifest.json is not in it: it records build times, throughput and the version name.
+IDENTICAL_FILES = (indexio.IMAGE_INDEX, indexio.TEXT_INDEX, indexio.IMAGE_TOKENS,
+                   indexio.ITEMS, indexio.IMAGE_VECTORS, indexio.TEXT_VECTORS)
+
+
+class BuildError(ValueError):
+    """A build that cannot start or finish as asked (bad factory, duplicate ids, ...)."""
 
 
 @dataclass
@@ -33,26 +78,47 @@ class BuildReport:
     texts: int
     seconds: float
     skipped: list[str] = field(default_factory=list)
+    encoded: int = 0  # corpus items encoded by this run (not resumed from shards)
+    resumed_shards: int = 0
+    shards: int = 0
+    encode_seconds: float = 0.0
+    items_per_s: float = 0.0
+    manifest: dict[str, Any] = field(default_factory=dict)
 
 
-def _load_image(item: CorpusItem, corpus: Path) -> tuple[Image.Image, bytes]:
-    assert item.image is not None
-    try:
-        data = item.image.read_bytes()
-        img = Image.open(io.BytesIO(data))
-        img.load()
-        return img.convert("RGB"), data
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise CorpusError(corpus, item.line,
-                          f"cannot read image {item.image_rel!r} ({item.image}): {exc}") from exc
+@dataclass
+class _Base:
+    """The current version an append/delete starts from."""
+
+    path: Path
+    manifest: dict[str, Any]
+    images: list[indexio.ImageRow]
+    texts: list[indexio.TextRow]
+    image_vectors: np.ndarray
+    text_vectors: np.ndarray
+    image_tokens: np.ndarray
 
 
-def build(corpus: Path, out: Path, model: JointEncoder, batch_size: int = 64,
-          skip_bad: bool = False, progress: bool = True) -> BuildReport:
-    """Encode `corpus` with `model` into `out/<version>/` and make it `out/current`."""
+def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int = 64,
+          skip_bad: bool = False, progress: bool = True, *, factory: str | None = None,
+          shard_size: int = DEFAULT_SHARD_SIZE, workers: int | None = None,
+          device: str = "auto", engine: str = "local", append: bool = False,
+          delete: Path | None = None, ray_actors: int | None = None) -> BuildReport:
+    """Encode `corpus` with `model` into `out/<version>/` and make it `out/current`.
+
+    With `append`, `corpus` holds only new items, added to the current version; `delete`
+    names a file of ids (one per line) to drop from it. Either reuses the stored vectors.
+    """
     t0 = time.perf_counter()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if batch_size < 1 or shard_size < 1:
+        raise BuildError("--batch-size and --shard-size must be at least 1")
+    if engine not in ("local", "ray"):
+        raise BuildError(f"unknown engine {engine!r}: use local or ray")
+    dev = resolve_device(device)
+    workers = default_workers(dev) if workers is None else workers
+    if workers < 0:
+        raise BuildError("--workers must be 0 or more")
     skipped: list[str] = []
 
     def bad(err: CorpusError) -> None:
@@ -61,100 +127,407 @@ def build(corpus: Path, out: Path, model: JointEncoder, batch_size: int = 64,
         skipped.append(str(err))
         log.warning("skipping %s", err)
 
+    base = _load_base(out) if (append or delete is not None) else None
     items: list[CorpusItem] = []
-    for entry in read_manifest(Path(corpus)):
-        if isinstance(entry, CorpusError):
-            bad(entry)
-        else:
-            items.append(entry)
+    if corpus is not None:
+        for entry in read_manifest(Path(corpus)):
+            if isinstance(entry, CorpusError):
+                bad(entry)
+            else:
+                items.append(entry)
 
-    content = hashlib.sha256()
-    kept: list[CorpusItem] = []
-    img_vecs: list[np.ndarray] = []
-    img_toks: list[np.ndarray] = []
-    with_images = [it for it in items if it.image is not None]
-    bar = tqdm(total=len(with_images), desc="encoding images", unit="img", disable=not progress)
-    pending: list[tuple[CorpusItem, Image.Image]] = []
+    kept_images, kept_texts, deleted = _apply_delete(base, delete)
+    if base is not None:
+        _check_duplicates(items, kept_images, kept_texts)
 
-    def flush() -> None:
-        if pending:
-            vecs, toks = model.encode_images([img for _, img in pending])
-            img_vecs.append(vecs)
-            img_toks.append(toks)
-            bar.update(len(pending))
-            pending.clear()
+    if factory is None and base is not None:  # an append keeps the base's explicit choice
+        factory = base.manifest.get("build", {}).get("factory_arg")
+    n_img = len(kept_images) + sum(1 for it in items if it.image is not None)
+    n_txt = len(kept_texts) + sum(len(it.captions) for it in items)
+    try:
+        factories = _factories(factory, base, n_img, n_txt, model.dim)
+    except ann.FactoryError as exc:
+        raise BuildError(str(exc)) from exc
 
-    for it in items:
-        if it.image is None:
-            kept.append(it)
-            continue
-        try:
-            img, data = _load_image(it, Path(corpus))
-        except CorpusError as err:
-            bad(err)
-            bar.update(1)
-            continue
-        content.update(hashlib.sha256(data).digest())
-        kept.append(it)
-        pending.append((it, img))
-        if len(pending) >= batch_size:
-            flush()
-    flush()
-    bar.close()
+    plan = [PlanItem(i, it.id, str(it.image) if it.image else None, it.image_rel, it.line,
+                     tuple(it.captions)) for i, it in enumerate(items)]
+    out.mkdir(parents=True, exist_ok=True)
+    shard_dir = out / SHARDS_DIR / _shard_key(corpus, plan, model, dev, batch_size, shard_size,
+                                              base)
+    ranges = [(k, a, min(a + shard_size, len(plan)))
+              for k, a in enumerate(range(0, len(plan), shard_size))]
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    done = {k for k, _, _ in ranges if shard_path(shard_dir, k).is_file()}
+    missing = [r for r in ranges if r[0] not in done]
+    if done:
+        log.info("resuming: %d of %d shards already encoded in %s", len(done), len(ranges),
+                 shard_dir)
 
-    image_rows = [indexio.ImageRow(it.id, it.image_rel, it.meta) for it in kept if it.image]
-    text_rows = [indexio.TextRow(f"{it.id}#{n}", cap, it.id if it.image else None, it.meta)
+    corpus_path = Path(corpus) if corpus is not None else Path("-")
+
+    def check(k: int, arrays: dict[str, np.ndarray]) -> None:
+        """Stop at a shard's first unreadable image unless skipping."""
+        if skip_bad:
+            return
+        _, a, b = ranges[k]
+        for p, err in zip([p for p in plan[a:b] if p.image is not None],
+                          arrays["image_error"].tolist(), strict=True):
+            if err:
+                raise CorpusError(corpus_path, p.line, err)
+
+    for k in sorted(done):
+        check(k, read_shard(shard_path(shard_dir, k), ("image_error",)))
+    t_enc = time.perf_counter()
+    encoded = sum(b - a for _, a, b in missing)
+    if missing and engine == "ray":
+        from index_builder.ray_engine import encode_ray
+
+        encode_ray(plan, missing, shard_dir, model, dev, batch_size, ray_actors, progress,
+                   on_shard=check)
+    elif missing:
+        _encode_local(plan, missing, shard_dir, model, dev, batch_size, workers, progress,
+                      check)
+    encode_seconds = time.perf_counter() - t_enc
+
+    # -- assemble: kept base rows, then the new items in corpus order -----------------------
+    kept, digest = _kept_items(items, plan, [shard_path(shard_dir, k) for k, _, _ in ranges],
+                               lambda line, err: bad(CorpusError(corpus_path, line, err)))
+    if base is not None:
+        digest = hashlib.sha256(json.dumps(
+            [base.manifest.get("content_hash"), sorted(deleted), digest]).encode()).hexdigest()
+
+    new_images = [indexio.ImageRow(it.id, it.image_rel, it.meta) for it in kept if it.image]
+    new_texts = [indexio.TextRow(f"{it.id}#{n}", cap, it.id if it.image else None, it.meta)
                  for it in kept for n, cap in enumerate(it.captions)]
-    for it in kept:
-        content.update(json.dumps([it.id, it.image_rel, it.captions], sort_keys=True).encode())
-    txt_vecs: list[np.ndarray] = []
-    text_batch = max(batch_size, 256)
-    for s in tqdm(range(0, len(text_rows), text_batch), desc="encoding texts", unit="batch",
-                  disable=not progress):
-        txt_vecs.append(model.encode_texts([r.text for r in text_rows[s : s + text_batch]]))
+    image_rows = [r for _, r in kept_images] + new_images
+    text_rows = [r for _, r in kept_texts] + new_texts
 
-    dim = model.dim
-    ivecs = np.concatenate(img_vecs) if img_vecs else np.zeros((0, dim), np.float32)
-    itoks = (np.concatenate(img_toks) if img_toks
-             else np.zeros((0, *model.token_shape), np.float16))
-    tvecs = np.concatenate(txt_vecs) if txt_vecs else np.zeros((0, dim), np.float32)
+    def shard_arrays(name: str) -> Iterator[np.ndarray]:
+        for k, _, _ in ranges:
+            yield read_shard(shard_path(shard_dir, k), (name,))[name]
 
-    digest = content.hexdigest()
+    def base_rows(name: str, rows: list[int]) -> Iterator[np.ndarray]:
+        if base is not None and rows:
+            src = getattr(base, name)
+            for i in range(0, len(rows), 4096):
+                yield np.asarray(src[rows[i : i + 4096]])
+
+    img_rows = [r for r, _ in kept_images]
+    txt_rows = [r for r, _ in kept_texts]
+    ivecs = _concat([*base_rows("image_vectors", img_rows), *shard_arrays("image_vectors")],
+                    (0, model.dim), np.float32)
+    tvecs = _concat([*base_rows("text_vectors", txt_rows), *shard_arrays("text_vectors")],
+                    (0, model.dim), np.float32)
+    if len(ivecs) != len(image_rows) or len(tvecs) != len(text_rows):
+        raise RuntimeError("encoded vectors do not match the item rows (stale shards?)")
+    # tokens (4 KiB per image) are streamed into the version, never held whole in memory
+    token_chunks = itertools.chain(base_rows("image_tokens", img_rows),
+                                   shard_arrays("image_tokens"))
+
     version = _new_version(out, digest)
     tmp = out / f".building-{version}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        for name, vecs in ((indexio.IMAGE_INDEX, ivecs), (indexio.TEXT_INDEX, tvecs)):
-            index = faiss.IndexFlatIP(dim)
-            index.add(np.ascontiguousarray(vecs, dtype=np.float32))
-            faiss.write_index(index, str(tmp / name))
-        np.save(tmp / indexio.IMAGE_TOKENS, itoks.astype(np.float16))
+        indexes = _write_indexes(tmp, factories, ivecs, tvecs)
+        _write_npy(tmp / indexio.IMAGE_TOKENS, token_chunks, (len(image_rows),
+                                                              *model.token_shape), np.float16)
+        np.save(tmp / indexio.IMAGE_VECTORS, ivecs)
+        np.save(tmp / indexio.TEXT_VECTORS, tvecs)
         indexio.write_items(tmp / indexio.ITEMS, image_rows, text_rows)
         seconds = time.perf_counter() - t0
-        manifest = {
+        rate = round(encoded / encode_seconds, 1) if encoded and encode_seconds > 0 else 0.0
+        manifest: dict[str, Any] = {
             "format": indexio.FORMAT_VERSION,
             "version": version,
             "model": {"name": model.name, "fingerprint": model.fingerprint},
-            "dim": dim,
+            "dim": model.dim,
             "metric": "inner_product",
-            "index_type": "Flat",
+            "index_type": (factories[0] if factories[0] == factories[1]
+                           else f"image:{factories[0]} text:{factories[1]}"),
+            "indexes": indexes,
             "counts": {"images": len(image_rows), "texts": len(text_rows)},
-            "image_tokens": {"shape": list(itoks.shape[1:]), "dtype": "float16"},
+            "image_tokens": {"shape": list(model.token_shape), "dtype": "float16"},
             "content_hash": digest,
-            "corpus": str(Path(corpus).resolve()),
+            "corpus": str(Path(corpus).resolve()) if corpus is not None else None,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "build_seconds": round(seconds, 2),
             "skipped": len(skipped),
+            "build": {
+                "engine": engine, "device": dev.type,
+                "autocast": str(autocast_dtype(dev)).replace("torch.", "") if dev.type == "cuda"
+                else None,
+                "workers": workers, "batch_size": batch_size, "shard_size": shard_size,
+                "factory_arg": factory, "shards": len(ranges), "resumed_shards": len(done),
+                "encoded_items": encoded, "encode_seconds": round(encode_seconds, 3),
+                "items_per_s": rate,
+            },
+            "files": {name: _sha256(tmp / name) for name in IDENTICAL_FILES},
+            "bytes_per_item": _bytes_per_item(tmp, len(image_rows), len(text_rows)),
         }
-        (tmp / indexio.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        (tmp).rename(out / version)
+        if base is not None:
+            manifest["base"] = {"version": base.manifest.get("version"),
+                                "appended": len(kept), "deleted": len(deleted)}
+        _write_text(tmp / indexio.MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        for f in tmp.iterdir():
+            _fsync(f)
+        fsync_dir(tmp)
+        tmp.rename(out / version)
+        fsync_dir(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     indexio.point_current(out, version)
-    return BuildReport(version, out / version, len(image_rows), len(text_rows), seconds, skipped)
+    shutil.rmtree(shard_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        shard_dir.parent.rmdir()  # only when no other build's shards are waiting there
+    return BuildReport(version, out / version, len(image_rows), len(text_rows), seconds, skipped,
+                       encoded=encoded, resumed_shards=len(done), shards=len(ranges),
+                       encode_seconds=encode_seconds, items_per_s=rate, manifest=manifest)
+
+
+# -- encode: local engine ------------------------------------------------------------------
+
+
+def _encode_local(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
+                  shard_dir: Path, model: BuiltinModel, dev: Any, batch_size: int,
+                  workers: int, progress: bool, on_shard: Any) -> None:
+    """Decode in `workers` DataLoader processes, encode here, write each shard as it ends."""
+    encoder = Encoder(model, dev)
+    per_shard = [shard_batches(plan, a, b, batch_size) for _, a, b in missing]
+    batches = decoded_batches(plan, [b for bs in per_shard for b in bs], encoder.image_size,
+                              workers)
+    with tqdm(total=sum(b - a for _, a, b in missing), desc="encoding", unit="item",
+              disable=not progress) as bar:
+        for (k, a, b), bs in zip(missing, per_shard, strict=True):
+            shard = ShardBuilder(plan[a:b], encoder, batch_size)
+            for _ in bs:
+                shard.add(next(batches))
+            arrays = shard.finish(model.dim, model.token_shape)
+            write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+            bar.update(b - a)
+            on_shard(k, arrays)
+
+
+def _shard_key(corpus: Path | None, plan: Sequence[PlanItem], model: BuiltinModel, dev: Any,
+               batch_size: int, shard_size: int, base: _Base | None) -> str:
+    """What decides the shards' bytes: a changed corpus or argument never reuses stale ones."""
+    h = hashlib.sha256()
+    h.update(json.dumps({
+        "shard_format": 1, "model": model.fingerprint, "device": dev.type,
+        "autocast": str(autocast_dtype(dev)), "batch_size": batch_size,
+        "shard_size": shard_size, "base": base.manifest.get("version") if base else None,
+    }, sort_keys=True).encode())
+    if corpus is not None:
+        h.update(hashlib.sha256(Path(corpus).read_bytes()).digest())
+    for it in plan:  # image bytes are hashed while encoding; here size + mtime stand in
+        if it.image is not None:
+            try:
+                st = os.stat(it.image)
+                h.update(f"{it.image}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            except OSError:
+                h.update(f"{it.image}\0missing\n".encode())
+    return h.hexdigest()[:24]
+
+
+def _kept_items(items: Sequence[CorpusItem], plan: Sequence[PlanItem], shards: Sequence[Path],
+                bad: Callable[[int, str], None]) -> tuple[list[CorpusItem], str]:
+    """The items whose image decoded (or that have none), and the content hash over them:
+    image sha256s in order, then [id, image, captions] per item."""
+    ok_flags: list[bool] = []
+    shas: list[bytes] = []
+    errors: list[str] = []
+    for path in shards:
+        arrays = read_shard(path, ("image_ok", "image_sha", "image_error"))
+        ok_flags.extend(arrays["image_ok"].tolist())
+        shas.extend(bytes(s) for s in arrays["image_sha"])
+        errors.extend(arrays["image_error"].tolist())
+    for p, err in zip([p for p in plan if p.image is not None], errors, strict=True):
+        if err:
+            bad(p.line, err)  # raises unless skipping
+    flags = iter(zip(ok_flags, shas, strict=True))
+    content = hashlib.sha256()
+    kept: list[CorpusItem] = []
+    for it in items:
+        if it.image is None:
+            kept.append(it)
+            continue
+        ok, sha = next(flags)
+        if ok:
+            content.update(sha)
+            kept.append(it)
+    for it in kept:
+        content.update(json.dumps([it.id, it.image_rel, it.captions], sort_keys=True).encode())
+    return kept, content.hexdigest()
+
+
+# -- base version (append / delete) ---------------------------------------------------------
+
+
+def _load_base(out: Path) -> _Base:
+    try:
+        path = indexio.resolve_current(out)
+    except indexio.IndexLoadError as exc:
+        raise BuildError(f"--append/--delete need a current version: {exc}") from exc
+    manifest = json.loads((path / indexio.MANIFEST).read_text())
+    con = sqlite3.connect(f"file:{path / indexio.ITEMS}?mode=ro", uri=True)
+    try:
+        images = [indexio.ImageRow(r[0], r[1], json.loads(r[2])) for r in
+                  con.execute("SELECT id, path, meta FROM images ORDER BY row")]
+        texts = [indexio.TextRow(r[0], r[1], r[2], json.loads(r[3])) for r in
+                 con.execute("SELECT id, text, image_id, meta FROM texts ORDER BY row")]
+    finally:
+        con.close()
+    vectors = []
+    for name, index_file in ((indexio.IMAGE_VECTORS, indexio.IMAGE_INDEX),
+                             (indexio.TEXT_VECTORS, indexio.TEXT_INDEX)):
+        if (path / name).is_file():
+            vectors.append(np.load(path / name, mmap_mode="r"))
+            continue
+        index = faiss.read_index(str(path / index_file))  # versions built before vectors
+        try:
+            vectors.append(index.reconstruct_n(0, index.ntotal))
+        except RuntimeError as exc:
+            raise BuildError(f"{path} has no {name} and its index cannot give vectors back; "
+                             "rebuild it from its corpus") from exc
+    tokens = np.load(path / indexio.IMAGE_TOKENS, mmap_mode="r")
+    return _Base(path, manifest, images, texts, vectors[0], vectors[1], tokens)
+
+
+def _read_ids(path: Path) -> list[str]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise BuildError(f"cannot read ids file {path}: {exc}") from exc
+    return [s for s in (ln.strip() for ln in lines) if s and not s.startswith("#")]
+
+
+def _item_of_text(row: indexio.TextRow) -> str:
+    return row.image_id if row.image_id is not None else row.id.rsplit("#", 1)[0]
+
+
+def _apply_delete(base: _Base | None, delete: Path | None
+                  ) -> tuple[list[tuple[int, indexio.ImageRow]],
+                             list[tuple[int, indexio.TextRow]], set[str]]:
+    """The base rows (with their row numbers) left after deleting the ids in `delete`."""
+    if base is None:
+        return [], [], set()
+    ids = set(_read_ids(delete)) if delete is not None else set()
+    known = {r.id for r in base.images} | {_item_of_text(t) for t in base.texts}
+    unknown = sorted(ids - known)
+    if unknown:
+        raise BuildError(f"--delete: {len(unknown)} id(s) not in {base.path.name}: "
+                         f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+    images = [(i, r) for i, r in enumerate(base.images) if r.id not in ids]
+    texts = [(i, r) for i, r in enumerate(base.texts) if _item_of_text(r) not in ids]
+    return images, texts, ids
+
+
+def _check_duplicates(items: Sequence[CorpusItem], images: Sequence[tuple[int, Any]],
+                      texts: Sequence[tuple[int, indexio.TextRow]]) -> None:
+    existing = {r.id for _, r in images} | {_item_of_text(t) for _, t in texts}
+    dup = [it.id for it in items if it.id in existing]
+    if dup:
+        raise BuildError(f"--append: {len(dup)} id(s) already in the current version: "
+                         f"{', '.join(dup[:5])}{' ...' if len(dup) > 5 else ''} "
+                         "(ids must stay unique; --delete them first to replace them)")
+
+
+# -- write -------------------------------------------------------------------------------
+
+
+def _factories(factory: str | None, base: _Base | None, n_img: int, n_txt: int,
+               dim: int) -> tuple[str, str]:
+    """(image, text) factory strings, checked before anything is encoded."""
+    chosen = (factory or ann.default_factory(n_img), factory or ann.default_factory(n_txt))
+    for f, n in zip(chosen, (n_img, n_txt), strict=True):
+        ann.check_factory(f, dim, n)
+    return chosen
+
+
+def _write_indexes(tmp: Path, factories: tuple[str, str], ivecs: np.ndarray,
+                   tvecs: np.ndarray) -> dict[str, Any]:
+    """Train and fill both indexes, measure recall@10 against exact search, write them."""
+    knobs = ann.SearchKnobs()
+    info: dict[str, Any] = {}
+    for name, file, factory, vecs, other in (("image", indexio.IMAGE_INDEX, factories[0], ivecs,
+                                              tvecs),
+                                             ("text", indexio.TEXT_INDEX, factories[1], tvecs,
+                                              ivecs)):
+        try:
+            index = ann.build_index(factory, vecs)
+        except ann.FactoryError as exc:
+            raise BuildError(str(exc)) from exc
+        # text->image searches query the image index with text vectors, and the other way
+        queries = ann.query_sample(other if len(other) else vecs, RECALL_QUERIES)
+        recall = ann.recall_at_k(index, vecs, queries, RECALL_K, knobs)
+        faiss.write_index(index, str(tmp / file))
+        info[name] = {"factory": factory, "count": int(index.ntotal),
+                      "bytes_per_vector": round((tmp / file).stat().st_size
+                                                / max(index.ntotal, 1), 2),
+                      f"recall_at_{RECALL_K}": round(recall, 4),
+                      "recall_queries": len(queries), "search_params": knobs.as_json()}
+        log.info("%s index %s: recall@%d %.4f vs exact (%d queries), %.1f bytes/vector", name,
+                 factory, RECALL_K, recall, len(queries), info[name]["bytes_per_vector"])
+    return info
+
+
+def _concat(chunks: Sequence[np.ndarray], empty: tuple[int, ...], dtype: Any) -> np.ndarray:
+    if not chunks:
+        return np.zeros(empty, dtype)
+    return np.ascontiguousarray(np.concatenate(chunks), dtype=dtype)
+
+
+def _write_npy(path: Path, chunks: Iterable[np.ndarray], shape: tuple[int, ...],
+               dtype: Any) -> None:
+    """One .npy written chunk by chunk (tokens can be larger than memory)."""
+    arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    at = 0
+    for chunk in chunks:
+        arr[at : at + len(chunk)] = chunk
+        at += len(chunk)
+    if at != shape[0]:
+        raise RuntimeError(f"{path.name}: wrote {at} rows, expected {shape[0]}")
+    arr.flush()
+    del arr
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with path.open("w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _bytes_per_item(directory: Path, images: int, texts: int) -> dict[str, float]:
+    """Stored bytes per image row (its index entry, vector and tokens), per caption row, and
+    everything (items.sqlite included) per image."""
+    def size(*names: str) -> int:
+        return sum((directory / n).stat().st_size for n in names)
+
+    return {
+        "image": round(size(indexio.IMAGE_INDEX, indexio.IMAGE_VECTORS, indexio.IMAGE_TOKENS)
+                       / max(images, 1), 1),
+        "text": round(size(indexio.TEXT_INDEX, indexio.TEXT_VECTORS) / max(texts, 1), 1),
+        "total_per_image": round(size(*IDENTICAL_FILES) / max(images, 1), 1),
+    }
 
 
 def _new_version(out: Path, digest: str) -> str:

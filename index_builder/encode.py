@@ -1,0 +1,271 @@
+"""The encode step: decode images (DataLoader workers) -> encode on a device -> shards.
+
+One code path for CPU and GPU: pixels are decoded and resized on the CPU (uint8), moved to
+the device, and run under `torch.autocast` (bf16 where the GPU supports it, else fp16;
+disabled on CPU, which encodes in fp32). Vectors come back float32 and re-normalised.
+
+Both engines (local and Ray) feed decoded batches into a `ShardBuilder` with the same batch
+boundaries, so a shard's contents do not depend on which engine or how many workers made it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from models.builtin import BuiltinModel, pixel_bytes
+from models.joint import JointModel
+
+TEXT_BATCH_MIN = 256
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `device`: bf16 on GPUs that have it, fp16 on older ones, none
+    on CPU (fp32 there: CPU autocast is slower than fp32 for a model this small)."""
+    if device.type != "cuda":
+        return None
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def default_workers(device: torch.device) -> int:
+    """Decoding workers. On a GPU the CPU only decodes: cores - 1 (at most 8). On CPU the
+    encoder needs the cores itself (on 2 cores, 1 worker made the 2,000-image demo build
+    1.3-1.8x slower than 0), so a quarter of them, at most 4."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    if device.type == "cuda":
+        return max(0, min(8, cores - 1))
+    return min(4, cores // 4)
+
+
+class Encoder:
+    """A copy of the model on one device; encodes uint8 pixel batches and caption batches."""
+
+    def __init__(self, model: BuiltinModel, device: torch.device) -> None:
+        self.device = device
+        self.dtype = autocast_dtype(device)
+        self.tokenizer = model.tokenizer
+        self.image_size = model.model.cfg.image_size
+        self.net: JointModel = model.model if device.type == "cpu" else _moved(model, device)
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        if self.dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def images(self, pixels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """uint8 (B, 3, S, S) -> ((B, dim) float32 unit vectors, (B, T, d) float16 tokens)."""
+        if self.device.type == "cuda":  # page-locked, so the copy can overlap the last batch
+            pixels = pixels.pin_memory()
+        x = pixels.to(self.device, non_blocking=True).float() / 255.0
+        with self._autocast():
+            toks = self.net.image_tokens(x)
+            vec = self.net.embed_images(toks)
+        vec = F.normalize(vec.float(), dim=-1)
+        return vec.cpu().numpy(), toks.half().cpu().numpy()
+
+    @torch.inference_mode()
+    def texts(self, texts: Sequence[str]) -> np.ndarray:
+        """Captions -> (n, dim) float32 unit vectors."""
+        ids, pad = self.tokenizer.batch(list(texts))
+        ids, pad = ids.to(self.device), pad.to(self.device)
+        with self._autocast():
+            vec = self.net.embed_texts(self.net.text_tokens(ids, pad), pad)
+        return F.normalize(vec.float(), dim=-1).cpu().numpy()
+
+
+def _moved(model: BuiltinModel, device: torch.device) -> JointModel:
+    import copy
+
+    return copy.deepcopy(model.model).to(device).eval()
+
+
+# -- the work plan -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One corpus item to encode: its image (if any) and captions, in corpus order."""
+
+    pos: int
+    id: str
+    image: str | None  # absolute path
+    image_rel: str | None
+    line: int
+    captions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A decoded image, or why it could not be: what a loader worker hands back."""
+
+    pos: int
+    pixels: torch.Tensor | None  # uint8 (3, S, S)
+    sha256: bytes
+    error: str
+
+
+def decode(item: PlanItem, size: int) -> Decoded:
+    """Read, hash, decode and resize one image; errors come back as text, not exceptions."""
+    assert item.image is not None
+    try:
+        data = Path(item.image).read_bytes()
+    except OSError as exc:
+        return Decoded(item.pos, None, b"\0" * 32, f"cannot read image {item.image_rel!r} "
+                       f"({item.image}): {exc}")
+    sha = hashlib.sha256(data).digest()
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.load()
+        pix = pixel_bytes([img.convert("RGB")], size)[0]
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        return Decoded(item.pos, None, sha, f"cannot read image {item.image_rel!r} "
+                       f"({item.image}): {exc}")
+    return Decoded(item.pos, pix, sha, "")
+
+
+class DecodeDataset(torch.utils.data.Dataset[Decoded]):
+    """Images of the plan by position, decoded in DataLoader workers."""
+
+    def __init__(self, plan: Sequence[PlanItem], size: int) -> None:
+        self.plan = plan
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, pos: int) -> Decoded:
+        return decode(self.plan[pos], self.size)
+
+
+def _as_list(batch: list[Decoded]) -> list[Decoded]:
+    return batch
+
+
+def shard_batches(plan: Sequence[PlanItem], start: int, stop: int,
+                  batch_size: int) -> list[list[int]]:
+    """Positions of the images in plan[start:stop], cut into batches (never across shards)."""
+    with_image = [it.pos for it in plan[start:stop] if it.image is not None]
+    return [with_image[i : i + batch_size] for i in range(0, len(with_image), batch_size)]
+
+
+def decoded_batches(plan: Sequence[PlanItem], batches: list[list[int]], size: int,
+                    workers: int) -> Iterator[list[Decoded]]:
+    """The decoded batches, in order, from `workers` DataLoader processes (0 = this one)."""
+    if not batches:
+        return iter(())
+    loader = torch.utils.data.DataLoader(
+        DecodeDataset(plan, size), batch_sampler=batches, num_workers=workers,
+        collate_fn=_as_list,
+        prefetch_factor=4 if workers else None, persistent_workers=False)
+    return iter(loader)
+
+
+# -- one shard ---------------------------------------------------------------------------
+
+SHARD_FIELDS = ("image_ok", "image_sha", "image_error", "image_vectors", "image_tokens",
+                "text_vectors")
+
+
+class ShardBuilder:
+    """Collects one shard's encoded image batches, then encodes its captions."""
+
+    def __init__(self, items: Sequence[PlanItem], encoder: Encoder, batch_size: int) -> None:
+        self.items = list(items)
+        self.encoder = encoder
+        self.batch_size = batch_size
+        self.decoded: list[Decoded] = []
+        self.vecs: list[np.ndarray] = []
+        self.toks: list[np.ndarray] = []
+
+    def add(self, batch: list[Decoded]) -> None:
+        """Encode the decodable images of one batch."""
+        self.decoded.extend(batch)
+        good = [d.pixels for d in batch if d.pixels is not None]
+        if good:
+            vec, tok = self.encoder.images(torch.stack(good))
+            self.vecs.append(vec)
+            self.toks.append(tok)
+
+    def finish(self, dim: int, token_shape: tuple[int, int]) -> dict[str, np.ndarray]:
+        """Encode the captions of every item whose image decoded (or that has none)."""
+        ok = {d.pos: d.pixels is not None for d in self.decoded}
+        texts = [c for it in self.items if it.image is None or ok[it.pos] for c in it.captions]
+        step = max(self.batch_size, TEXT_BATCH_MIN)
+        tvecs = [self.encoder.texts(texts[i : i + step]) for i in range(0, len(texts), step)]
+        return {
+            "image_ok": np.array([ok[d.pos] for d in self.decoded], dtype=bool),
+            "image_sha": np.array([np.frombuffer(d.sha256, np.uint8) for d in self.decoded],
+                                  dtype=np.uint8).reshape(-1, 32),
+            "image_error": np.array([d.error for d in self.decoded], dtype=np.str_),
+            "image_vectors": (np.concatenate(self.vecs) if self.vecs
+                              else np.zeros((0, dim), np.float32)),
+            "image_tokens": (np.concatenate(self.toks).astype(np.float16) if self.toks
+                             else np.zeros((0, *token_shape), np.float16)),
+            "text_vectors": (np.concatenate(tvecs) if tvecs else np.zeros((0, dim), np.float32)),
+        }
+
+
+def shard_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """A shard file: its arrays as consecutive .npy records (no zip, so no timestamps)."""
+    buf = io.BytesIO()
+    for name in SHARD_FIELDS:
+        np.save(buf, arrays[name], allow_pickle=False)
+    return buf.getvalue()
+
+
+def shard_path(shard_dir: Path, k: int) -> Path:
+    return shard_dir / f"shard-{k:06d}.npy"
+
+
+def read_shard(path: Path, fields: Sequence[str] = SHARD_FIELDS) -> dict[str, np.ndarray]:
+    """A shard's arrays (only `fields`; reading stops after the last one asked for)."""
+    with path.open("rb") as fh:
+        return _read_fields(fh, fields)
+
+
+def read_shard_bytes(data: bytes, fields: Sequence[str] = SHARD_FIELDS
+                     ) -> dict[str, np.ndarray]:
+    return _read_fields(io.BytesIO(data), fields)
+
+
+def _read_fields(fh: Any, fields: Sequence[str]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for name in SHARD_FIELDS:
+        if len(out) == len(fields):
+            break
+        arr = np.load(fh, allow_pickle=False)
+        if name in fields:
+            out[name] = arr
+    return out
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temp name, fsync, rename, fsync the directory: a file is whole or absent."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
