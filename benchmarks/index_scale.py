@@ -6,11 +6,11 @@
 Vectors are synthetic but shaped like embeddings rather than noise: d = 128 (duet's
 embedding size), L2-normalised, searched by inner product, drawn from a two-level Gaussian
 mixture (64 groups of 64 components: 4,096 centres). The within-component noise has a
-decaying spectrum, so the data has a low intrinsic dimension as learned embeddings do
-(isotropic 128-d noise makes every approximate index look hopeless), and it is wider than
-the spacing of a group's components, so the density has no gaps for IVF cells to line up
-with (with well-separated components the 4,096 IVF lists at 1M each recovered one
-component and nprobe=1 reached recall 0.98, while 10k of the same data looked like noise).
+decaying spectrum, so the data has a low intrinsic dimension as learned embeddings do,
+and is wider than the spacing of a group's components, so the density has no gaps for
+IVF cells to line up with (with well-separated components the 4,096 IVF lists at 1M each
+recovered one component and nprobe=1 reached recall 0.98, while 10k of the same data
+looked like noise).
 Queries come from the same mixture but are never indexed. Seeds are fixed.
 
 Per index type and N it measures: train + add time (all FAISS threads) as vectors/s;
