@@ -42,7 +42,7 @@ from index_builder.encode import (
     autocast_dtype,
     decoded_batches,
     default_workers,
-    fsync_dir,
+    fsync_path,
     read_shard,
     shard_batches,
     shard_bytes,
@@ -271,10 +271,10 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
                                 "appended": len(kept), "deleted": len(deleted)}
         _write_text(tmp / indexio.MANIFEST, json.dumps(manifest, indent=1) + "\n")
         for f in tmp.iterdir():
-            _fsync(f)
-        fsync_dir(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         tmp.rename(out / version)
-        fsync_dir(out)
+        fsync_path(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -491,14 +491,6 @@ def _write_npy(path: Path, chunks: Iterable[np.ndarray], shape: tuple[int, ...],
         raise RuntimeError(f"{path.name}: wrote {at} rows, expected {shape[0]}")
     arr.flush()
     del arr
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_text(path: Path, text: str) -> None:
