@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from duet import ann
 from models.fusion import DEFAULT_FUSION_LAMBDA
+from models.late import DEFAULT_THETA
 
 
 class Settings(BaseSettings):
@@ -42,6 +43,9 @@ class Settings(BaseSettings):
     rerank_fusion_lambda: float = Field(
         DEFAULT_FUSION_LAMBDA, ge=0.0, le=1.0,
         description="score = lambda * dot + (1 - lambda) * sigmoid(CE); 0 = CE alone")
+    rerank_theta: float = Field(
+        DEFAULT_THETA, ge=0.0, le=1.0,
+        description="late re-ranker: S_gl = (1 - theta) * dot + theta * S_l; 0 = dot alone")
     rerank_max_batch: int = Field(256, ge=1, description="pairs per cross-encoder forward pass")
     rerank_max_wait_ms: float = Field(4.0, ge=0, description="how long a batch waits to fill")
     rerank_max_queue: int = Field(512, ge=1, description="waiting requests before 429")

@@ -31,6 +31,13 @@ class ValidationFailed(DuetError):
     code = "validation_error"
 
 
+class RerankerUnavailable(DuetError):
+    """A re-ranker the API names but this deployment (or its model) cannot run."""
+
+    status = 422
+    code = "reranker_unavailable"
+
+
 class InvalidImage(DuetError):
     status = 400
     code = "invalid_image"

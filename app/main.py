@@ -66,7 +66,7 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
             rerank_max_batch=settings.rerank_max_batch,
             rerank_max_wait_s=settings.rerank_max_wait_ms / 1000,
             rerank_max_queue=settings.rerank_max_queue,
-            fusion_lambda=settings.rerank_fusion_lambda,
+            fusion_lambda=settings.rerank_fusion_lambda, theta=settings.rerank_theta,
             index_nprobe=settings.index_nprobe, index_ef_search=settings.index_ef_search)
         await pipeline.start()
         reloader = IndexReloader(pipeline, settings.index_dir, metrics, settings.index_poll_s)

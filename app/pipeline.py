@@ -1,4 +1,7 @@
-"""The search pipeline: cache -> encode query -> FAISS top-M -> re-rank (micro-batched) -> top-k.
+"""The search pipeline: cache -> encode query -> FAISS top-M -> re-rank -> fuse -> top-k.
+
+The re-ranker is chosen per request (`SearchOptions.reranker`): the cross-encoder runs
+micro-batched across requests, late interaction (TGDT's S_gl) in a worker thread.
 
 Model calls and FAISS searches run in worker threads, never on the event loop.
 """
@@ -21,19 +24,36 @@ from PIL import Image
 
 from app.batching import MicroBatcher
 from app.cache import ResilientCache, cache_key
+from app.errors import RerankerUnavailable
 from app.metrics import Metrics
-from app.schemas import Hit, SearchOptions, SearchResponse
+from app.schemas import RERANKERS, Hit, SearchOptions, SearchResponse
 from app.versions import ServedIndex
 from duet import ann
 from duet.indexio import IndexVersion
-from models.fusion import fuse
-from models.protocols import JointEncoder
+from models.fusion import add_scores, norm_add_scores, sigmoid
+from models.late import DEFAULT_THETA, late_scores
+from models.protocols import JointEncoder, TokenEncoder
 from models.tokenizer import normalise
 
 log = logging.getLogger("duet.pipeline")
 
 RerankItem = tuple[list[str], np.ndarray]  # texts and their paired image tokens
-Ranked = tuple[int, float, float | None, float]  # row, dot, rerank probability, score
+Ranked = tuple[int, float, float | None, float]  # row, dot, re-ranker score, score
+
+
+@dataclass(frozen=True)
+class RerankPlan:
+    """A request's re-ranking options with the service defaults filled in: what runs, and
+    (with the query and the top_k / candidates) everything that decides the result."""
+
+    reranker: str  # ce | late | none
+    fusion: str  # none | add | norm_add; none when reranker is none
+    lam: float | None  # with fusion add / norm_add
+    theta: float | None  # with reranker late
+
+    @property
+    def reranks(self) -> bool:
+        return self.reranker != "none"
 
 
 @dataclass
@@ -51,7 +71,7 @@ class SearchPipeline:
 
     def __init__(self, model: JointEncoder, index: IndexVersion, cache: ResilientCache,
                  metrics: Metrics, *, rerank_max_batch: int, rerank_max_wait_s: float,
-                 rerank_max_queue: int, fusion_lambda: float,
+                 rerank_max_queue: int, fusion_lambda: float, theta: float = DEFAULT_THETA,
                  index_nprobe: int = ann.DEFAULT_NPROBE,
                  index_ef_search: int = ann.DEFAULT_EF_SEARCH) -> None:
         self.model = model
@@ -60,6 +80,10 @@ class SearchPipeline:
         self.cache = cache
         self.metrics = metrics
         self.fusion_lambda = fusion_lambda
+        self.theta = theta
+        # late interaction needs token-level text features from the model
+        self.rerankers = ("ce", "late", "none") if isinstance(model, TokenEncoder) \
+            else ("ce", "none")
         self.batcher: MicroBatcher[RerankItem, np.ndarray] = MicroBatcher(
             self._score_batch, max_batch=rerank_max_batch, max_wait_s=rerank_max_wait_s,
             size_of=lambda item: len(item[0]), max_queue=rerank_max_queue,
@@ -115,11 +139,33 @@ class SearchPipeline:
         bounds = np.cumsum([0] + [len(item[0]) for item in items])
         return [scores[a:b] for a, b in itertools.pairwise(bounds)]
 
-    def _key(self, index: IndexVersion, endpoint: str, query: str, opts: SearchOptions) -> str:
-        """The request's identity, including the version it runs on: no entry outlives a swap."""
+    def plan(self, opts: SearchOptions) -> RerankPlan:
+        """The request's options resolved against the service's defaults; a re-ranker the
+        API names but this service cannot run is refused here."""
+        r = opts.effective_reranker
+        if r not in self.rerankers:
+            why = ("is not available in this deployment" if r == "han"
+                   else "needs token-level text features, which this model does not provide")
+            raise RerankerUnavailable(
+                f"reranker: the {r} re-ranker {why}; available: {', '.join(self.rerankers)} "
+                f"(the API knows {', '.join(RERANKERS)})")
+        if r == "none":
+            return RerankPlan("none", "none", None, None)
+        fusion = opts.fusion or ("add" if r == "ce" else "none")
+        lam = None if fusion == "none" else (
+            self.fusion_lambda if opts.lambda_ is None else opts.lambda_)
+        theta = None if r != "late" else (self.theta if opts.theta is None else opts.theta)
+        return RerankPlan(r, fusion, lam, theta)
+
+    def _key(self, index: IndexVersion, endpoint: str, query: str, opts: SearchOptions,
+             plan: RerankPlan) -> str:
+        """The request's identity, including the version it runs on: no entry outlives a swap.
+        Options enter resolved, so `rerank: false` and `reranker: none` share an entry."""
         return cache_key(model=self.model.fingerprint, index=index.version,
                          endpoint=endpoint, query=query, top_k=opts.top_k,
-                         candidates=opts.candidates, rerank=opts.rerank)
+                         candidates=opts.candidates if plan.reranks else None,
+                         reranker=plan.reranker, fusion=plan.fusion, lam=plan.lam,
+                         theta=plan.theta)
 
     async def _cached(self, key: str, timings: dict[str, float]) -> SearchResponse | None:
         with self._stage("cache", timings):
@@ -144,17 +190,43 @@ class SearchPipeline:
         keep = rows[0] >= 0
         return _Candidates(rows[0][keep], dots[0][keep])
 
-    def _order(self, cand: _Candidates, scores: np.ndarray | None,
+    @staticmethod
+    def _order(cand: _Candidates, scores: np.ndarray | None, plan: RerankPlan,
                top_k: int) -> list[Ranked]:
-        """(row, dot, rerank probability, score) for the top-k, best first."""
+        """(row, dot, re-ranker score, score) for the top-k, best first. `scores` are the
+        re-ranker's own (CE probability or S_gl); `score` is what the hits are ordered by."""
         if scores is None:
             return [(int(r), float(d), None, float(d))
                     for r, d in zip(cand.rows[:top_k], cand.dots[:top_k], strict=True)]
-        fused = fuse(cand.dots, scores, self.fusion_lambda)
+        if plan.fusion == "none":
+            fused = np.asarray(scores, dtype=np.float64)
+        else:
+            assert plan.lam is not None
+            combine = add_scores if plan.fusion == "add" else norm_add_scores
+            fused = combine(cand.dots, scores, plan.lam)
         order = np.argsort(-fused, kind="stable")[:top_k]
-        probs = fuse(cand.dots, scores, 0.0)
-        return [(int(cand.rows[i]), float(cand.dots[i]), float(probs[i]), float(fused[i]))
+        return [(int(cand.rows[i]), float(cand.dots[i]), float(scores[i]), float(fused[i]))
                 for i in order]
+
+    def _late_text_query(self, query: str, cand: _Candidates, image_tokens: np.ndarray,
+                         theta: float) -> np.ndarray:
+        """S_gl for a sentence against its candidate images' stored patch tokens."""
+        assert isinstance(self.model, TokenEncoder)
+        q, mask = self.model.text_token_features([query])
+        n = len(cand.rows)
+        return late_scores(cand.dots, np.repeat(q, n, axis=0), np.repeat(mask, n, axis=0),
+                           image_tokens.astype(np.float32), theta)
+
+    def _late_image_query(self, image_tokens: np.ndarray, cand: _Candidates, texts: list[str],
+                          theta: float) -> np.ndarray:
+        """S_gl for an image against its candidate captions: the index stores no caption
+        tokens, so the text tower computes them here (one pass over <= `candidates` texts)."""
+        assert isinstance(self.model, TokenEncoder)
+        items, item_mask = self.model.text_token_features(texts)
+        n = len(texts)
+        q = np.repeat(image_tokens.astype(np.float32), n, axis=0)
+        return late_scores(cand.dots, q, np.ones(q.shape[:2], dtype=bool), items, theta,
+                           item_mask)
 
     async def _respond(self, key: str, ranked: list[Ranked],
                        rows_meta: list[tuple[str, dict[str, Any]]], index: IndexVersion,
@@ -186,20 +258,27 @@ class SearchPipeline:
                            opts: SearchOptions) -> SearchResponse:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        key = self._key(index, "text", normalise(query), opts)
+        plan = self.plan(opts)
+        key = self._key(index, "text", normalise(query), opts, plan)
         if (hit := await self._cached(key, timings)) is not None:
             return hit
         with self._stage("encode", timings):
             vec = await asyncio.to_thread(self.model.encode_texts, [query])
-        m = opts.candidates if opts.rerank else opts.top_k
+        m = opts.candidates if plan.reranks else opts.top_k
         with self._stage("search", timings):
             cand = await asyncio.to_thread(self._top, vec, index.image_index, m)
         scores = None
-        if opts.rerank and len(cand.rows):
+        if plan.reranks and len(cand.rows):
             with self._stage("rerank", timings):
                 tokens = np.asarray(index.image_tokens[cand.rows])  # copy out of the memmap
-                scores = await self.batcher.submit(([query] * len(cand.rows), tokens))
-        ranked = self._order(cand, scores, opts.top_k)
+                if plan.reranker == "late":
+                    assert plan.theta is not None
+                    scores = await asyncio.to_thread(self._late_text_query, query, cand,
+                                                     tokens, plan.theta)
+                else:
+                    scores = sigmoid(await self.batcher.submit(
+                        ([query] * len(cand.rows), tokens)))
+        ranked = self._order(cand, scores, plan, opts.top_k)
         with self._stage("lookup", timings):
             rows = await asyncio.to_thread(index.store.images, [r for r, _, _, _ in ranked])
         meta = [(r.id, {**r.meta, "image": r.path}) for r in rows]
@@ -209,22 +288,29 @@ class SearchPipeline:
                             opts: SearchOptions) -> SearchResponse:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        key = self._key(index, "image", hashlib.sha256(data).hexdigest(), opts)
+        plan = self.plan(opts)
+        key = self._key(index, "image", hashlib.sha256(data).hexdigest(), opts, plan)
         if (hit := await self._cached(key, timings)) is not None:
             return hit
         with self._stage("encode", timings):
             vec, toks = await asyncio.to_thread(self.model.encode_images, [image])
-        m = opts.candidates if opts.rerank else opts.top_k
+        m = opts.candidates if plan.reranks else opts.top_k
         with self._stage("search", timings):
             cand = await asyncio.to_thread(self._top, vec, index.text_index, m)
         with self._stage("lookup", timings):  # the re-ranker reads the candidates' captions
             cand_rows = await asyncio.to_thread(index.store.texts, [int(r) for r in cand.rows])
         scores = None
-        if opts.rerank and len(cand.rows):
+        if plan.reranks and len(cand.rows):
             with self._stage("rerank", timings):
                 texts = [r.text for r in cand_rows]
-                scores = await self.batcher.submit((texts, np.repeat(toks, len(texts), axis=0)))
-        ranked = self._order(cand, scores, opts.top_k)
+                if plan.reranker == "late":
+                    assert plan.theta is not None
+                    scores = await asyncio.to_thread(self._late_image_query, toks, cand, texts,
+                                                     plan.theta)
+                else:
+                    scores = sigmoid(await self.batcher.submit(
+                        (texts, np.repeat(toks, len(texts), axis=0))))
+        ranked = self._order(cand, scores, plan, opts.top_k)
         by_row = dict(zip(cand.rows.tolist(), cand_rows, strict=True))
         meta = [(by_row[r].id, {**by_row[r].meta, "text": by_row[r].text,
                                 "image_id": by_row[r].image_id}) for r, _, _, _ in ranked]

@@ -2,28 +2,82 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_QUERY_CHARS = 512
 
+Reranker = Literal["ce", "late", "han", "none"]
+Fusion = Literal["none", "add", "norm_add"]
+RERANKERS: tuple[str, ...] = get_args(Reranker)
+FUSIONS: tuple[str, ...] = get_args(Fusion)
+
 
 class SearchOptions(BaseModel):
-    """Options shared by both search endpoints."""
+    """Options shared by both search endpoints.
+
+    `reranker` wins over the older `rerank` flag; the two may only be sent together when they
+    agree (`rerank: false` with `reranker: none`, `rerank: true` with any other). `fusion`,
+    `lambda` and `theta` are refused where they would change nothing (see `_consistent`).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     top_k: int = Field(10, ge=1, le=100, description="hits to return")
     candidates: int = Field(50, ge=1, le=1000, description="top-M by dot product to re-rank")
-    rerank: bool = Field(True, description="false returns the dot-product order")
+    rerank: bool = Field(True, description="false = reranker none (the dot-product order)")
+    reranker: Reranker | None = Field(
+        None, description="ce (cross-encoder, default), late (late interaction, S_gl), "
+                          "han (not available in this deployment), none (dot-product order)")
+    fusion: Fusion | None = Field(
+        None, description="none (re-ranker score alone), add (lambda*dot + (1-lambda)*score), "
+                          "norm_add (add after 0-1 normalising both over the candidates); "
+                          "default: add for ce, none for late")
+    lambda_: float | None = Field(
+        None, alias="lambda", ge=0.0, le=1.0,
+        description="fusion weight of the dot product; default DUET_RERANK_FUSION_LAMBDA")
+    theta: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="late only: S_gl = (1-theta)*dot + theta*S_l; default DUET_RERANK_THETA")
+
+    @property
+    def effective_reranker(self) -> str:
+        if self.reranker is not None:
+            return self.reranker
+        return "ce" if self.rerank else "none"
+
+    @property
+    def reranks(self) -> bool:
+        return self.effective_reranker != "none"
 
     @model_validator(mode="after")
-    def _enough_candidates(self) -> SearchOptions:
-        if self.rerank and self.candidates < self.top_k:
+    def _consistent(self) -> SearchOptions:
+        r = self.effective_reranker
+        if self.reranker is not None and "rerank" in self.model_fields_set \
+                and self.rerank != (self.reranker != "none"):
+            raise ValueError(f"rerank={str(self.rerank).lower()} contradicts "
+                             f"reranker={self.reranker}; send only reranker")
+        if r == "none":
+            for name, value in (("fusion", self.fusion), ("lambda", self.lambda_),
+                                ("theta", self.theta)):
+                if value is not None:
+                    raise ValueError(f"{name} needs a re-ranker; reranker is none "
+                                     "(the dot-product order)")
+        if self.theta is not None and r != "late":
+            raise ValueError(f"theta applies only to reranker=late, not {r}")
+        if self.lambda_ is not None and self.fusion == "none":
+            raise ValueError("lambda applies only to fusion add or norm_add, not none")
+        if r != "none" and self.candidates < self.top_k:
             raise ValueError(f"candidates ({self.candidates}) must be >= top_k ({self.top_k}) "
-                             "when rerank is true")
+                             "when re-ranking")
         return self
+
+    def options(self) -> SearchOptions:
+        """Just the options (a request body minus its query or image)."""
+        return SearchOptions.model_validate(
+            self.model_dump(include=set(SearchOptions.model_fields), exclude_unset=True,
+                            by_alias=True))
 
 
 class TextSearchRequest(SearchOptions):

@@ -105,6 +105,14 @@ class BuiltinModel:
         vec = self.model.embed_images(toks)
         return vec.float().cpu().numpy(), toks.half().cpu().numpy()
 
+    @torch.inference_mode()
+    def text_token_features(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Texts -> (text tower tokens (n, L, d) float32, mask (n, L) True for real tokens):
+        the query side (or caption side) of late interaction, the same width as image tokens."""
+        ids, pad = self._batch(texts)
+        toks = self.model.text_tokens(ids, pad)
+        return toks.float().cpu().numpy(), (~pad).cpu().numpy()
+
     # -- cross-encoder --------------------------------------------------------
     @torch.inference_mode()
     def score_pairs(self, texts: Sequence[str], image_tokens: np.ndarray) -> np.ndarray:

@@ -10,6 +10,24 @@ import numpy as np
 DEFAULT_FUSION_LAMBDA = 0.7
 
 
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    """The cross-encoder's match probability from its logit, float64."""
+    return 1.0 / (1.0 + np.exp(-np.asarray(logits, dtype=np.float64)))
+
+
+def add_scores(dots: np.ndarray, scores: np.ndarray, lam: float) -> np.ndarray:
+    """ADD_lambda on a re-ranker score that is already a score (a probability, S_gl):
+    lam * dot + (1 - lam) * score."""
+    return lam * np.asarray(dots, dtype=np.float64) + (1.0 - lam) * np.asarray(
+        scores, dtype=np.float64)
+
+
+def norm_add_scores(dots: np.ndarray, scores: np.ndarray, lam: float) -> np.ndarray:
+    """NORM_ADD_lambda on a re-ranker score: both 0-1 normalised over the query's candidates."""
+    return (lam * _minmax(np.asarray(dots, dtype=np.float64))
+            + (1.0 - lam) * _minmax(np.asarray(scores, dtype=np.float64)))
+
+
 def fuse(dots: np.ndarray, logits: np.ndarray, lam: float) -> np.ndarray:
     """ADD_lambda: lam * dot + (1 - lam) * sigmoid(cross-encoder logit); lam = 0 is the CE alone."""
     return lam * dots + (1.0 - lam) / (1.0 + np.exp(-logits.astype(np.float64)))

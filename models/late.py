@@ -21,24 +21,29 @@ def _unit(x: np.ndarray) -> np.ndarray:
 
 
 def local_scores(query_tokens: np.ndarray, query_mask: np.ndarray,
-                 item_tokens: np.ndarray) -> np.ndarray:
+                 item_tokens: np.ndarray, item_mask: np.ndarray | None = None) -> np.ndarray:
     """S_l for B (query, item) pairs.
 
-    query_tokens (B, L, D), query_mask (B, L) True for real tokens, item_tokens (B, T, D)
-    -> (B,): for each real query token its best cosine among the item's tokens, averaged.
+    query_tokens (B, L, D), query_mask (B, L) True for real tokens, item_tokens (B, T, D),
+    item_mask (B, T) True for real tokens (None: all real; each item needs one)
+    -> (B,): for each real query token its best cosine among the item's real tokens, averaged.
     """
     q, it = _unit(query_tokens), _unit(item_tokens)
-    best = np.einsum("bld,btd->blt", q, it).max(axis=2)  # (B, L)
+    cos = np.einsum("bld,btd->blt", q, it)  # (B, L, T)
+    if item_mask is not None:
+        cos = np.where(np.asarray(item_mask, dtype=bool)[:, None, :], cos, -np.inf)
+    best = cos.max(axis=2)  # (B, L)
     mask = np.asarray(query_mask, dtype=np.float32)
     return (best * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1.0)
 
 
 def late_scores(global_scores: np.ndarray, query_tokens: np.ndarray, query_mask: np.ndarray,
-                item_tokens: np.ndarray, theta: float = DEFAULT_THETA) -> np.ndarray:
+                item_tokens: np.ndarray, theta: float = DEFAULT_THETA,
+                item_mask: np.ndarray | None = None) -> np.ndarray:
     """S_gl = (1 - theta) * S_g + theta * S_l for B pairs; theta = 0 is the bi-encoder alone."""
     if not 0.0 <= theta <= 1.0:
         raise ValueError(f"theta must be in [0, 1], got {theta}")
-    s_l = local_scores(query_tokens, query_mask, item_tokens)
+    s_l = local_scores(query_tokens, query_mask, item_tokens, item_mask)
     return (1.0 - theta) * np.asarray(global_scores, dtype=np.float32) + theta * s_l
 
 

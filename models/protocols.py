@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from PIL import Image
@@ -33,3 +33,12 @@ class JointEncoder(BiEncoder, PairReranker, Protocol):
     """One model in both roles (JOINT+COOP); the builder stores its image tokens."""
 
     token_shape: tuple[int, int]
+
+
+@runtime_checkable
+class TokenEncoder(Protocol):
+    """Token-level text features for late interaction (TGDT), in the image tokens' width."""
+
+    def text_token_features(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens (n, L, d) float32, mask (n, L) bool, True for real tokens)."""
+        ...

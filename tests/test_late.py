@@ -18,6 +18,18 @@ def test_local_score_hand_computed() -> None:
     assert local_scores(q, mask, items2)[0] == pytest.approx(1.0, abs=1e-6)
 
 
+def test_item_mask_keeps_padding_out_of_the_max() -> None:
+    q = np.array([[[1.0, 0.0]], [[1.0, 0.0]]])
+    mask = np.ones((2, 1), dtype=bool)
+    items = np.array([[[0.0, 1.0], [1.0, 0.0]], [[0.0, 1.0], [1.0, 0.0]]])
+    item_mask = np.array([[True, False], [True, True]])  # item 0's exact match is padding
+    np.testing.assert_allclose(local_scores(q, mask, items, item_mask), [0.0, 1.0], atol=1e-6)
+    np.testing.assert_allclose(local_scores(q, mask, items), [1.0, 1.0], atol=1e-6)
+    g = np.array([0.4, 0.4])
+    np.testing.assert_allclose(late_scores(g, q, mask, items, 0.5, item_mask), [0.2, 0.7],
+                               atol=1e-6)
+
+
 def test_late_score_mixes_global_and_local() -> None:
     q = np.array([[[1.0, 0.0]], [[0.0, 1.0]]])
     mask = np.ones((2, 1), dtype=bool)

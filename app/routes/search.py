@@ -20,7 +20,14 @@ from app.errors import (
     describe_errors,
 )
 from app.imaging import decode_image
-from app.schemas import ImageSearchJSON, SearchOptions, SearchResponse, TextSearchRequest
+from app.schemas import (
+    FUSIONS,
+    RERANKERS,
+    ImageSearchJSON,
+    SearchOptions,
+    SearchResponse,
+    TextSearchRequest,
+)
 
 router = APIRouter(tags=["search"])
 
@@ -35,6 +42,10 @@ _IMAGE_BODY_DOC: dict[str, Any] = {
                     "top_k": {"type": "integer", "default": 10},
                     "candidates": {"type": "integer", "default": 50},
                     "rerank": {"type": "boolean", "default": True},
+                    "reranker": {"type": "string", "enum": list(RERANKERS)},
+                    "fusion": {"type": "string", "enum": list(FUSIONS)},
+                    "lambda": {"type": "number", "minimum": 0, "maximum": 1},
+                    "theta": {"type": "number", "minimum": 0, "maximum": 1},
                 }}},
             "application/json": {"schema": ImageSearchJSON.model_json_schema()},
         },
@@ -45,8 +56,7 @@ _IMAGE_BODY_DOC: dict[str, Any] = {
 @router.post("/search/text", response_model=SearchResponse)
 async def search_text(body: TextSearchRequest, pipeline: PipelineDep) -> SearchResponse:
     """A sentence finds images."""
-    opts = SearchOptions(top_k=body.top_k, candidates=body.candidates, rerank=body.rerank)
-    return await pipeline.search_text(body.query, opts)
+    return await pipeline.search_text(body.query, body.options())
 
 
 def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOptions:
@@ -88,7 +98,7 @@ async def search_image(request: Request, pipeline: PipelineDep,
             data = base64.b64decode(req.image_b64, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise InvalidImage(f"image_b64 is not valid base64: {exc}") from exc
-        opts = SearchOptions(top_k=req.top_k, candidates=req.candidates, rerank=req.rerank)
+        opts = req.options()
     else:
         raise UnsupportedMediaType(
             f"content-type {ctype or '(none)'} is not accepted; send multipart/form-data with "
