@@ -61,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_build(args: argparse.Namespace) -> int:
     from index_builder.build import BuildError, build
-    from index_builder.corpus import CorpusError
+    from index_builder.corpus import CorpusError, CorpusFileError
     from models.builtin import BuiltinModel, ModelLoadError
     from models.device import DeviceError
 
@@ -76,6 +76,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         return _fail("give --corpus MANIFEST, --append MANIFEST or --delete IDS_FILE")
     if corpus is not None and not Path(corpus).is_file():
         return _fail(f"corpus manifest {corpus} does not exist")
+    if corpus is None and (args.split is not None or args.images_root is not None):
+        return _fail("--split and --images-root select from a --corpus or --append file")
     try:
         model = BuiltinModel.load(args.model_dir)
         report = build(Path(corpus) if corpus else None, Path(args.out), model,
@@ -83,10 +85,12 @@ def cmd_build(args: argparse.Namespace) -> int:
                        progress=not args.no_progress, factory=args.factory or None,
                        shard_size=args.shard_size, workers=args.workers, device=args.device,
                        engine=args.engine, append=args.append is not None,
-                       delete=args.delete, ray_actors=args.ray_actors)
+                       delete=args.delete, ray_actors=args.ray_actors, split=args.split,
+                       images_root=args.images_root)
     except CorpusError as exc:
-        return _fail(f"{exc}\n  fix or remove that line, or pass --skip-bad to skip bad lines")
-    except (ModelLoadError, BuildError, DeviceError) as exc:
+        return _fail(f"{exc}\n  fix or remove that entry, or pass --skip-bad to skip bad "
+                     "entries")
+    except (ModelLoadError, BuildError, DeviceError, CorpusFileError) as exc:
         return _fail(str(exc))
     m = report.manifest
     print(f"built {report.path} ({report.images} images, {report.texts} texts, "
@@ -99,7 +103,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"  {name}: {info['factory']}, recall@10 {info['recall_at_10']:.4f} vs exact, "
               f"{info['bytes_per_vector']:.1f} bytes/vector")
     if report.skipped:
-        print(f"skipped {len(report.skipped)} bad line(s):")
+        print(f"skipped {len(report.skipped)} bad entries:")
         for line in report.skipped:
             print(f"  {line}")
     return 0
@@ -128,6 +132,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if unknown := set(modes) - {"dot", "coop", "ce-full"}:
         return _fail(f"unknown mode(s) {sorted(unknown)}; choose from dot, coop, ce-full")
     try:
+        corpus = _index_corpus(Path(args.index))  # before the model: a wrong index fails fast
+        if args.split is not None and (corpus or {}).get("split") != args.split:
+            built = (f"split {corpus['split']!r} of {corpus['path']}" if corpus and
+                     corpus.get("split") else f"{(corpus or {}).get('path', 'no corpus file')} "
+                     "(no Karpathy split)")
+            return _fail(f"--split {args.split}: index {args.index} was built from {built}; "
+                         f"build that split into its own index first: duet build --corpus "
+                         f"dataset_....json --split {args.split} --out DIR, then duet eval "
+                         "--index DIR")
         model = BuiltinModel.load(args.model_dir)
         version, pool = load_pool(Path(args.index), model.fingerprint, args.distractors)
         say = (lambda _: None) if args.json else (lambda m: print(m, file=sys.stderr))
@@ -138,8 +151,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except (IndexLoadError, ModelLoadError, EvalError) as exc:
         return _fail(str(exc))
     result["index_version"] = version
+    result["corpus"] = corpus
     print(json.dumps(result) if args.json else format_tables(result))
     return 0
+
+
+def _index_corpus(index: Path) -> dict[str, object] | None:
+    """What `duet eval` evaluated: the corpus file an index was built from and its split."""
+    import json
+
+    from duet.indexio import IndexLoadError, resolve_current
+
+    path = index if (index / "manifest.json").is_file() else resolve_current(index)
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise IndexLoadError(f"cannot read {path / 'manifest.json'}: {exc}") from exc
+    corpus = manifest.get("corpus")
+    if corpus is None:
+        return None
+    return {"path": corpus, **(manifest.get("corpus_selection") or {"format": "manifest"})}
 
 
 def cmd_demo_index(args: argparse.Namespace) -> int:
@@ -216,17 +247,29 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_serve)
 
     b = sub.add_parser("build", help="encode a corpus into a new index version",
-                       description="Encode images and captions of a JSONL corpus manifest into "
+                       description="Encode images and captions of a corpus into "
                        "OUT/<version>/ (FAISS indexes, vectors, item store, manifest.json) and "
-                       "atomically point OUT/current at it. Encoding is written in shards under "
-                       "OUT/.shards/; run the same command again after a crash to resume.")
-    b.add_argument("--corpus", help="manifest.jsonl (one image per line): a fresh build")
+                       "atomically point OUT/current at it. A corpus is a JSONL manifest "
+                       "(.jsonl, one image per line) or a Karpathy split file (.json: "
+                       "dataset_flickr30k.json, dataset_coco.json; needs --split). Encoding is "
+                       "written in shards under OUT/.shards/; run the same command again after a "
+                       "crash to resume.")
+    b.add_argument("--corpus", help="manifest.jsonl (one image per line) or a Karpathy "
+                   "dataset_*.json: a fresh build")
     b.add_argument("--append", metavar="CORPUS",
                    help="add this manifest's items to OUT/current as a new version, reusing the "
                    "stored vectors of the old ones (ids must be new)")
     b.add_argument("--delete", type=Path, metavar="IDS_FILE",
                    help="drop these item ids (one per line; an image's captions go with it) "
                    "from OUT/current, alone or with --append")
+    b.add_argument("--split", default=None,
+                   help="Karpathy .json corpora only, required there: which images to read: "
+                   "test (the papers' Flickr30k 1k / COCO 5k test set), val, train, restval, "
+                   "a comma-separated list (train,restval), or all")
+    b.add_argument("--images-root", type=Path, default=None,
+                   help="Karpathy .json corpora only: the folder holding the images, as "
+                   "ROOT/<filename> (Flickr30k) or ROOT/<filepath>/<filename> (COCO: "
+                   "ROOT/val2014/...) (default: the .json file's folder)")
     b.add_argument("--out", default="indexes", help="index directory (default: ./indexes)")
     b.add_argument("--factory", default=os.environ.get("DUET_INDEX_FACTORY"),
                    help="FAISS index-factory string, inner product: Flat, IVF1024,Flat, "
@@ -270,9 +313,15 @@ def parser() -> argparse.ArgumentParser:
                        "as the papers do: every caption finds its image (t2i), every image "
                        "finds any of its captions (i2t). Modes: dot (bi-encoder), coop (dot "
                        "top-M then the cross-encoder), ce-full (the cross-encoder over the "
-                       "whole pool, on a query sample; pools of at most 1000 images).")
+                       "whole pool, on a query sample; pools of at most 1000 images). The pool is "
+                       "what the index holds: for a benchmark split, build that split into its "
+                       "own index (duet build --corpus dataset_flickr30k.json --split test "
+                       "--out idx-f30k-test), then evaluate it.")
     e.add_argument("--index", required=True,
                    help="index directory (its `current`) or one version directory")
+    e.add_argument("--split", default=None,
+                   help="check that the index was built from this Karpathy split (e.g. test) "
+                   "and stop with an error otherwise; the pool is always the index's items")
     e.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     e.add_argument("--modes", default="dot,coop,ce-full",
                    help="comma-separated: dot, coop, ce-full (default: all)")

@@ -3,8 +3,9 @@ point `current` at it.
 
 Resumable: encoded shards are written (temp name, fsync, rename) under
 `OUT/.shards/<key>/` as they finish, where <key> hashes everything that decides their
-contents (model, device and autocast dtype, batch and shard size, the corpus manifest's bytes,
-each image's path, size and mtime, the base version of an append). A build started again with
+contents (model, device and autocast dtype, batch and shard size, the corpus file's bytes and
+how it was read (format, Karpathy split and images root), each image's path, size and mtime,
+the base version of an append). A build started again with
 the same arguments skips the shards already there. Encoding order, batch boundaries and the
 FAISS training seed are fixed, and no time goes into the data files, so a resumed build
 writes the same bytes as an uninterrupted one (see IDENTICAL_FILES).
@@ -34,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from duet import ann, indexio
-from index_builder.corpus import CorpusError, CorpusItem, read_manifest
+from index_builder.corpus import CorpusError, CorpusItem, CorpusSelection, read_corpus
 from index_builder.encode import (
     Encoder,
     PlanItem,
@@ -103,8 +104,12 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
           skip_bad: bool = False, progress: bool = True, *, factory: str | None = None,
           shard_size: int = DEFAULT_SHARD_SIZE, workers: int | None = None,
           device: str = "auto", engine: str = "local", append: bool = False,
-          delete: Path | None = None, ray_actors: int | None = None) -> BuildReport:
+          delete: Path | None = None, ray_actors: int | None = None,
+          split: str | None = None, images_root: Path | None = None) -> BuildReport:
     """Encode `corpus` with `model` into `out/<version>/` and make it `out/current`.
+
+    `corpus` is a JSONL manifest or a Karpathy JSON file (`.json`), of which `split` (`test`,
+    `train,restval`, `all`) is read, its images under `images_root` (default: its directory).
 
     With `append`, `corpus` holds only new items, added to the current version; `delete`
     names a file of ids (one per line) to drop from it. Either reuses the stored vectors.
@@ -129,8 +134,10 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
 
     base = _load_base(out) if (append or delete is not None) else None
     items: list[CorpusItem] = []
+    selection = CorpusSelection("manifest")
     if corpus is not None:
-        for entry in read_manifest(Path(corpus)):
+        selection, entries = read_corpus(Path(corpus), split, images_root)
+        for entry in entries:
             if isinstance(entry, CorpusError):
                 bad(entry)
             else:
@@ -152,8 +159,8 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
     plan = [PlanItem(i, it.id, str(it.image) if it.image else None, it.image_rel, it.line,
                      tuple(it.captions)) for i, it in enumerate(items)]
     out.mkdir(parents=True, exist_ok=True)
-    shard_dir = out / SHARDS_DIR / _shard_key(corpus, plan, model, dev, batch_size, shard_size,
-                                              base)
+    shard_dir = out / SHARDS_DIR / _shard_key(corpus, selection, plan, model, dev, batch_size,
+                                              shard_size, base)
     ranges = [(k, a, min(a + shard_size, len(plan)))
               for k, a in enumerate(range(0, len(plan), shard_size))]
     shard_dir.mkdir(parents=True, exist_ok=True)
@@ -164,6 +171,10 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
                  shard_dir)
 
     corpus_path = Path(corpus) if corpus is not None else Path("-")
+    where = {it.line: it.where for it in items}
+
+    def item_error(line: int, err: str) -> CorpusError:
+        return CorpusError(corpus_path, line, err, where.get(line))
 
     def check(k: int, arrays: dict[str, np.ndarray]) -> None:
         """Stop at a shard's first unreadable image unless skipping."""
@@ -173,7 +184,7 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
         for p, err in zip([p for p in plan[a:b] if p.image is not None],
                           arrays["image_error"].tolist(), strict=True):
             if err:
-                raise CorpusError(corpus_path, p.line, err)
+                raise item_error(p.line, err)
 
     for k in sorted(done):
         check(k, read_shard(shard_path(shard_dir, k), ("image_error",)))
@@ -191,7 +202,7 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
 
     # -- assemble: kept base rows, then the new items in corpus order -----------------------
     kept, digest = _kept_items(items, plan, [shard_path(shard_dir, k) for k, _, _ in ranges],
-                               lambda line, err: bad(CorpusError(corpus_path, line, err)))
+                               lambda line, err: bad(item_error(line, err)))
     if base is not None:
         digest = hashlib.sha256(json.dumps(
             [base.manifest.get("content_hash"), sorted(deleted), digest]).encode()).hexdigest()
@@ -251,6 +262,7 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
             "image_tokens": {"shape": list(model.token_shape), "dtype": "float16"},
             "content_hash": digest,
             "corpus": str(Path(corpus).resolve()) if corpus is not None else None,
+            "corpus_selection": selection.as_json() if corpus is not None else None,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "build_seconds": round(seconds, 2),
             "skipped": len(skipped),
@@ -310,14 +322,16 @@ def _encode_local(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
             on_shard(k, arrays)
 
 
-def _shard_key(corpus: Path | None, plan: Sequence[PlanItem], model: BuiltinModel, dev: Any,
-               batch_size: int, shard_size: int, base: _Base | None) -> str:
+def _shard_key(corpus: Path | None, selection: CorpusSelection, plan: Sequence[PlanItem],
+               model: BuiltinModel, dev: Any, batch_size: int, shard_size: int,
+               base: _Base | None) -> str:
     """What decides the shards' bytes: a changed corpus or argument never reuses stale ones."""
     h = hashlib.sha256()
     h.update(json.dumps({
         "shard_format": 1, "model": model.fingerprint, "device": dev.type,
         "autocast": str(autocast_dtype(dev)), "batch_size": batch_size,
         "shard_size": shard_size, "base": base.manifest.get("version") if base else None,
+        "corpus": selection.as_json(),  # a different --split or --images-root never resumes
     }, sort_keys=True).encode())
     if corpus is not None:
         h.update(hashlib.sha256(Path(corpus).read_bytes()).digest())

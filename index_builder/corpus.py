@@ -1,4 +1,5 @@
-"""Reading a corpus manifest (JSONL, one image per line, paths relative to the manifest)."""
+"""Reading a corpus: a JSONL manifest (one image per line, paths relative to the manifest) or
+a Karpathy-split JSON file (`dataset_flickr30k.json`, `dataset_coco.json`, ...)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+KARPATHY_SPLITS = ("train", "restval", "val", "test")
+
 
 class CorpusError(ValueError):
-    """A manifest line is malformed or names an image that cannot be read."""
+    """A manifest line / Karpathy image entry is malformed or names an unreadable image.
 
-    def __init__(self, manifest: Path, line: int, message: str) -> None:
-        super().__init__(f"{manifest}:{line}: {message}")
+    `line` is the manifest line (1-based) or the index into a Karpathy file's "images" list;
+    `where` is how the message names it (`7`, `images[3] (1000092795.jpg)`).
+    """
+
+    def __init__(self, manifest: Path, line: int, message: str, where: str | None = None) -> None:
+        super().__init__(f"{manifest}:{where or line}: {message}")
         self.manifest = manifest
         self.line = line
         self.reason = message
 
 
+class CorpusFileError(ValueError):
+    """The corpus file as a whole cannot be used (not JSON, wrong shape, no such split)."""
+
+
 @dataclass
 class CorpusItem:
-    """One manifest line: an image with its captions, or only captions, or only an image."""
+    """One corpus entry: an image with its captions, or only captions, or only an image."""
 
     line: int
     id: str
@@ -29,6 +40,49 @@ class CorpusItem:
     image_rel: str | None
     captions: list[str]
     meta: dict[str, Any] = field(default_factory=dict)
+    where: str | None = None  # how errors name the entry, when not by its line number
+
+
+@dataclass(frozen=True)
+class CorpusSelection:
+    """What a corpus file was read as: it keys build shards and is recorded in manifest.json."""
+
+    format: str  # "manifest" or "karpathy"
+    dataset: str | None = None
+    splits: tuple[str, ...] | None = None
+    images_root: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": self.format}
+        if self.format == "karpathy":
+            out.update(dataset=self.dataset, split=",".join(self.splits or ()),
+                       images_root=self.images_root)
+        return out
+
+
+def corpus_format(path: Path) -> str:
+    """"karpathy" for a `.json` file, "manifest" for anything else (`.jsonl`)."""
+    return "karpathy" if Path(path).suffix.lower() == ".json" else "manifest"
+
+
+def read_corpus(path: Path, split: str | None = None, images_root: Path | None = None
+                ) -> tuple[CorpusSelection, Iterator[CorpusItem | CorpusError]]:
+    """Pick the reader by file: `.json` is a Karpathy file (`split` required, `images_root`
+    defaults to the file's directory), anything else a JSONL manifest (neither option).
+
+    Raises CorpusFileError for a file or options that cannot be used at all; per-entry
+    problems are yielded as CorpusError (the caller stops or skips)."""
+    path = Path(path)
+    if corpus_format(path) == "manifest":
+        if split is not None or images_root is not None:
+            raise CorpusFileError(f"{path}: --split and --images-root apply to Karpathy JSON "
+                                  "corpora (.json); a JSONL manifest holds what it holds and "
+                                  "names its images relative to itself")
+        return CorpusSelection("manifest"), read_manifest(path)
+    return read_karpathy(path, split, images_root)
+
+
+# -- JSONL manifest ----------------------------------------------------------------------
 
 
 def read_manifest(manifest: Path) -> Iterator[CorpusItem | CorpusError]:
@@ -70,3 +124,117 @@ def _parse(obj: Any, line: int, base: Path) -> CorpusItem:
     if not isinstance(meta, dict):
         raise ValueError('"meta" must be an object')
     return CorpusItem(line, item_id, base / image if image else None, image, list(caps), meta)
+
+
+# -- Karpathy split JSON --------------------------------------------------------------------
+
+
+def parse_splits(split: str | None, path: Path, counts: dict[str, int]) -> tuple[str, ...]:
+    """`test`, `train,restval` or `all` -> the split names, checked against the file."""
+    have = ", ".join(f"{s} {n}" for s, n in counts.items()) or "none"
+    if split is None:
+        raise CorpusFileError(f"{path} is a Karpathy JSON corpus: choose its split with --split "
+                              f"test (the papers' test set), or train, val, restval, a "
+                              f"comma-separated list, or all (this file has: {have})")
+    names = [s.strip() for s in split.split(",") if s.strip()]
+    if names == ["all"]:
+        return tuple(counts)
+    unknown = [s for s in names if s not in KARPATHY_SPLITS]
+    if unknown or not names:
+        raise CorpusFileError(f"unknown split {', '.join(unknown) or repr(split)}: use "
+                              f"{', '.join(KARPATHY_SPLITS)}, a comma-separated list, or all "
+                              f"(this file has: {have})")
+    empty = [s for s in names if not counts.get(s)]
+    if empty:
+        raise CorpusFileError(f"{path} has no images in split {', '.join(empty)} "
+                              f"(this file has: {have})")
+    return tuple(dict.fromkeys(names))
+
+
+def read_karpathy(path: Path, split: str | None, images_root: Path | None = None
+                  ) -> tuple[CorpusSelection, Iterator[CorpusItem | CorpusError]]:
+    """The images of `split` in file order. Ids are `<dataset>-<filename stem>` (e.g.
+    `flickr30k-1000092795`, `coco-COCO_val2014_000000391895`); captions are every
+    `sentences[].raw`; the image is ROOT/filename, or ROOT/filepath/filename when the entry
+    has a "filepath" (COCO)."""
+    path = Path(path)
+    try:
+        with path.open(encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except UnicodeDecodeError as exc:
+        raise CorpusFileError(f"{path} is not UTF-8 text: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise CorpusFileError(f"{path} is not valid JSON ({exc}); a Karpathy corpus is one "
+                              'object {"images": [...], "dataset": ...}; a JSONL manifest '
+                              "must be named .jsonl") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("images"), list):
+        raise CorpusFileError(f'{path}: expected a Karpathy JSON object with an "images" list '
+                              '({"images": [...], "dataset": "flickr30k"}); a JSONL manifest '
+                              "must be named .jsonl")
+    dataset = doc.get("dataset")
+    if not isinstance(dataset, str) or not dataset.strip():
+        raise CorpusFileError(f'{path}: "dataset" must be a non-empty string '
+                              '("flickr30k", "coco", ...); it prefixes every item id')
+    images: list[Any] = doc["images"]
+    counts: dict[str, int] = {}
+    for entry in images:
+        s = entry.get("split") if isinstance(entry, dict) else None
+        if isinstance(s, str):
+            counts[s] = counts.get(s, 0) + 1
+    splits = parse_splits(split, path, counts)
+    root = Path(images_root) if images_root is not None else path.parent
+    if not root.is_dir():
+        raise CorpusFileError(f"images root {root} is not a directory (--images-root; default: "
+                              "the JSON file's directory)")
+    selection = CorpusSelection("karpathy", dataset, splits, str(root.resolve()))
+    return selection, _karpathy_items(path, dataset, images, set(splits), root)
+
+
+def _karpathy_items(path: Path, dataset: str, images: list[Any], splits: set[str],
+                    root: Path) -> Iterator[CorpusItem | CorpusError]:
+    seen: set[str] = set()
+    for i, entry in enumerate(images):
+        name = entry.get("filename") if isinstance(entry, dict) else None
+        where = f"images[{i}]" + (f" ({name})" if isinstance(name, str) else "")
+        if isinstance(entry, dict) and entry.get("split") not in splits:
+            if "split" not in entry or not isinstance(entry["split"], str):
+                yield CorpusError(path, i, 'no "split" string', where)
+            continue
+        try:
+            item = _karpathy_item(entry, i, dataset, root, where)
+        except (ValueError, TypeError) as exc:
+            yield CorpusError(path, i, f"malformed entry: {exc}", where)
+            continue
+        if item.id in seen:
+            yield CorpusError(path, i, f"duplicate id {item.id!r} (two entries with this "
+                              "filename)", where)
+            continue
+        seen.add(item.id)
+        yield item
+
+
+def _karpathy_item(entry: Any, i: int, dataset: str, root: Path, where: str) -> CorpusItem:
+    if not isinstance(entry, dict):
+        raise ValueError("expected a JSON object")
+    name = entry.get("filename")
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise ValueError('"filename" must be a file name')
+    folder = entry.get("filepath")
+    if folder is not None and (not isinstance(folder, str) or folder.startswith("/")
+                               or ".." in Path(folder).parts):
+        raise ValueError('"filepath" must be a relative folder')
+    rel = f"{folder}/{name}" if folder else name
+    sentences = entry.get("sentences")
+    if not isinstance(sentences, list) or not sentences:
+        raise ValueError('"sentences" must be a non-empty list')
+    caps: list[str] = []
+    for s in sentences:
+        raw = s.get("raw") if isinstance(s, dict) else None
+        if not isinstance(raw, str) or not raw.strip():
+            raise ValueError('every sentence needs a non-empty "raw" string')
+        caps.append(raw.strip())
+    meta: dict[str, Any] = {"dataset": dataset, "split": entry["split"], "filename": name}
+    for key in ("imgid", "cocoid", "sentids"):
+        if key in entry:
+            meta[key] = entry[key]
+    return CorpusItem(i, f"{dataset}-{Path(name).stem}", root / rel, rel, caps, meta, where)
