@@ -1,0 +1,96 @@
+"""HAN: Heterogeneous Attention Network (the matching head; training and serving come next).
+
+Words and regions (image patches clustered into region features, see `models.late.
+kmeans_regions`) are projected to one width, L2-normalised and attended over *jointly*:
+
+    h        = [w_1 / |w_1|, ..., w_n / |w_n|, o_1 / |o_1|, ..., o_m / |o_m|]
+    a_ij     = softmax_j(beta * q_i . k_j)              (q, k, v: linear maps of h)
+    h_i     <- LayerNorm(fc(sum_j a_ij v_j) + q_i)      (one heterogeneous block)
+
+then the words are aligned to the regions as SCAN does and the pair is scored:
+
+    s_ij     = cos(w~_i, o^_j)
+    a_ij     = softmax_j(beta * s_ij)
+    o~_i     = sum_j a_ij o^_j
+    S_AVG    = mean_i cos(w~_i, o~_i)
+
+Padding is masked everywhere: padded words never count in the mean, padded regions never
+receive attention. Trained with `models.losses.softmax_triplet_loss` (exponent p).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+NEG = -1e9  # added to masked attention logits
+
+
+def _masked_softmax(logits: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    """Soft-max over the last axis, ignoring keys where `key_mask` is False."""
+    return torch.softmax(logits.masked_fill(~key_mask[..., None, :], NEG), dim=-1)
+
+
+def align_and_match(words: torch.Tensor, word_mask: torch.Tensor, regions: torch.Tensor,
+                    region_mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """S_AVG for B pairs: words (B, n, d) and regions (B, m, d) -> (B,)."""
+    w = nn.functional.normalize(words, dim=-1)
+    o = nn.functional.normalize(regions, dim=-1)
+    attn = _masked_softmax(beta * w @ o.transpose(1, 2), region_mask)  # (B, n, m)
+    aligned = attn @ regions  # o~_i, a combination of the (unnormalised) region features
+    r = nn.functional.cosine_similarity(words, aligned, dim=-1)  # (B, n)
+    keep = word_mask.to(r.dtype)
+    return (r * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
+
+
+class HeterogeneousBlock(nn.Module):
+    """One self-attention block over the joint word + region set (HAN eq. 2-5)."""
+
+    def __init__(self, dim: int, beta: float) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.beta = beta
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q = self.q(h)
+        attn = _masked_softmax(self.beta * q @ self.k(h).transpose(1, 2), mask)
+        return self.norm(self.fc(attn @ self.v(h)) + q)
+
+
+@dataclass(frozen=True)
+class HANConfig:
+    word_dim: int = 128
+    region_dim: int = 128
+    dim: int = 128
+    layers: int = 1
+    beta_attention: float = 1.0
+    beta_alignment: float = 9.0  # SCAN's lambda_1 for text-side alignment
+
+
+class HAN(nn.Module):
+    """Scores (sentence, image) pairs from word features and region features."""
+
+    def __init__(self, cfg: HANConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.word_proj = nn.Linear(cfg.word_dim, cfg.dim)
+        self.region_proj = nn.Linear(cfg.region_dim, cfg.dim)
+        self.blocks = nn.ModuleList(HeterogeneousBlock(cfg.dim, cfg.beta_attention)
+                                    for _ in range(cfg.layers))
+
+    def forward(self, words: torch.Tensor, word_mask: torch.Tensor, regions: torch.Tensor,
+                region_mask: torch.Tensor) -> torch.Tensor:
+        """words (B, n, word_dim), regions (B, m, region_dim), masks True for real items
+        -> S_AVG (B,)."""
+        n = words.shape[1]
+        h = torch.cat([nn.functional.normalize(self.word_proj(words), dim=-1),
+                       nn.functional.normalize(self.region_proj(regions), dim=-1)], dim=1)
+        mask = torch.cat([word_mask, region_mask], dim=1)
+        for block in self.blocks:
+            h = block(h, mask)
+        return align_and_match(h[:, :n], word_mask, h[:, n:], region_mask,
+                               self.cfg.beta_alignment)
