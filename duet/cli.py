@@ -158,15 +158,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _index_corpus(index: Path) -> dict[str, object] | None:
     """What `duet eval` evaluated: the corpus file an index was built from and its split."""
-    import json
+    from duet.indexio import read_manifest, version_dir
 
-    from duet.indexio import IndexLoadError, resolve_current
-
-    path = index if (index / "manifest.json").is_file() else resolve_current(index)
-    try:
-        manifest = json.loads((path / "manifest.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise IndexLoadError(f"cannot read {path / 'manifest.json'}: {exc}") from exc
+    manifest = read_manifest(version_dir(index))
     corpus = manifest.get("corpus")
     if corpus is None:
         return None

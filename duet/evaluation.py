@@ -22,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from duet.indexio import IndexVersion, resolve_current
+from duet.indexio import IndexVersion, version_dir
+from models import evaluate
+from models.evaluate import KS, reorder
 from models.fusion import fuse, norm_fuse
 from models.protocols import PairReranker
 
-KS = (1, 5, 10)
 M_SWEEP = (10, 20, 50, 100)
 LAMBDAS = (0.1, 0.5, 0.9)
 CE_FULL_MAX_POOL = 1000
@@ -59,9 +60,7 @@ def _vectors(index: Any) -> np.ndarray:
 
 
 def _load_part(path: Path, fingerprint: str | None) -> tuple[IndexVersion, Pool]:
-    if (Path(path) / "current").exists():
-        path = resolve_current(Path(path))
-    v = IndexVersion.open(Path(path), expect_fingerprint=fingerprint)
+    v = IndexVersion.open(version_dir(path), expect_fingerprint=fingerprint)
     n_img, n_txt = v.image_index.ntotal, v.text_index.ntotal
     images = v.store.images(list(range(n_img)))
     texts = v.store.texts(list(range(n_txt)))
@@ -107,12 +106,8 @@ def top_m(queries: np.ndarray, items: np.ndarray, m: int) -> tuple[np.ndarray, n
 
 
 def recall(good: np.ndarray) -> dict[str, float]:
-    """`good[q, r]` is True when the item at rank r answers query q."""
-    return {f"R@{k}": round(float(100.0 * good[:, :k].any(axis=1).mean()), 2) for k in KS}
-
-
-def reorder(cand: np.ndarray, scores: np.ndarray) -> np.ndarray:
-    return np.take_along_axis(cand, np.argsort(-scores, axis=1, kind="stable"), axis=1)
+    """`good[q, r]` is True when the item at rank r answers query q; percent, 2 decimals."""
+    return {k: round(v, 2) for k, v in evaluate.recall(good).items()}
 
 
 @dataclass

@@ -54,6 +54,21 @@ def resolve_current(index_dir: Path) -> Path:
     return link.resolve()
 
 
+def version_dir(path: Path) -> Path:
+    """A version directory, given either itself or an index directory (then its `current`)."""
+    path = Path(path)
+    return path if (path / MANIFEST).is_file() else resolve_current(path)
+
+
+def read_manifest(version: Path) -> dict[str, Any]:
+    """A version's manifest.json, or IndexLoadError naming the file."""
+    try:
+        manifest: dict[str, Any] = json.loads((Path(version) / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise IndexLoadError(f"cannot read {Path(version) / MANIFEST}: {exc}") from exc
+    return manifest
+
+
 def point_current(index_dir: Path, version: str) -> None:
     """Atomically make `DIR/current` point at `DIR/<version>` (rename over the old link)."""
     tmp = Path(index_dir) / f".{CURRENT}.{os.getpid()}.tmp"
@@ -165,10 +180,7 @@ class IndexVersion:
     def open(cls, path: Path, expect_fingerprint: str | None = None) -> IndexVersion:
         """Load a version directory; refuse it if another model built it."""
         path = Path(path)
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError) as exc:
-            raise IndexLoadError(f"cannot read {path / MANIFEST}: {exc}") from exc
+        manifest = read_manifest(path)
         built_by = manifest.get("model", {}).get("fingerprint")
         if expect_fingerprint is not None and built_by != expect_fingerprint:
             raise ModelMismatchError(

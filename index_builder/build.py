@@ -382,9 +382,9 @@ def _kept_items(items: Sequence[CorpusItem], plan: Sequence[PlanItem], shards: S
 def _load_base(out: Path) -> _Base:
     try:
         path = indexio.resolve_current(out)
+        manifest = indexio.read_manifest(path)
     except indexio.IndexLoadError as exc:
         raise BuildError(f"--append/--delete need a current version: {exc}") from exc
-    manifest = json.loads((path / indexio.MANIFEST).read_text())
     con = sqlite3.connect(f"file:{path / indexio.ITEMS}?mode=ro", uri=True)
     try:
         images = [indexio.ImageRow(r[0], r[1], json.loads(r[2])) for r in

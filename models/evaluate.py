@@ -13,16 +13,20 @@ from models.fusion import DEFAULT_FUSION_LAMBDA, fuse
 KS = (1, 5, 10)
 
 
-def _recall(ranked: np.ndarray, hit: np.ndarray) -> dict[str, float]:
-    """`ranked` (Q, M) item indices per query; `hit[q, i]` is True when item i answers query q."""
-    rows = np.arange(ranked.shape[0])[:, None]
-    good = hit[rows, ranked]
+def recall(good: np.ndarray) -> dict[str, float]:
+    """`good[q, r]` is True when the item at rank r answers query q -> R@1/5/10 in percent."""
     return {f"R@{k}": float(100.0 * good[:, :k].any(axis=1).mean()) for k in KS}
 
 
-def _rerank(scores: np.ndarray, cand: np.ndarray) -> np.ndarray:
-    order = np.argsort(-scores, axis=1, kind="stable")
-    return np.take_along_axis(cand, order, axis=1)
+def reorder(cand: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """Each query's candidates (Q, M) sorted by `scores` (Q, M), best first (stable)."""
+    return np.take_along_axis(cand, np.argsort(-scores, axis=1, kind="stable"), axis=1)
+
+
+def _recall(ranked: np.ndarray, hit: np.ndarray) -> dict[str, float]:
+    """`ranked` (Q, M) item indices per query; `hit[q, i]` is True when item i answers query q."""
+    rows = np.arange(ranked.shape[0])[:, None]
+    return recall(hit[rows, ranked])
 
 
 def evaluate(model: BuiltinModel, images: Sequence[Image.Image],
@@ -65,10 +69,10 @@ def evaluate(model: BuiltinModel, images: Sequence[Image.Image],
     d_i2t = np.take_along_axis(sim.T, cand_i2t, axis=1)
     return {
         "dot": {"t2i": _recall(cand_t2i, hit_t2i), "i2t": _recall(cand_i2t, hit_t2i.T)},
-        "ce_only": {"t2i": _recall(_rerank(s_t2i, cand_t2i), hit_t2i),
-                    "i2t": _recall(_rerank(s_i2t, cand_i2t), hit_t2i.T)},
-        "rerank": {"t2i": _recall(_rerank(fuse(d_t2i, s_t2i, fusion_lambda), cand_t2i), hit_t2i),
-                   "i2t": _recall(_rerank(fuse(d_i2t, s_i2t, fusion_lambda), cand_i2t),
+        "ce_only": {"t2i": _recall(reorder(cand_t2i, s_t2i), hit_t2i),
+                    "i2t": _recall(reorder(cand_i2t, s_i2t), hit_t2i.T)},
+        "rerank": {"t2i": _recall(reorder(cand_t2i, fuse(d_t2i, s_t2i, fusion_lambda)), hit_t2i),
+                   "i2t": _recall(reorder(cand_i2t, fuse(d_i2t, s_i2t, fusion_lambda)),
                                   hit_t2i.T)},
     }
 

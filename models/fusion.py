@@ -30,7 +30,7 @@ def norm_add_scores(dots: np.ndarray, scores: np.ndarray, lam: float) -> np.ndar
 
 def fuse(dots: np.ndarray, logits: np.ndarray, lam: float) -> np.ndarray:
     """ADD_lambda: lam * dot + (1 - lam) * sigmoid(cross-encoder logit); lam = 0 is the CE alone."""
-    return lam * dots + (1.0 - lam) / (1.0 + np.exp(-logits.astype(np.float64)))
+    return add_scores(dots, sigmoid(logits), lam)
 
 
 def _minmax(x: np.ndarray) -> np.ndarray:
@@ -42,5 +42,4 @@ def _minmax(x: np.ndarray) -> np.ndarray:
 
 def norm_fuse(dots: np.ndarray, logits: np.ndarray, lam: float) -> np.ndarray:
     """NORM_ADD_lambda: ADD_lambda after 0-1 normalising both scores over each query's top-k."""
-    probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
-    return lam * _minmax(dots.astype(np.float64)) + (1.0 - lam) * _minmax(probs)
+    return norm_add_scores(dots, sigmoid(logits), lam)
