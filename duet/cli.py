@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+EVAL_MODES = ("dot", "coop", "late", "han", "ce-full")
+
 log = logging.getLogger("duet")
 
 EXIT_USAGE = 2
@@ -123,14 +125,26 @@ def cmd_demo_corpus(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
-    from duet.evaluation import M_SWEEP, EvalError, evaluate_index, format_tables, load_pool
+    from duet.evaluation import (
+        M_SWEEP,
+        EvalError,
+        TextTokens,
+        TokenScorer,
+        evaluate_index,
+        format_tables,
+        han_scorer,
+        late_scorer,
+        load_pool,
+    )
     from duet.indexio import IndexLoadError
     from models.builtin import BuiltinModel, ModelLoadError
+    from models.han import HANReranker
+    from models.trainconfig import DEFAULT_WEIGHTS
 
     _setup_logging("warning")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if unknown := set(modes) - {"dot", "coop", "ce-full"}:
-        return _fail(f"unknown mode(s) {sorted(unknown)}; choose from dot, coop, ce-full")
+    modes = [m.strip() for m in (args.modes or ",".join(EVAL_MODES)).split(",") if m.strip()]
+    if unknown := set(modes) - set(EVAL_MODES):
+        return _fail(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(EVAL_MODES)}")
     try:
         corpus = _index_corpus(Path(args.index))  # before the model: a wrong index fails fast
         if args.split is not None and (corpus or {}).get("split") != args.split:
@@ -142,12 +156,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          f"dataset_....json --split {args.split} --out DIR, then duet eval "
                          "--index DIR")
         model = BuiltinModel.load(args.model_dir)
+        scorers: dict[str, TokenScorer] = {}
+        if "late" in modes:
+            scorers["late"] = late_scorer(args.theta)
+        if "han" in modes:
+            han = HANReranker.load(args.model_dir or DEFAULT_WEIGHTS, model)
+            if han is None:
+                if args.modes:
+                    return _fail(f"mode han: {args.model_dir or DEFAULT_WEIGHTS} has no trained "
+                                 "HAN head (han.safetensors); `duet train` makes one")
+                modes.remove("han")
+            else:
+                scorers["han"] = han_scorer(han)
         version, pool = load_pool(Path(args.index), model.fingerprint, args.distractors)
         say = (lambda _: None) if args.json else (lambda m: print(m, file=sys.stderr))
+        if scorers:
+            say(f"token features of {len(pool.texts)} texts for {', '.join(scorers)}")
         result = evaluate_index(
             pool, model, candidates=args.candidates, modes=modes,
             m_sweep=M_SWEEP if args.m_sweep else (), fusion_sweep=args.fusion_sweep,
-            ce_full_queries=args.ce_full_queries, progress=say)
+            ce_full_queries=args.ce_full_queries, progress=say, token_scorers=scorers,
+            text_tokens=TextTokens.of(model, pool.texts) if scorers else None)
     except (IndexLoadError, ModelLoadError, EvalError) as exc:
         return _fail(str(exc))
     result["index_version"] = version
@@ -223,6 +252,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from models.late import DEFAULT_THETA
     from models.trainconfig import DEFAULT_WEIGHTS, TrainConfig
 
     p = argparse.ArgumentParser(
@@ -306,7 +336,9 @@ def parser() -> argparse.ArgumentParser:
                        description="Evaluate retrieval on an index's own image-caption pairs, "
                        "as the papers do: every caption finds its image (t2i), every image "
                        "finds any of its captions (i2t). Modes: dot (bi-encoder), coop (dot "
-                       "top-M then the cross-encoder), ce-full (the cross-encoder over the "
+                       "top-M then the cross-encoder), late (dot top-M then TGDT's global + "
+                       "token-level S_gl), han (dot top-M then the HAN head), ce-full (the "
+                       "cross-encoder over the "
                        "whole pool, on a query sample; pools of at most 1000 images). The pool is "
                        "what the index holds: for a benchmark split, build that split into its "
                        "own index (duet build --corpus dataset_flickr30k.json --split test "
@@ -317,8 +349,11 @@ def parser() -> argparse.ArgumentParser:
                    help="check that the index was built from this Karpathy split (e.g. test) "
                    "and stop with an error otherwise; the pool is always the index's items")
     e.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    e.add_argument("--modes", default="dot,coop,ce-full",
-                   help="comma-separated: dot, coop, ce-full (default: all)")
+    e.add_argument("--modes", default=None,
+                   help="comma-separated: dot, coop, late, han, ce-full (default: all; han "
+                   "when the model has a HAN head)")
+    e.add_argument("--theta", type=float, default=DEFAULT_THETA,
+                   help=f"late: S_gl = (1 - theta) * dot + theta * S_l (default {DEFAULT_THETA})")
     e.add_argument("--candidates", type=int, default=20,
                    help="M, candidates the cross-encoder re-ranks (default 20)")
     e.add_argument("--m-sweep", action="store_true", help="also coop with M = 10, 20, 50, 100")

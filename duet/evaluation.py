@@ -6,8 +6,9 @@ vectors, stored image tokens, stored captions), so an evaluation needs no raw im
 encodes nothing twice. A distractor index adds its items to the pool, never to the queries.
 
 Modes: `dot` (bi-encoder only), `coop` (dot top-M, then the cross-encoder reorders them;
-the papers' retrieve-and-rerank), `ce-full` (the cross-encoder over the whole pool, on a
-query sample: the slow baseline). Sweeps: M (Rerank-Smart Table 8) and score fusion
+the papers' retrieve-and-rerank), `late` (TGDT's S_gl over the same top-M), `han` (HAN's
+S_AVG over the same top-M), `ce-full` (the cross-encoder over the whole pool, on a query
+sample: the slow baseline). Sweeps: M (Rerank-Smart Table 8) and score fusion
 ADD_lambda / NORM_ADD_lambda (Table 9). Recalls are percentages.
 """
 
@@ -26,7 +27,9 @@ from duet.indexio import IndexVersion, version_dir
 from models import evaluate
 from models.evaluate import KS, reorder
 from models.fusion import fuse, norm_fuse
-from models.protocols import PairReranker
+from models.han import HANReranker
+from models.late import late_scores
+from models.protocols import PairReranker, TokenEncoder
 
 M_SWEEP = (10, 20, 50, 100)
 LAMBDAS = (0.1, 0.5, 0.9)
@@ -117,23 +120,68 @@ class Direction:
     name: str
     query_vecs: np.ndarray
     item_vecs: np.ndarray
-    pair_texts: Callable[[np.ndarray, np.ndarray], list[str]]  # (query ids, item ids) -> texts
-    pair_tokens: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    text_ids: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (query ids, item ids) -> text rows
+    image_ids: Callable[[np.ndarray, np.ndarray], np.ndarray]  # ... -> image rows
     is_hit: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (query ids (Q,1), items (Q,M))
 
 
 def directions(pool: Pool) -> list[Direction]:
-    texts = np.array(pool.texts, dtype=object)
     t_ids = np.flatnonzero(pool.owner[: pool.n_texts] >= 0)  # captions whose image is known
     i_ids = np.arange(pool.n_images)
     return [
         Direction("t2i", pool.text_vecs[t_ids], pool.image_vecs,
-                  lambda q, it: list(texts[t_ids[q]]), lambda q, it: pool.image_tokens[it],
+                  lambda q, it: t_ids[q], lambda q, it: it,
                   lambda q, it: pool.owner[t_ids[q]] == it),
         Direction("i2t", pool.image_vecs[i_ids], pool.text_vecs,
-                  lambda q, it: list(texts[it]), lambda q, it: pool.image_tokens[i_ids[q]],
+                  lambda q, it: it, lambda q, it: i_ids[q],
                   lambda q, it: pool.owner[it] == i_ids[q]),
     ]
+
+
+@dataclass
+class TextTokens:
+    """Every pool text's token features (what late interaction and HAN read), padded."""
+
+    tokens: np.ndarray  # (texts, L, D) float16
+    mask: np.ndarray  # (texts, L) True for real tokens
+    seconds: float  # what computing them took
+
+    @classmethod
+    def of(cls, model: TokenEncoder, texts: Sequence[str], batch: int = PAIR_BATCH) -> TextTokens:
+        t0 = time.perf_counter()
+        parts = [model.text_token_features(texts[s : s + batch])
+                 for s in range(0, len(texts), batch)]
+        width = max(t.shape[1] for t, _ in parts)
+        tokens = np.zeros((len(texts), width, parts[0][0].shape[2]), dtype=np.float16)
+        mask = np.zeros((len(texts), width), dtype=bool)
+        row = 0
+        for t, m in parts:
+            tokens[row : row + len(t), : t.shape[1]] = t
+            mask[row : row + len(t), : m.shape[1]] = m
+            row += len(t)
+        return cls(tokens, mask, time.perf_counter() - t0)
+
+
+# (direction name, dots (B,), word features (B, L, D), word mask (B, L), image tokens (B, T, D))
+# -> scores (B,), higher is better: a re-ranker that reads token features
+TokenScorer = Callable[[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def late_scorer(theta: float) -> TokenScorer:
+    """TGDT's S_gl; the query's tokens are the ones averaged over (text tokens for t2i, image
+    tokens for i2t)."""
+    def score(direction: str, dots: np.ndarray, words: np.ndarray, mask: np.ndarray,
+              images: np.ndarray) -> np.ndarray:
+        if direction == "t2i":
+            return late_scores(dots, words, mask, images, theta)
+        return late_scores(dots, images, np.ones(images.shape[:2], dtype=bool), words, theta,
+                           item_mask=mask)
+    return score
+
+
+def han_scorer(han: HANReranker) -> TokenScorer:
+    """HAN's S_AVG (words aligned to regions) whichever side the query is."""
+    return lambda direction, dots, words, mask, images: han.score(words, mask, images)
 
 
 def reranked_recall(d: Direction, queries: np.ndarray, cand: np.ndarray,
@@ -142,15 +190,31 @@ def reranked_recall(d: Direction, queries: np.ndarray, cand: np.ndarray,
     return recall(d.is_hit(queries[:, None], reorder(cand, scores)))
 
 
-def cross_scores(reranker: PairReranker, d: Direction, queries: np.ndarray,
+def cross_scores(reranker: PairReranker, pool: Pool, d: Direction, queries: np.ndarray,
                  cand: np.ndarray) -> np.ndarray:
     """Cross-encoder logits (Q, M) for each query against its candidates, in pair batches."""
     q = np.repeat(queries, cand.shape[1])
     it = cand.reshape(-1)
-    out = [reranker.score_pairs(d.pair_texts(q[s : s + PAIR_BATCH], it[s : s + PAIR_BATCH]),
-                                np.asarray(d.pair_tokens(q[s : s + PAIR_BATCH],
-                                                         it[s : s + PAIR_BATCH])))
-           for s in range(0, len(q), PAIR_BATCH)]
+    out = []
+    for s in range(0, len(q), PAIR_BATCH):
+        qs, its = q[s : s + PAIR_BATCH], it[s : s + PAIR_BATCH]
+        out.append(reranker.score_pairs([pool.texts[i] for i in d.text_ids(qs, its)],
+                                        np.asarray(pool.image_tokens[d.image_ids(qs, its)])))
+    return np.concatenate(out).reshape(cand.shape)
+
+
+def token_scores(scorer: TokenScorer, tt: TextTokens, pool: Pool, d: Direction,
+                 queries: np.ndarray, cand: np.ndarray, dots: np.ndarray) -> np.ndarray:
+    """A token-level re-ranker's scores (Q, M) for each query against its candidates."""
+    q = np.repeat(queries, cand.shape[1])
+    it, dd = cand.reshape(-1), dots.reshape(-1)
+    out = []
+    for s in range(0, len(q), PAIR_BATCH):
+        qs, its = q[s : s + PAIR_BATCH], it[s : s + PAIR_BATCH]
+        t = d.text_ids(qs, its)
+        out.append(scorer(d.name, dd[s : s + PAIR_BATCH], tt.tokens[t].astype(np.float32),
+                          tt.mask[t], np.asarray(pool.image_tokens[d.image_ids(qs, its)],
+                                                 dtype=np.float32)))
     return np.concatenate(out).reshape(cand.shape)
 
 
@@ -158,12 +222,21 @@ def evaluate_index(pool: Pool, reranker: PairReranker | None, *, candidates: int
                    modes: Sequence[str] = ("dot", "coop", "ce-full"),
                    m_sweep: Sequence[int] = (), fusion_sweep: bool = False,
                    ce_full_queries: int = 100, seed: int = 0,
+                   token_scorers: dict[str, TokenScorer] | None = None,
+                   text_tokens: TextTokens | None = None,
                    progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """The `duet eval` result: {"pool", "modes": {mode: {t2i, i2t, ms_per_query}}, "sweeps"}."""
+    """The `duet eval` result: {"pool", "modes": {mode: {t2i, i2t, ms_per_query}}, "sweeps"}.
+
+    `token_scorers` ("late", "han") re-rank the same top-M as coop from token features:
+    `text_tokens` (every pool text's) and the pool's image tokens.
+    """
     need = max([candidates, *m_sweep])
     result: dict[str, Any] = {"pool": pool.sizes, "modes": {}, "sweeps": {}}
-    if reranker is None and set(modes) - {"dot"}:
+    token_scorers = token_scorers or {}
+    if reranker is None and set(modes) - {"dot", *token_scorers}:
         raise EvalError("modes other than dot need a re-ranker")
+    if token_scorers and text_tokens is None:
+        raise EvalError("token-level modes need the pool texts' token features")
     if "ce-full" in modes and pool.sizes["images"] > CE_FULL_MAX_POOL:
         raise EvalError(f"ce-full scores every pool item per query; it is allowed on pools of "
                         f"at most {CE_FULL_MAX_POOL} images, this one has "
@@ -178,11 +251,25 @@ def evaluate_index(pool: Pool, reranker: PairReranker | None, *, candidates: int
         hits = d.is_hit(queries[:, None], cand)
         result["modes"].setdefault("dot", {})[d.name] = recall(hits)
         result["modes"]["dot"].setdefault("ms_per_query", {})[d.name] = round(dot_ms, 4)
+        c = min(candidates, cand.shape[1])
+        for name, scorer in token_scorers.items():
+            if name not in modes:
+                continue
+            assert text_tokens is not None
+            t0 = time.perf_counter()
+            scores = token_scores(scorer, text_tokens, pool, d, queries, cand[:, :c], dots[:, :c])
+            # plus encoding the text side: the query's words (t2i) or each candidate's (i2t)
+            per_text = text_tokens.seconds / max(1, len(pool.texts))
+            ms = 1000 * ((time.perf_counter() - t0) / len(queries)
+                         + per_text * (1 if d.name == "t2i" else c))
+            result["modes"].setdefault(name, {})[d.name] = reranked_recall(
+                d, queries, cand[:, :c], scores)
+            result["modes"][name].setdefault("ms_per_query", {})[d.name] = round(dot_ms + ms, 4)
         if reranker is None:
             continue
         m = min(need, cand.shape[1])
         t0 = time.perf_counter()
-        logits = cross_scores(reranker, d, queries, cand[:, :m])
+        logits = cross_scores(reranker, pool, d, queries, cand[:, :m])
         ce_ms_per_pair = 1000 * (time.perf_counter() - t0) / logits.size
 
         coop = functools.partial(reranked_recall, d, queries)
@@ -196,7 +283,6 @@ def evaluate_index(pool: Pool, reranker: PairReranker | None, *, candidates: int
             entry[d.name] = coop(cand[:, :mm], logits[:, :mm])
             entry.setdefault("ms_per_query", {})[d.name] = round(dot_ms + ce_ms_per_pair * mm, 4)
         if fusion_sweep:
-            c = min(candidates, m)
             for lam in LAMBDAS:
                 for name, f in (("ADD", fuse), ("NORM_ADD", norm_fuse)):
                     entry = result["sweeps"].setdefault("fusion", {}).setdefault(
@@ -208,7 +294,7 @@ def evaluate_index(pool: Pool, reranker: PairReranker | None, *, candidates: int
             progress(f"{d.name}: ce-full over {len(d.item_vecs)} items for {len(sample)} queries")
             every = np.broadcast_to(np.arange(len(d.item_vecs)), (len(sample), len(d.item_vecs)))
             t0 = time.perf_counter()
-            full = cross_scores(reranker, d, sample, np.ascontiguousarray(every))
+            full = cross_scores(reranker, pool, d, sample, np.ascontiguousarray(every))
             full_ms = 1000 * (time.perf_counter() - t0) / len(sample)
             entry = result["modes"].setdefault("ce-full", {"queries": {}})
             entry[d.name] = reranked_recall(d, sample, every, full)

@@ -1,4 +1,4 @@
-"""HAN: Heterogeneous Attention Network (the matching head; training and serving come next).
+"""HAN: Heterogeneous Attention Network, a matching head trained by `duet train`.
 
 Words and regions (image patches clustered into region features, see `models.late.
 kmeans_regions`) are projected to one width, L2-normalised and attended over *jointly*:
@@ -20,10 +20,18 @@ receive attention. Trained with `models.losses.softmax_triplet_loss` (exponent p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+
+from models.late import kmeans_regions
+from models.protocols import TokenEncoder
 
 NEG = -1e9  # added to masked attention logits
 
@@ -94,3 +102,64 @@ class HAN(nn.Module):
             h = block(h, mask)
         return align_and_match(h[:, :n], word_mask, h[:, n:], region_mask,
                                self.cfg.beta_alignment)
+
+
+HAN_WEIGHTS = "han.safetensors"
+HAN_CONFIG = "han.json"
+MAX_REGIONS = 32  # HAN's regions per image
+
+
+def regions_of(image_tokens: np.ndarray, k: int = MAX_REGIONS) -> np.ndarray:
+    """Region features (B, min(k, T), D): the patch tokens themselves when an image has at most
+    k of them, else each image's tokens clustered to k centres (`kmeans_regions`)."""
+    toks = np.asarray(image_tokens, dtype=np.float32)
+    if toks.shape[1] <= k:
+        return toks
+    return np.stack([kmeans_regions(t, k) for t in toks])
+
+
+class HANReranker:
+    """A trained HAN head over a model's word features (text tower tokens) and the index's
+    stored image tokens (as regions): `score(...)` is S_AVG per (sentence, image) pair."""
+
+    def __init__(self, head: HAN, words: TokenEncoder, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self.head = head.to(self.device).eval()
+        self.words = words
+
+    @classmethod
+    def load(cls, directory: Path, words: TokenEncoder,
+             device: torch.device | None = None) -> HANReranker | None:
+        """The HAN head saved beside a model's weights (`duet train` writes it), or None when
+        that model directory has none."""
+        d = Path(directory)
+        if not (d / HAN_WEIGHTS).exists():
+            return None
+        cfg = HANConfig(**json.loads((d / HAN_CONFIG).read_text()))
+        head = HAN(cfg)
+        head.load_state_dict(load_file(str(d / HAN_WEIGHTS)))
+        return cls(head, words, device)
+
+    @torch.inference_mode()
+    def score(self, words: np.ndarray, word_mask: np.ndarray,
+              image_tokens: np.ndarray) -> np.ndarray:
+        """S_AVG (B,) for B pairs of word features (B, L, D) with mask and image tokens."""
+        regions = torch.from_numpy(regions_of(image_tokens)).to(self.device)
+        w = torch.from_numpy(np.asarray(words, dtype=np.float32)).to(self.device)
+        wm = torch.from_numpy(np.asarray(word_mask, dtype=bool)).to(self.device)
+        rm = torch.ones(regions.shape[:2], dtype=torch.bool, device=self.device)
+        return self.head(w, wm, regions, rm).float().cpu().numpy()
+
+    def score_pairs(self, texts: Sequence[str], image_tokens: np.ndarray) -> np.ndarray:
+        """S_AVG for (text, image tokens) pairs; the words come from the model's text tower."""
+        if len(texts) == 0:
+            return np.zeros(0, dtype=np.float32)
+        words, mask = self.words.text_token_features(texts)
+        return self.score(words, mask, image_tokens)
+
+
+def save_han(head: HAN, out: Path) -> None:
+    """Write the head beside the model's weights: han.safetensors + han.json."""
+    state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(out / HAN_WEIGHTS), metadata={"format": "pt"})
+    (out / HAN_CONFIG).write_text(json.dumps(asdict(head.cfg), indent=1) + "\n")

@@ -82,11 +82,18 @@ def cmc_loss(images: torch.Tensor, texts: torch.Tensor, delta: float = 0.2,
     text i; L_r is the inter-modal triplet with margin delta, L_a asks the image-image and
     text-text similarities of the same two pairs to agree within the slack sigma.
     """
-    s_it = images @ texts.t()  # S(I_i, T_j)
-    s_ii, s_tt = images @ images.t(), texts @ texts.t()
-    b = images.shape[0]
-    eye = torch.eye(b, dtype=torch.bool, device=images.device)
-    rows = torch.arange(b, device=images.device)
+    return cmc_loss_from_sim((texts @ images.t()), images @ images.t(), texts @ texts.t(),
+                             delta, sigma)
+
+
+def cmc_loss_from_sim(s_ti: torch.Tensor, s_ii: torch.Tensor, s_tt: torch.Tensor,
+                      delta: float = 0.2, sigma: float = 0.3) -> torch.Tensor:
+    """`cmc_loss` from score matrices: s_ti (B, B) text x image (any cross-modal score, e.g.
+    TGDT's S_gl), s_ii image x image and s_tt text x text."""
+    s_it = s_ti.t()  # S(I_i, T_j)
+    b = s_it.shape[0]
+    eye = torch.eye(b, dtype=torch.bool, device=s_it.device)
+    rows = torch.arange(b, device=s_it.device)
     neg_l = s_it.masked_fill(eye, float("-inf")).argmax(dim=1)  # hardest text per image
     neg_v = s_it.masked_fill(eye, float("-inf")).argmax(dim=0)  # hardest image per text
     pos = s_it.diagonal()

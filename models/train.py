@@ -27,12 +27,70 @@ import torch
 from models import world
 from models.builtin import BuiltinModel, pixel_bytes, pixels, save_model
 from models.evaluate import evaluate, format_table
+from models.han import save_han
 from models.joint import JointConfig, JointModel
-from models.losses import ce_bce_loss, cmr_loss
+from models.losses import ce_bce_loss, cmc_loss_from_sim, cmr_loss
 from models.tokenizer import WordTokenizer
+from models.train_han import train_han
 from models.trainconfig import HELD_OUT_SEED_BASE, TrainConfig
 
 log = logging.getLogger("duet.train")
+
+N_COLOURS, N_SHAPES, N_SIZES = len(world.COLOURS), len(world.SHAPES), len(world.SIZES)
+
+
+class PatchHead(torch.nn.Module):
+    """Training-only probe on the image tower's patch tokens: which object is centred in each
+    patch (colour, shape, size; 0 = none) and where in the patch its centre lies.
+
+    Region features in the papers come from a detector trained with object and attribute labels
+    (bottom-up attention); this is our world's version of that supervision. It makes the stored
+    tokens say what is where, which the cross-encoder and late interaction then read.
+    """
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.out = torch.nn.Linear(d, N_COLOURS + 1 + N_SHAPES + 1 + N_SIZES + 1 + 2)
+
+    def loss(self, tokens: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+        y = self.out(self.norm(tokens))  # (B, T, classes + 2)
+        a, b, c = N_COLOURS + 1, N_COLOURS + N_SHAPES + 2, N_COLOURS + N_SHAPES + N_SIZES + 3
+        ce = torch.nn.functional.cross_entropy
+        loss = (ce(y[..., :a].flatten(0, 1), targets["colour"].flatten())
+                + ce(y[..., a:b].flatten(0, 1), targets["shape"].flatten())
+                + ce(y[..., b:c].flatten(0, 1), targets["size"].flatten()))
+        has = targets["colour"] > 0
+        if has.any():
+            loss = loss + 4.0 * torch.nn.functional.mse_loss(y[..., c:][has],
+                                                           targets["offset"][has])
+        return loss
+
+
+def patch_targets(layouts: list[world.Layout], grid: int) -> dict[str, torch.Tensor]:
+    """Per-patch labels of the object whose centre lies in the patch (the nearest to the patch
+    centre when two do): colour / shape / size class (0 = none) and the centre's offset in
+    the patch, in [-0.5, 0.5]."""
+    n, t = len(layouts), grid * grid
+    cell = world.IMAGE_SIZE / grid
+    colours, shapes, sizes = list(world.COLOURS), list(world.SHAPES), list(world.SIZES)
+    out = {k: torch.zeros(n, t, dtype=torch.long) for k in ("colour", "shape", "size")}
+    offset = torch.zeros(n, t, 2)
+    best = torch.full((n, t), float("inf"))
+    for i, layout in enumerate(layouts):
+        for thing, x, y, _r in layout:
+            col, row = min(int(x // cell), grid - 1), min(int(y // cell), grid - 1)
+            ox, oy = x / cell - col - 0.5, y / cell - row - 0.5
+            p, dist = row * grid + col, ox * ox + oy * oy
+            if dist >= best[i, p]:
+                continue
+            best[i, p] = dist
+            out["colour"][i, p] = colours.index(thing.colour) + 1
+            out["shape"][i, p] = shapes.index(thing.shape) + 1
+            out["size"][i, p] = sizes.index(thing.size) + 1
+            offset[i, p] = torch.tensor([ox, oy])
+    return {**out, "offset": offset}
+
 
 def _lr(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:
@@ -56,8 +114,11 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
     pix = pixel_bytes([s.image for s in samples], world.IMAGE_SIZE)  # uint8 in memory
     tok = WordTokenizer(world.vocabulary())
     model = JointModel(JointConfig(vocab_size=tok.vocab_size))
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "pos" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "pos" not in n)]
+    head = PatchHead(model.cfg.d_model)
+    targets = patch_targets([s.layout for s in samples], model.cfg.grid)
+    params = [*model.named_parameters(), *(("head." + n, p) for n, p in head.named_parameters())]
+    decay = [p for n, p in params if p.ndim >= 2 and "pos" not in n]
+    no_decay = [p for n, p in params if not (p.ndim >= 2 and "pos" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
     order: list[int] = []
@@ -76,13 +137,19 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
             group["lr"] = _lr(step, cfg)
         model.train()
         hard = step >= cfg.easy_steps
+        img = model.image_tokens(images)
+        aux = head.loss(img, {k: v[idx] for k, v in targets.items()})
         if step % (3 if hard else 2) == 0:  # after the warm-up: two cross-encoder steps in three
-            name, loss = "be", _bi_encoder_loss(model, tok, images, texts, perturbed)
+            name, loss = "be", _bi_encoder_loss(model, tok, img, texts, perturbed,
+                                                cfg.late_weight)
         elif not hard:
-            name, loss = "ce", _cross_encoder_easy_loss(model, tok, images, texts)
+            name, loss = "ce", _cross_encoder_easy_loss(model, tok, img, texts)
         else:
             wrong_px = pixels([world.render(rng, w) for w in wrong], world.IMAGE_SIZE)
-            name, loss = "ce", _cross_encoder_loss(model, tok, images, texts, perturbed, wrong_px)
+            name, loss = "ce", _cross_encoder_loss(model, tok, img, texts, perturbed,
+                                                   model.image_tokens(wrong_px))
+        ema["aux"] = 0.98 * ema.get("aux", aux.item()) + 0.02 * aux.item()
+        loss = loss + cfg.aux_weight * aux
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -91,9 +158,16 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
             model.logit_scale.clamp_(0.0, 4.6)
         ema[name] = 0.98 * ema.get(name, loss.item()) + 0.02 * loss.item()
         bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()})
+    joint_seconds = time.perf_counter() - t0
+    han = None
+    if cfg.han_steps > 0:
+        han = train_han(model, tok, samples, cfg.han_steps, cfg.han_batch, cfg.han_lr,
+                        cfg.han_p, cfg.han_margin, rng, progress)
     train_seconds = time.perf_counter() - t0
 
     save_model(model, tok, out)
+    if han is not None:
+        save_han(han, out)
     runtime = BuiltinModel.load(out)
     val = list(world.generate(300, HELD_OUT_SEED_BASE - 1, n_captions=5))
     metrics = evaluate(runtime, [s.image for s in val], [s.captions for s in val], candidates=20)
@@ -103,6 +177,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
                    f"--steps {cfg.steps} --batch {cfg.batch}",
         "config": cfg.__dict__,
         "train_seconds": round(train_seconds, 1),
+        "joint_seconds": round(joint_seconds, 1),
         "torch": torch.__version__,
         "fingerprint": runtime.fingerprint,
         "validation": metrics,
@@ -111,24 +186,39 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
     return summary
 
 
-def _bi_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Tensor,
-                     texts: list[str], perturbed: list[str]) -> torch.Tensor:
+def _bi_encoder_loss(model: JointModel, tok: WordTokenizer, img: torch.Tensor,
+                     texts: list[str], perturbed: list[str], late_weight: float) -> torch.Tensor:
     ids, pad = tok.batch(texts + perturbed)
-    et_all = model.embed_texts(model.text_tokens(ids, pad), pad)
-    ei = model.embed_images(model.image_tokens(images))
+    txt = model.text_tokens(ids, pad)
+    et_all = model.embed_texts(txt, pad)
+    ei = model.embed_images(img)
     b = len(texts)
     scale = model.logit_scale.exp()
     sim = scale * et_all[:b] @ ei.t()
     # image i against perturbed caption i (its own hard negative) as an extra column
     hard = scale * (ei * et_all[b:]).sum(-1, keepdim=True)
-    return cmr_loss(sim, extra_text_negatives=hard)
+    loss = cmr_loss(sim, extra_text_negatives=hard)
+    if late_weight > 0:  # TGDT: the global score refined by token-level S_l, trained jointly
+        s_gl = 0.5 * (et_all[:b] @ ei.t()) + 0.5 * _local_sim(txt[:b], ~pad[:b], img)
+        loss = loss + late_weight * cmc_loss_from_sim(s_gl, ei @ ei.t(),
+                                                      et_all[:b] @ et_all[:b].t())
+    return loss
 
 
-def _cross_encoder_easy_loss(model: JointModel, tok: WordTokenizer, images: torch.Tensor,
+def _local_sim(words: torch.Tensor, mask: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+    """S_l for every (sentence, image) pair of a batch: (B, B), as `models.late` computes it."""
+    w = torch.nn.functional.normalize(words, dim=-1)
+    v = torch.nn.functional.normalize(img, dim=-1)
+    best = torch.einsum("ild,jtd->ijlt", w, v).amax(dim=3)  # (B, B, L)
+    keep = mask.to(best.dtype)[:, None, :]
+    return (best * keep).sum(-1) / keep.sum(-1).clamp(min=1.0)
+
+
+def _cross_encoder_easy_loss(model: JointModel, tok: WordTokenizer, img: torch.Tensor,
                              texts: list[str]) -> torch.Tensor:
     """Warm-up: a random wrong image and a random wrong caption per pair (escapes ln 2)."""
     ids, pad = tok.batch(texts)
-    txt, img = model.text_tokens(ids, pad), model.image_tokens(images)
+    txt = model.text_tokens(ids, pad)
     rows = torch.arange(len(texts))
     shift = torch.roll(rows, 1)
     t_idx, i_idx = torch.cat([rows, rows, shift]), torch.cat([rows, shift, rows])
@@ -139,6 +229,7 @@ def _cross_encoder_easy_loss(model: JointModel, tok: WordTokenizer, images: torc
 def _cross_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Tensor,
                         texts: list[str], perturbed: list[str],
                         perturbed_images: torch.Tensor) -> torch.Tensor:
+    """`images` and `perturbed_images` are image-tower tokens."""
     """Positives vs a random pairing, the in-batch hardest wrong image, a perturbed caption and
     the perturbed scene's image.
 
@@ -148,7 +239,7 @@ def _cross_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Ten
     ids, pad = tok.batch(texts + perturbed)
     b = len(texts)
     txt = model.text_tokens(ids, pad)
-    img = model.image_tokens(torch.cat([images, perturbed_images]))
+    img = torch.cat([images, perturbed_images])
     with torch.no_grad():  # mine the in-batch hardest wrong image with the current bi-encoder
         sim = model.embed_texts(txt[:b], pad[:b]) @ model.embed_images(img[:b]).t()
         same = torch.tensor([[a == c for c in texts] for a in texts])

@@ -23,4 +23,12 @@ class TrainConfig:
     warmup: int = 150
     weight_decay: float = 0.02
     threads: int = 2
+    late_weight: float = 0.0  # TGDT: CMC on S_gl = (S_g + S_l) / 2 in bi-encoder steps
+    aux_weight: float = 0.5  # patch supervision (what is centred where) on the image tokens
     easy_steps: int = 300  # cross-encoder sees random in-batch negatives first, hardest after
+    # second stage: the HAN head over the frozen towers (soft-max triplet, exponent p)
+    han_steps: int = 400
+    han_batch: int = 32
+    han_lr: float = 1e-3
+    han_p: float = 8.0
+    han_margin: float = 0.2

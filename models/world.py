@@ -244,14 +244,23 @@ def _relation_holds(rel: str, a: tuple[float, float], b: tuple[float, float], ga
     return main > gap + 2 and abs(other) < (0.9 if group else 0.6) * main
 
 
+Layout = list[tuple[Thing, float, float, float]]  # (thing, centre x, centre y, radius) per shape
+
+
 def render(rng: random.Random, s: Scene) -> Image.Image:
     """Draw the scene on a plain dark background."""
+    return render_layout(rng, s)[0]
+
+
+def render_layout(rng: random.Random, s: Scene) -> tuple[Image.Image, Layout]:
+    """Draw the scene and say where each shape went (the trainer's patch supervision)."""
     grey = rng.randint(35, 85)
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (grey, grey, grey))
     draw = ImageDraw.Draw(img)
-    for t, x, y, r in _place(rng, s):
+    placed = _place(rng, s)
+    for t, x, y, r in placed:
         _draw_shape(draw, t.shape, COLOURS[t.colour], x, y, r)
-    return img
+    return img, placed
 
 
 def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, fill: tuple[int, int, int],
@@ -283,6 +292,7 @@ class Sample:
     scene: Scene
     image: Image.Image
     captions: list[str]
+    layout: Layout
 
 
 def generate(n_images: int, seed: int, n_captions: int = 5) -> Iterator[Sample]:
@@ -290,7 +300,8 @@ def generate(n_images: int, seed: int, n_captions: int = 5) -> Iterator[Sample]:
     rng = random.Random(seed)
     for _ in range(n_images):
         scene = sample_scene(rng)
-        yield Sample(scene, render(rng, scene), captions(rng, scene, n_captions))
+        image, layout = render_layout(rng, scene)
+        yield Sample(scene, image, captions(rng, scene, n_captions), layout)
 
 
 def png_bytes(img: Image.Image) -> bytes:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from duet import evaluation
 from duet.evaluation import EvalError, evaluate_index, load_pool
@@ -69,6 +70,44 @@ def test_sweeps_and_distractors(index_dir: Path, tmp_path: Path, model: BuiltinM
                                           for lam in (0.1, 0.5, 0.9)}
 
 
+def test_late_and_han_modes_rerank_the_same_candidates(index_dir: Path,
+                                                       model: BuiltinModel) -> None:
+    from models.han import HAN, HANConfig, HANReranker
+    from models.late import late_scores
+
+    _, pool = load_pool(index_dir, model.fingerprint)
+    tt = evaluation.TextTokens.of(model, pool.texts, batch=64)  # several batches, padded
+    assert tt.tokens.shape[:2] == tt.mask.shape and tt.mask.any(axis=1).all()
+    torch.manual_seed(0)
+    han = HANReranker(HAN(HANConfig()), model)
+    res = evaluate_index(pool, None, candidates=10, modes=("dot", "late", "han"),
+                         token_scorers={"late": evaluation.late_scorer(0.0),
+                                        "han": evaluation.han_scorer(han)},
+                         text_tokens=tt)
+    # theta = 0 is the bi-encoder alone: same order as dot inside its top 10
+    for d in ("t2i", "i2t"):
+        assert res["modes"]["late"][d] == res["modes"]["dot"][d]
+    # han: brute force over the top-10 with HANReranker.score_pairs on the caption strings
+    cand, _ = evaluation.top_m(pool.image_vecs, pool.text_vecs, 10)
+    scores = np.stack([han.score_pairs([pool.texts[j] for j in cand[i]],
+                                       np.repeat(pool.image_tokens[i : i + 1], 10, axis=0))
+                       for i in range(40)])
+    best = cand[np.arange(40), scores.argmax(axis=1)]
+    want = 100 * np.mean(pool.owner[best] == np.arange(40))
+    assert res["modes"]["han"]["i2t"]["R@1"] == pytest.approx(want, abs=0.01)
+    # late with theta 1 is S_l alone: checked on one text query against models.late
+    res1 = evaluate_index(pool, None, candidates=10, modes=("late",),
+                          token_scorers={"late": evaluation.late_scorer(1.0)}, text_tokens=tt)
+    t_cand, t_dots = evaluation.top_m(pool.text_vecs, pool.image_vecs, 10)
+    q_tok, q_mask = model.text_token_features(pool.texts)
+    s_l = np.stack([late_scores(t_dots[q], np.repeat(q_tok[q : q + 1], 10, axis=0),
+                                np.repeat(q_mask[q : q + 1], 10, axis=0),
+                                pool.image_tokens[t_cand[q]].astype(np.float32), 1.0)
+                    for q in range(200)])
+    top = t_cand[np.arange(200), s_l.argmax(axis=1)]
+    want = 100 * np.mean(pool.owner[:200] == top)
+    assert res1["modes"]["late"]["t2i"]["R@1"] == pytest.approx(want, abs=0.01)
+
 
 def test_ce_full_refuses_a_large_pool(index_dir: Path, model: BuiltinModel,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,3 +129,24 @@ def test_cli_json_and_errors(index_dir: Path) -> None:
     bad = subprocess.run([*cmd[:-1], "dot,late-ish"], capture_output=True, text=True, cwd=REPO,
                          timeout=120)
     assert bad.returncode == 2 and "late-ish" in bad.stderr
+
+
+def test_cli_han_without_a_head_says_how_to_get_one(index_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from models.trainconfig import DEFAULT_WEIGHTS
+
+    bare = tmp_path / "weights"
+    bare.mkdir()
+    for name in ("model.safetensors", "config.json", "vocab.json"):
+        shutil.copy(DEFAULT_WEIGHTS / name, bare / name)
+    cmd = [sys.executable, "-m", "duet.cli", "eval", "--index", str(index_dir), "--json",
+           "--model-dir", str(bare)]
+    out = subprocess.run([*cmd, "--modes", "dot,han"], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.returncode == 2 and "duet train" in out.stderr
+    # by default han is simply left out when the model has no head
+    out = subprocess.run([*cmd, "--modes", "dot,late"], capture_output=True, text=True,
+                         cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert set(json.loads(out.stdout)["modes"]) == {"dot", "late"}
