@@ -24,7 +24,7 @@ from PIL import Image
 
 from app.batching import MicroBatcher
 from app.cache import ResilientCache, cache_key
-from app.errors import RerankerUnavailable
+from app.errors import RerankerUnavailable, ValidationFailed
 from app.metrics import Metrics
 from app.schemas import RERANKERS, Hit, SearchOptions, SearchResponse
 from app.versions import ServedIndex
@@ -32,6 +32,7 @@ from duet import ann
 from duet.indexio import IndexVersion
 from models.fusion import add_scores, norm_add_scores, sigmoid
 from models.late import DEFAULT_THETA, late_scores
+from models.loading import reranker_menu
 from models.protocols import JointEncoder, TokenEncoder
 from models.tokenizer import normalise
 
@@ -81,9 +82,11 @@ class SearchPipeline:
         self.metrics = metrics
         self.fusion_lambda = fusion_lambda
         self.theta = theta
-        # late interaction needs token-level text features from the model
-        self.rerankers = ("ce", "late", "none") if isinstance(model, TokenEncoder) \
-            else ("ce", "none")
+        # what DUET_RERANKER configured (late also needs token-level text features)
+        menu = reranker_menu(model)
+        self.rerankers = menu.available
+        self.default_reranker = menu.default  # a request that names no re-ranker gets this one
+        self._unavailable = menu.why
         self.batcher: MicroBatcher[RerankItem, np.ndarray] = MicroBatcher(
             self._score_batch, max_batch=rerank_max_batch, max_wait_s=rerank_max_wait_s,
             size_of=lambda item: len(item[0]), max_queue=rerank_max_queue,
@@ -142,13 +145,17 @@ class SearchPipeline:
     def plan(self, opts: SearchOptions) -> RerankPlan:
         """The request's options resolved against the service's defaults; a re-ranker the
         API names but this service cannot run is refused here."""
-        r = opts.effective_reranker
+        r = opts.reranker_or(self.default_reranker)
         if r not in self.rerankers:
-            why = ("is not available in this deployment" if r == "han"
-                   else "needs token-level text features, which this model does not provide")
+            why = self._unavailable.get(r, "is not available in this deployment")
             raise RerankerUnavailable(
                 f"reranker: the {r} re-ranker {why}; available: {', '.join(self.rerankers)} "
                 f"(the API knows {', '.join(RERANKERS)})")
+        if opts.uses_default_reranker:  # options the schema could not check without it
+            try:
+                opts.check_for(r)
+            except ValueError as exc:
+                raise ValidationFailed(str(exc)) from exc
         if r == "none":
             return RerankPlan("none", "none", None, None)
         fusion = opts.fusion or ("add" if r == "ce" else "none")
