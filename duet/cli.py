@@ -276,8 +276,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the HTTP service on INDEX_DIR/current",
                        description="Run the HTTP service. Settings come from DUET_* environment "
-                       "variables (DUET_INDEX_DIR, DUET_HOST, DUET_PORT, DUET_REDIS_URL, ...); "
-                       "the flags below override them.")
+                       "variables (DUET_INDEX_DIR, DUET_HOST, DUET_PORT, DUET_ENCODER, "
+                       "DUET_RERANKER, DUET_REDIS_URL, ...); the flags below override them.")
     s.add_argument("--host", help="bind address (DUET_HOST, default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (DUET_PORT, default 8000)")
     s.add_argument("--index-dir", type=Path, help="serves INDEX_DIR/current "

@@ -151,6 +151,7 @@ def test_text_search_is_clip_then_blip(service: Service, direct: dict[str, Any])
     assert late.status_code == 422 and late.json()["error"]["code"] == "reranker_unavailable"
     assert "available: ce, none" in late.json()["error"]["message"]
     assert ready["model"] == f"{direct['enc'].fingerprint}+{direct['blip'].fingerprint}"
+    assert ready["rerankers"] == {"available": ["ce", "none"], "default": "ce"}
 
 
 def test_image_search_is_clip_then_blip(service: Service, corpus: Path,
