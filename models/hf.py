@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,15 @@ def _pooled(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
+def _tokenize(tokenizer: Any, lock: threading.Lock, texts: Sequence[str],
+              padding: bool | str) -> Any:
+    """One tokenizer call at a time: the service encodes queries from several threads, and a
+    Rust-backed tokenizer re-sets its padding / truncation state on every call, which PyO3
+    refuses concurrently ("RuntimeError: Already borrowed", huggingface/tokenizers#537)."""
+    with lock:
+        return tokenizer(list(texts), padding=padding, truncation=True, return_tensors="pt")
+
+
 def _rgb(images: Sequence[Image.Image]) -> list[Image.Image]:
     return [img.convert("RGB") for img in images]
 
@@ -99,6 +109,7 @@ class HFDualEncoder:
                                                       "encoder (DUET_ENCODER)", self.device)
         self.name = f"hf-{self.kind}"
         self.fingerprint = fingerprint(self.kind, Path(directory))
+        self._tokenizing = threading.Lock()  # see _tokenize
         cfg = self.model.config
         self.dim = int(getattr(cfg, "projection_dim", 0) or cfg.text_config.hidden_size)
         vision = cfg.vision_config
@@ -109,8 +120,7 @@ class HFDualEncoder:
     def _text_inputs(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         # SigLIP was trained on max-length padding; CLIP on the longest in the batch
         padding = "max_length" if self.kind == "siglip" else True
-        enc = self.processor.tokenizer(list(texts), padding=padding, truncation=True,
-                                       return_tensors="pt")
+        enc = _tokenize(self.processor.tokenizer, self._tokenizing, texts, padding)
         return {k: v.to(self.device) for k, v in enc.items()
                 if k in ("input_ids", "attention_mask")}
 
@@ -145,6 +155,7 @@ class HFBlipReranker:
                                                       "re-ranker (DUET_RERANKER)", self.device)
         self.name = "hf-blip-itm"
         self.fingerprint = fingerprint("blip", Path(directory))
+        self._tokenizing = threading.Lock()
         vision = self.model.config.vision_config
         self.token_shape = ((vision.image_size // vision.patch_size) ** 2 + 1, vision.hidden_size)
 
@@ -160,8 +171,7 @@ class HFBlipReranker:
         """ITM logit (match minus no-match) per (text, image tokens) pair."""
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
-        enc = self.processor.tokenizer(list(texts), padding=True, truncation=True,
-                                       return_tensors="pt")
+        enc = _tokenize(self.processor.tokenizer, self._tokenizing, texts, True)
         image = torch.from_numpy(np.asarray(image_tokens, dtype=np.float32)).to(
             self.device, self.model.dtype)
         with torch.inference_mode():
