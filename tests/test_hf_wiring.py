@@ -289,6 +289,22 @@ async def test_reranker_late_is_the_default_of_requests(corpus: Path, tmp_path: 
     assert ce.status_code == 200 and ce.json()["hits"] != late.json()["hits"]
 
 
+def test_clip_with_the_builtin_cross_encoder_stores_builtin_tokens(
+        ckpt: dict[str, Path], corpus: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _build(corpus, tmp_path, "--encoder", str(ckpt["clip"]), "--reranker", "builtin")
+    path = indexio.resolve_current(tmp_path)
+    builtin = BuiltinModel.load()
+    first = Image.open(corpus.parent / "images" / "0000.png")
+    np.testing.assert_allclose(np.load(path / indexio.IMAGE_TOKENS)[0].astype(np.float32),
+                               builtin.encode_images([first])[1][0].astype(np.float32),
+                               atol=1e-3)
+    assert indexio.read_manifest(path)["model"]["reranker"]["fingerprint"] == builtin.fingerprint
+    # an append must encode with the models that built the base
+    assert main(["build", "--append", str(corpus), "--out", str(tmp_path)]) == 2
+    assert "--append/--delete" in capsys.readouterr().err
+
+
 def test_menus_and_fingerprints_of_the_combinations(ckpt: dict[str, Path]) -> None:
     builtin = BuiltinModel.load()
     clip_builtin = load_models(str(ckpt["clip"]), "builtin")
