@@ -26,6 +26,12 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = Field(
         None, description="bearer token for POST /admin/reload; unset = endpoint disabled")
     model_dir: Path | None = Field(None, description="model weights; empty = shipped weights")
+    encoder: str = Field(
+        "builtin", description="the bi-encoder: builtin (DUET_MODEL_DIR) or a local Hugging "
+        "Face CLIP / SigLIP directory")
+    reranker: str = Field(
+        "builtin", description="builtin (the joint model's cross-encoder), late, han, none, or "
+        "a local Hugging Face BLIP image-text-matching directory")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the model runs: auto = a CUDA GPU when torch sees one")
     host: str = "127.0.0.1"

@@ -20,7 +20,7 @@ from app.pipeline import SearchPipeline
 from app.reload import IndexReloader
 from app.routes import admin, health, search
 from duet.indexio import IndexVersion, resolve_current
-from models.builtin import BuiltinModel
+from models.loading import load_models
 from models.protocols import JointEncoder
 
 log = logging.getLogger("duet.app")
@@ -35,11 +35,13 @@ class Resources:
 
 
 def load_resources(settings: Settings) -> Resources:
-    """Load the model, then the current index; refuse an index built by another model."""
-    model = BuiltinModel.load(settings.model_dir, settings.device)
+    """Load the models (DUET_ENCODER, DUET_RERANKER), then the current index; refuse an index
+    built by other models."""
+    model = load_models(settings.encoder, settings.reranker, settings.model_dir, settings.device)
     index = IndexVersion.open(resolve_current(settings.index_dir),
                               expect_fingerprint=model.fingerprint)
-    log.info("loaded model %s and index %s (%d images, %d texts)", model.fingerprint,
+    log.info("loaded model %s (re-rankers %s, default %s) and index %s (%d images, %d texts)",
+             model.fingerprint, ", ".join(model.menu.available), model.menu.default,
              index.version, index.image_index.ntotal, index.text_index.ntotal)
     return Resources(model, index)
 

@@ -24,14 +24,16 @@ from PIL import Image
 
 from app.batching import MicroBatcher
 from app.cache import ResilientCache, cache_key
-from app.errors import RerankerUnavailable
+from app.errors import RerankerUnavailable, ValidationFailed
 from app.metrics import Metrics
 from app.schemas import RERANKERS, Hit, SearchOptions, SearchResponse
 from app.versions import ServedIndex
 from duet import ann
 from duet.indexio import IndexVersion
 from models.fusion import add_scores, norm_add_scores, sigmoid
+from models.han import HANReranker
 from models.late import DEFAULT_THETA, late_scores
+from models.loading import reranker_menu
 from models.protocols import JointEncoder, TokenEncoder
 from models.tokenizer import normalise
 
@@ -46,7 +48,7 @@ class RerankPlan:
     """A request's re-ranking options with the service defaults filled in: what runs, and
     (with the query and the top_k / candidates) everything that decides the result."""
 
-    reranker: str  # ce | late | none
+    reranker: str  # ce | late | han | none
     fusion: str  # none | add | norm_add; none when reranker is none
     lam: float | None  # with fusion add / norm_add
     theta: float | None  # with reranker late
@@ -81,9 +83,12 @@ class SearchPipeline:
         self.metrics = metrics
         self.fusion_lambda = fusion_lambda
         self.theta = theta
-        # late interaction needs token-level text features from the model
-        self.rerankers = ("ce", "late", "none") if isinstance(model, TokenEncoder) \
-            else ("ce", "none")
+        # what DUET_RERANKER configured (late also needs token-level text features)
+        menu = reranker_menu(model)
+        self.rerankers = menu.available
+        self.default_reranker = menu.default  # a request that names no re-ranker gets this one
+        self._unavailable = menu.why
+        self._han_head: HANReranker | None = getattr(model, "han", None)
         self.batcher: MicroBatcher[RerankItem, np.ndarray] = MicroBatcher(
             self._score_batch, max_batch=rerank_max_batch, max_wait_s=rerank_max_wait_s,
             size_of=lambda item: len(item[0]), max_queue=rerank_max_queue,
@@ -142,13 +147,17 @@ class SearchPipeline:
     def plan(self, opts: SearchOptions) -> RerankPlan:
         """The request's options resolved against the service's defaults; a re-ranker the
         API names but this service cannot run is refused here."""
-        r = opts.effective_reranker
+        r = opts.reranker_or(self.default_reranker)
         if r not in self.rerankers:
-            why = ("is not available in this deployment" if r == "han"
-                   else "needs token-level text features, which this model does not provide")
+            why = self._unavailable.get(r, "is not available in this deployment")
             raise RerankerUnavailable(
                 f"reranker: the {r} re-ranker {why}; available: {', '.join(self.rerankers)} "
                 f"(the API knows {', '.join(RERANKERS)})")
+        if opts.uses_default_reranker:  # options the schema could not check without it
+            try:
+                opts.check_for(r)
+            except ValueError as exc:
+                raise ValidationFailed(str(exc)) from exc
         if r == "none":
             return RerankPlan("none", "none", None, None)
         fusion = opts.fusion or ("add" if r == "ce" else "none")
@@ -207,6 +216,11 @@ class SearchPipeline:
         order = np.argsort(-fused, kind="stable")[:top_k]
         return [(int(cand.rows[i]), float(cand.dots[i]), float(scores[i]), float(fused[i]))
                 for i in order]
+
+    @property
+    def _han(self) -> HANReranker:
+        assert self._han_head is not None, "plan() offers han only with a HAN head"
+        return self._han_head
 
     def _late_text_query(self, query: str, cand: _Candidates, image_tokens: np.ndarray,
                          theta: float) -> np.ndarray:
@@ -275,6 +289,9 @@ class SearchPipeline:
                     assert plan.theta is not None
                     scores = await asyncio.to_thread(self._late_text_query, query, cand,
                                                      tokens, plan.theta)
+                elif plan.reranker == "han":
+                    scores = await asyncio.to_thread(self._han.score_pairs,
+                                                     [query] * len(cand.rows), tokens)
                 else:
                     scores = sigmoid(await self.batcher.submit(
                         ([query] * len(cand.rows), tokens)))
@@ -307,6 +324,9 @@ class SearchPipeline:
                     assert plan.theta is not None
                     scores = await asyncio.to_thread(self._late_image_query, toks, cand, texts,
                                                      plan.theta)
+                elif plan.reranker == "han":
+                    scores = await asyncio.to_thread(self._han.score_pairs, texts,
+                                                     np.repeat(toks, len(texts), axis=0))
                 else:
                     scores = sigmoid(await self.batcher.submit(
                         (texts, np.repeat(toks, len(texts), axis=0))))

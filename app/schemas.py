@@ -29,11 +29,11 @@ class SearchOptions(BaseModel):
     rerank: bool = Field(True, description="false = reranker none (the dot-product order)")
     reranker: Reranker | None = Field(
         None, description="ce (cross-encoder, default), late (late interaction, S_gl), "
-                          "han (not available in this deployment), none (dot-product order)")
+                          "han (HAN's word-region alignment, S_AVG), none (dot-product order)")
     fusion: Fusion | None = Field(
         None, description="none (re-ranker score alone), add (lambda*dot + (1-lambda)*score), "
                           "norm_add (add after 0-1 normalising both over the candidates); "
-                          "default: add for ce, none for late")
+                          "default: add for ce, none for late and han")
     lambda_: float | None = Field(
         None, alias="lambda", ge=0.0, le=1.0,
         description="fusion weight of the dot product; default DUET_RERANK_FUSION_LAMBDA")
@@ -41,23 +41,39 @@ class SearchOptions(BaseModel):
         None, ge=0.0, le=1.0,
         description="late only: S_gl = (1-theta)*dot + theta*S_l; default DUET_RERANK_THETA")
 
-    @property
-    def effective_reranker(self) -> str:
+    def reranker_or(self, default: str) -> str:
+        """The re-ranker asked for; `default` (the service's, DUET_RERANKER) when the request
+        names none and does not send `rerank: false`."""
         if self.reranker is not None:
             return self.reranker
-        return "ce" if self.rerank else "none"
+        return default if self.rerank else "none"
+
+    @property
+    def effective_reranker(self) -> str:
+        return self.reranker_or("ce")
 
     @property
     def reranks(self) -> bool:
         return self.effective_reranker != "none"
 
+    @property
+    def uses_default_reranker(self) -> bool:
+        return self.reranker is None and self.rerank
+
     @model_validator(mode="after")
     def _consistent(self) -> SearchOptions:
-        r = self.effective_reranker
         if self.reranker is not None and "rerank" in self.model_fields_set \
                 and self.rerank != (self.reranker != "none"):
             raise ValueError(f"rerank={str(self.rerank).lower()} contradicts "
                              f"reranker={self.reranker}; send only reranker")
+        if self.lambda_ is not None and self.fusion == "none":
+            raise ValueError("lambda applies only to fusion add or norm_add, not none")
+        if not self.uses_default_reranker:  # else the service checks against its default
+            self.check_for(self.effective_reranker)
+        return self
+
+    def check_for(self, r: str) -> None:
+        """ValueError for options that re-ranker `r` would ignore."""
         if r == "none":
             for name, value in (("fusion", self.fusion), ("lambda", self.lambda_),
                                 ("theta", self.theta)):
@@ -66,12 +82,9 @@ class SearchOptions(BaseModel):
                                      "(the dot-product order)")
         if self.theta is not None and r != "late":
             raise ValueError(f"theta applies only to reranker=late, not {r}")
-        if self.lambda_ is not None and self.fusion == "none":
-            raise ValueError("lambda applies only to fusion add or norm_add, not none")
         if r != "none" and self.candidates < self.top_k:
             raise ValueError(f"candidates ({self.candidates}) must be >= top_k ({self.top_k}) "
                              "when re-ranking")
-        return self
 
     def options(self) -> SearchOptions:
         """Just the options (a request body minus its query or image)."""

@@ -25,6 +25,16 @@ def _env_model_dir() -> Path | None:
     return Path(os.environ["DUET_MODEL_DIR"]) if os.environ.get("DUET_MODEL_DIR") else None
 
 
+def _model_choices(args: argparse.Namespace) -> tuple[str, str, tuple[str, str]]:
+    """(encoder, reranker, their labels for errors): --encoder / --reranker, else DUET_ENCODER /
+    DUET_RERANKER (the service's settings, so a build matches what is served), else builtin."""
+    enc_flag, rr_flag = getattr(args, "encoder", None), getattr(args, "reranker", None)
+    encoder = enc_flag or os.environ.get("DUET_ENCODER") or "builtin"
+    reranker = rr_flag or os.environ.get("DUET_RERANKER") or "builtin"
+    return encoder, reranker, ("--encoder" if enc_flag else "DUET_ENCODER",
+                               "--reranker" if rr_flag else "DUET_RERANKER")
+
+
 def _fail(message: str) -> int:
     print(f"duet: error: {message}", file=sys.stderr)
     return EXIT_USAGE
@@ -64,8 +74,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     from index_builder.build import BuildError, build
     from index_builder.corpus import CorpusError, CorpusFileError
-    from models.builtin import BuiltinModel, ModelLoadError
+    from models.builtin import ModelLoadError
     from models.device import DeviceError
+    from models.loading import load_models
 
     _setup_logging()
     if args.corpus and args.append:
@@ -80,8 +91,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         return _fail(f"corpus manifest {corpus} does not exist")
     if corpus is None and (args.split is not None or args.images_root is not None):
         return _fail("--split and --images-root select from a --corpus or --append file")
+    encoder, reranker, labels = _model_choices(args)
     try:
-        model = BuiltinModel.load(args.model_dir)
+        model = load_models(encoder, reranker, args.model_dir, args.device, labels=labels)
+        log.info("encoder %s, image tokens for %s (%s, shape %s)", model.encoder_part.fingerprint,
+                 model.token_part.fingerprint, model.name, model.token_shape)
         report = build(Path(corpus) if corpus else None, Path(args.out), model,
                        batch_size=args.batch_size, skip_bad=args.skip_bad,
                        progress=not args.no_progress, factory=args.factory or None,
@@ -137,15 +151,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
         load_pool,
     )
     from duet.indexio import IndexLoadError
-    from models.builtin import BuiltinModel, ModelLoadError
+    from models.builtin import ModelLoadError
+    from models.device import DeviceError
     from models.han import HANReranker
+    from models.loading import check_choices, load_models
     from models.trainconfig import DEFAULT_WEIGHTS
 
     _setup_logging("warning")
     modes = [m.strip() for m in (args.modes or ",".join(EVAL_MODES)).split(",") if m.strip()]
     if unknown := set(modes) - set(EVAL_MODES):
         return _fail(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(EVAL_MODES)}")
+    encoder, reranker, labels = _model_choices(args)
+    if reranker == "late":
+        return _fail(f"{labels[1]}=late: duet eval re-ranks with a cross-encoder (coop, "
+                     "ce-full); late interaction is the mode `late` (--modes dot,late) with "
+                     "--reranker builtin")
+    if reranker == "none":
+        if args.modes and set(modes) != {"dot"}:
+            return _fail(f"{labels[1]}=none: only --modes dot runs without a re-ranker")
+        modes = ["dot"]
     try:
+        check_choices(encoder, reranker, labels=labels)  # before the index: a typo fails fast
         corpus = _index_corpus(Path(args.index))  # before the model: a wrong index fails fast
         if args.split is not None and (corpus or {}).get("split") != args.split:
             built = (f"split {corpus['split']!r} of {corpus['path']}" if corpus and
@@ -155,32 +181,39 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          f"build that split into its own index first: duet build --corpus "
                          f"dataset_....json --split {args.split} --out DIR, then duet eval "
                          "--index DIR")
-        model = BuiltinModel.load(args.model_dir)
+        model = load_models(encoder, reranker, args.model_dir, args.device, labels=labels)
         scorers: dict[str, TokenScorer] = {}
-        if "late" in modes:
-            scorers["late"] = late_scorer(args.theta)
-        if "han" in modes:
-            han = HANReranker.load(args.model_dir or DEFAULT_WEIGHTS, model)
-            if han is None:
+        for name in ("late", "han"):
+            if name not in modes:
+                continue
+            head = None
+            if model.joint is not None and name == "han":
+                head = HANReranker.load(args.model_dir or DEFAULT_WEIGHTS, model.joint)
+            if model.joint is None or (name == "han" and head is None):
+                why = (f"{args.model_dir or DEFAULT_WEIGHTS} has no trained HAN head "
+                       "(han.safetensors); `duet train` makes one" if model.joint is not None
+                       else "it reads duet's own model's tokens (--encoder builtin)")
                 if args.modes:
-                    return _fail(f"mode han: {args.model_dir or DEFAULT_WEIGHTS} has no trained "
-                                 "HAN head (han.safetensors); `duet train` makes one")
-                modes.remove("han")
-            else:
-                scorers["han"] = han_scorer(han)
+                    return _fail(f"mode {name}: {why}")
+                modes.remove(name)
+                continue
+            scorers[name] = late_scorer(args.theta) if head is None else han_scorer(head)
         version, pool = load_pool(Path(args.index), model.fingerprint, args.distractors)
         say = (lambda _: None) if args.json else (lambda m: print(m, file=sys.stderr))
         if scorers:
             say(f"token features of {len(pool.texts)} texts for {', '.join(scorers)}")
         result = evaluate_index(
-            pool, model, candidates=args.candidates, modes=modes,
-            m_sweep=M_SWEEP if args.m_sweep else (), fusion_sweep=args.fusion_sweep,
-            ce_full_queries=args.ce_full_queries, progress=say, token_scorers=scorers,
-            text_tokens=TextTokens.of(model, pool.texts) if scorers else None)
-    except (IndexLoadError, ModelLoadError, EvalError) as exc:
+            pool, model if model.cross is not None else None, candidates=args.candidates,
+            modes=modes, m_sweep=M_SWEEP if args.m_sweep else (),
+            fusion_sweep=args.fusion_sweep, ce_full_queries=args.ce_full_queries, progress=say,
+            token_scorers=scorers,
+            text_tokens=TextTokens.of(model.joint, pool.texts) if model.joint and scorers
+            else None)
+    except (IndexLoadError, ModelLoadError, EvalError, DeviceError) as exc:
         return _fail(str(exc))
     result["index_version"] = version
     result["corpus"] = corpus
+    result["models"] = model.parts()
     print(json.dumps(result) if args.json else format_tables(result))
     return 0
 
@@ -201,10 +234,13 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
     import fcntl
 
     from index_builder.build import build
-    from models.builtin import BuiltinModel
+    from models.builtin import ModelLoadError
+    from models.device import DeviceError
+    from models.loading import load_models
     from models.world import write_corpus
 
     _setup_logging()
+    encoder, reranker, labels = _model_choices(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # several replicas may start at once on one shared volume (k8s init containers): one builds
@@ -216,8 +252,12 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
         corpus = Path(args.corpus_out) if args.corpus_out else out.parent / "demo-corpus"
         print(f"no index in {out}: generating {args.images} demo images in {corpus} and building")
         manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
-        report = build(manifest, out, BuiltinModel.load(_env_model_dir()),
-                       progress=not args.no_progress)
+        try:  # the models the service will serve (DUET_ENCODER, DUET_RERANKER)
+            model = load_models(encoder, reranker, _env_model_dir(),
+                                os.environ.get("DUET_DEVICE") or "auto", labels=labels)
+        except (ModelLoadError, DeviceError) as exc:
+            return _fail(str(exc))
+        report = build(manifest, out, model, progress=not args.no_progress)
     print(f"built {report.path} ({report.images} images, {report.texts} texts) in "
           f"{report.seconds:.1f}s")
     return 0
@@ -244,11 +284,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     from models.trainconfig import TrainConfig
 
     _setup_logging()
-    cfg = TrainConfig(seed=args.seed, images=args.images, steps=args.steps, batch=args.batch)
+    cfg = TrainConfig(seed=args.seed, images=args.images, steps=args.steps, batch=args.batch,
+                      han_steps=args.han_steps)
     summary = train(cfg, Path(args.out), progress=not args.no_progress)
     print(f"trained in {summary['train_seconds']}s -> {args.out} ({summary['fingerprint']})")
     print(format_table(summary["validation"]))  # type: ignore[arg-type]
     return 0
+
+
+def _model_options(p: argparse.ArgumentParser, verb: str) -> None:
+    """--encoder and --reranker: the same choices as DUET_ENCODER and DUET_RERANKER."""
+    p.add_argument("--encoder", default=None,
+                   help=f"the bi-encoder it {verb} with: builtin (duet's model, --model-dir) or a "
+                   "local Hugging Face CLIP / SigLIP directory (default: $DUET_ENCODER, else "
+                   "builtin)")
+    p.add_argument("--reranker", default=None,
+                   help="the re-ranker whose image tokens the index stores and that re-ranks: "
+                   "builtin (duet's cross-encoder), late, none, or a local Hugging Face BLIP "
+                   "image-text-matching directory (default: $DUET_RERANKER, else builtin); "
+                   "han is refused until it is trained")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -262,8 +316,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the HTTP service on INDEX_DIR/current",
                        description="Run the HTTP service. Settings come from DUET_* environment "
-                       "variables (DUET_INDEX_DIR, DUET_HOST, DUET_PORT, DUET_REDIS_URL, ...); "
-                       "the flags below override them.")
+                       "variables (DUET_INDEX_DIR, DUET_HOST, DUET_PORT, DUET_ENCODER, "
+                       "DUET_RERANKER, DUET_REDIS_URL, ...); the flags below override them.")
     s.add_argument("--host", help="bind address (DUET_HOST, default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (DUET_PORT, default 8000)")
     s.add_argument("--index-dir", type=Path, help="serves INDEX_DIR/current "
@@ -318,6 +372,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--model-dir", type=Path, default=_env_model_dir(),
                    help=f"model weights directory (default: $DUET_MODEL_DIR, else the shipped "
                    f"{DEFAULT_WEIGHTS})")
+    _model_options(b, "encodes")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.set_defaults(fn=cmd_build)
 
@@ -367,6 +422,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--model-dir", type=Path, default=_env_model_dir(),
                    help="model weights directory (default: $DUET_MODEL_DIR, else the shipped "
                    "weights)")
+    _model_options(e, "scores")
+    e.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="run the models on (auto: CUDA when a GPU is present)")
     e.set_defaults(fn=cmd_eval)
 
     i = sub.add_parser("demo-index", help="generate the demo corpus and build it, unless "
@@ -392,13 +450,17 @@ def parser() -> argparse.ArgumentParser:
 
     defaults = TrainConfig()
     t = sub.add_parser("train", help="train duet's own model on the synthetic world",
-                       description="Train the joint bi-encoder / cross-encoder from scratch on "
-                       "CPU and save safetensors weights, config and vocabulary.")
+                       description="Train duet's model from scratch on CPU in two stages and "
+                       "save safetensors weights, config and vocabulary: (1) the joint "
+                       "bi-encoder / cross-encoder, (2) the HAN head over its frozen features "
+                       "(han.safetensors).")
     t.add_argument("--out", default=str(DEFAULT_WEIGHTS), help="output directory")
     t.add_argument("--seed", type=int, default=defaults.seed)
     t.add_argument("--images", type=int, default=defaults.images, help="training scenes")
     t.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     t.add_argument("--batch", type=int, default=defaults.batch, help="pairs per batch")
+    t.add_argument("--han-steps", type=int, default=defaults.han_steps,
+                   help="stage 2: HAN head steps (0 = no HAN head)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(fn=cmd_train)
     return p

@@ -69,6 +69,19 @@ def read_manifest(version: Path) -> dict[str, Any]:
     return manifest
 
 
+def built_with(manifest: dict[str, Any]) -> str:
+    """` (encoder X from DIR, re-ranker Y from DIR)` from a manifest's `model`; '' for a version
+    built before the two were recorded."""
+    model = manifest.get("model", {})
+    parts = []
+    for key, label in (("encoder", "encoder"), ("reranker", "image tokens for")):
+        part = model.get(key)
+        if isinstance(part, dict) and part.get("fingerprint"):
+            where = f" from {part['dir']}" if part.get("dir") else ""
+            parts.append(f"{label} {part['fingerprint']}{where}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def point_current(index_dir: Path, version: str) -> None:
     """Atomically make `DIR/current` point at `DIR/<version>` (rename over the old link)."""
     tmp = Path(index_dir) / f".{CURRENT}.{os.getpid()}.tmp"
@@ -184,9 +197,11 @@ class IndexVersion:
         built_by = manifest.get("model", {}).get("fingerprint")
         if expect_fingerprint is not None and built_by != expect_fingerprint:
             raise ModelMismatchError(
-                f"index {path} was built by model {built_by!r} but the service loaded "
-                f"{expect_fingerprint!r}; rebuild the index with this model "
-                "(`duet build`) or start the service with the model that built it (DUET_MODEL_DIR)"
+                f"index {path} was built by model {built_by!r}{built_with(manifest)} but the "
+                f"service loaded {expect_fingerprint!r}; rebuild the index with these models "
+                "(`duet build --encoder E --reranker R`, the same choices as DUET_ENCODER and "
+                "DUET_RERANKER) or start the service with the ones that built it (DUET_ENCODER, "
+                "DUET_RERANKER, DUET_MODEL_DIR)"
             )
         try:
             image_index = faiss.read_index(str(path / IMAGE_INDEX))

@@ -32,6 +32,7 @@ from typing import Any
 
 import faiss
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from duet import ann, indexio
@@ -39,8 +40,10 @@ from index_builder.corpus import CorpusError, CorpusItem, CorpusSelection, read_
 from index_builder.encode import (
     Encoder,
     PlanItem,
+    RGBEncoder,
     ShardBuilder,
     autocast_dtype,
+    decode_rgb,
     decoded_batches,
     default_workers,
     fsync_path,
@@ -52,6 +55,7 @@ from index_builder.encode import (
 )
 from models.builtin import BuiltinModel
 from models.device import resolve_device
+from models.loading import Models, manifest_model
 
 log = logging.getLogger("duet.build")
 
@@ -100,7 +104,7 @@ class _Base:
     image_tokens: np.ndarray
 
 
-def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int = 64,
+def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_size: int = 64,
           skip_bad: bool = False, progress: bool = True, *, factory: str | None = None,
           shard_size: int = DEFAULT_SHARD_SIZE, workers: int | None = None,
           device: str = "auto", engine: str = "local", append: bool = False,
@@ -113,6 +117,11 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
 
     With `append`, `corpus` holds only new items, added to the current version; `delete`
     names a file of ids (one per line) to drop from it. Either reuses the stored vectors.
+
+    `model` is duet's joint model, or the `Models` of `models.loading.load_models` (an
+    encoder and the re-ranker whose image tokens the index stores). When the joint model is
+    both, encoding takes the fast path (decode workers, autocast, Ray); Hugging Face models
+    take a plain batched loop in this process, on the device they were loaded on.
     """
     t0 = time.perf_counter()
     out = Path(out)
@@ -120,10 +129,17 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
         raise BuildError("--batch-size and --shard-size must be at least 1")
     if engine not in ("local", "ray"):
         raise BuildError(f"unknown engine {engine!r}: use local or ray")
-    dev = resolve_device(device)
+    # the joint model alone (as encoder and token source) takes the fast path
+    joint = model if isinstance(model, BuiltinModel) else model.joint
+    dev = resolve_device(device) if joint is not None else torch.device(str(model.device))
     workers = default_workers(dev) if workers is None else workers
     if workers < 0:
         raise BuildError("--workers must be 0 or more")
+    if joint is None:
+        if engine == "ray":
+            raise BuildError(f"--engine ray encodes with duet's builtin model only; {model.name} "
+                             "(Hugging Face checkpoints) builds with --engine local")
+        workers = 0  # decoded in this process
     skipped: list[str] = []
 
     def bad(err: CorpusError) -> None:
@@ -133,6 +149,12 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
         log.warning("skipping %s", err)
 
     base = _load_base(out) if (append or delete is not None) else None
+    if base is not None and (built_by := base.manifest.get("model", {}).get(
+            "fingerprint")) != model.fingerprint:
+        raise BuildError(f"--append/--delete: {base.path.name} was built by model {built_by!r}"
+                         f"{indexio.built_with(base.manifest)}, this build encodes with "
+                         f"{model.fingerprint!r}; use the models that built it (--encoder, "
+                         "--reranker, --model-dir) or build a fresh index with --corpus")
     items: list[CorpusItem] = []
     selection = CorpusSelection("manifest")
     if corpus is not None:
@@ -190,13 +212,18 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
         check(k, read_shard(shard_path(shard_dir, k), ("image_error",)))
     t_enc = time.perf_counter()
     encoded = sum(b - a for _, a, b in missing)
-    if missing and engine == "ray":
+    if missing and joint is None:
+        assert isinstance(model, Models)
+        _encode_rgb(plan, missing, shard_dir, model, batch_size, progress, check)
+    elif missing and engine == "ray":
         from index_builder.ray_engine import encode_ray
 
-        encode_ray(plan, missing, shard_dir, model, dev, batch_size, ray_actors, progress,
+        assert joint is not None
+        encode_ray(plan, missing, shard_dir, joint, dev, batch_size, ray_actors, progress,
                    on_shard=check)
     elif missing:
-        _encode_local(plan, missing, shard_dir, model, dev, batch_size, workers, progress,
+        assert joint is not None
+        _encode_local(plan, missing, shard_dir, joint, dev, batch_size, workers, progress,
                       check)
     encode_seconds = time.perf_counter() - t_enc
 
@@ -252,7 +279,8 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
         manifest: dict[str, Any] = {
             "format": indexio.FORMAT_VERSION,
             "version": version,
-            "model": {"name": model.name, "fingerprint": model.fingerprint},
+            # encoder and token source (what the re-ranker reads); the service checks both
+            "model": manifest_model(model),
             "dim": model.dim,
             "metric": "inner_product",
             "index_type": (factories[0] if factories[0] == factories[1]
@@ -268,8 +296,8 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel, batch_size: int =
             "skipped": len(skipped),
             "build": {
                 "engine": engine, "device": dev.type,
-                "autocast": str(autocast_dtype(dev)).replace("torch.", "") if dev.type == "cuda"
-                else None,
+                "autocast": str(autocast_dtype(dev)).replace("torch.", "")
+                if dev.type == "cuda" and joint is not None else None,
                 "workers": workers, "batch_size": batch_size, "shard_size": shard_size,
                 "factory_arg": factory, "shards": len(ranges), "resumed_shards": len(done),
                 "encoded_items": encoded, "encode_seconds": round(encode_seconds, 3),
@@ -322,8 +350,34 @@ def _encode_local(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
             on_shard(k, arrays)
 
 
+def _encode_rgb(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
+                shard_dir: Path, model: Models, batch_size: int, progress: bool,
+                on_shard: Any) -> None:
+    """Hugging Face models: decode here, encode `batch_size` images at a time at their own
+    size (each model's processor resizes), the same shard files as the fast path."""
+    encoder = RGBEncoder(model)
+    log.info("encoding %d shard(s) with %s on %s, %d images per batch", len(missing),
+             model.name, model.device, batch_size)
+    with tqdm(total=sum(b - a for _, a, b in missing), desc="encoding", unit="item",
+              disable=not progress) as bar:
+        for k, a, b in missing:
+            t0 = time.perf_counter()
+            shard = ShardBuilder(plan[a:b], encoder, batch_size)
+            done = 0
+            for positions in shard_batches(plan, a, b, batch_size):
+                shard.add([decode_rgb(plan[p]) for p in positions])
+                bar.update(len(positions))
+                done += len(positions)
+            arrays = shard.finish(model.dim, model.token_shape)  # the captions
+            write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+            bar.update(b - a - done)
+            log.info("shard %d: items %d-%d encoded in %.1fs", k, a, b - 1,
+                     time.perf_counter() - t0)
+            on_shard(k, arrays)
+
+
 def _shard_key(corpus: Path | None, selection: CorpusSelection, plan: Sequence[PlanItem],
-               model: BuiltinModel, dev: Any, batch_size: int, shard_size: int,
+               model: BuiltinModel | Models, dev: Any, batch_size: int, shard_size: int,
                base: _Base | None) -> str:
     """What decides the shards' bytes: a changed corpus or argument never reuses stale ones."""
     h = hashlib.sha256()

@@ -13,11 +13,11 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -65,8 +65,12 @@ class Encoder:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     @torch.inference_mode()
-    def images(self, pixels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """uint8 (B, 3, S, S) -> ((B, dim) float32 unit vectors, (B, T, d) float16 tokens)."""
+    def images(self, pixels: torch.Tensor | Sequence[torch.Tensor]
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """uint8 (B, 3, S, S) (or B tensors (3, S, S)) -> ((B, dim) float32 unit vectors,
+        (B, T, d) float16 tokens)."""
+        if not isinstance(pixels, torch.Tensor):
+            pixels = torch.stack(list(pixels))
         if self.device.type == "cuda":  # page-locked, so the copy can overlap the last batch
             pixels = pixels.pin_memory()
         x = pixels.to(self.device, non_blocking=True).float() / 255.0
@@ -84,6 +88,30 @@ class Encoder:
         with self._autocast():
             vec = self.net.embed_texts(self.net.text_tokens(ids, pad), pad)
         return F.normalize(vec.float(), dim=-1).cpu().numpy()
+
+
+class ImageEncoder(Protocol):
+    """What a `ShardBuilder` calls: a batch of decoded images, then the shard's captions."""
+
+    def images(self, decoded: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def texts(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+class RGBEncoder:
+    """Models that take PIL images (`models.loading.Models` with Hugging Face parts) behind the
+    `ShardBuilder` interface: `decode_rgb` images in, each model's own processor resizes them.
+    No DataLoader workers and no autocast: a plain batched loop."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def images(self, decoded: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+        vecs, tokens = self.model.encode_images(list(decoded))
+        return np.asarray(vecs, np.float32), np.asarray(tokens, np.float16)
+
+    def texts(self, texts: Sequence[str]) -> np.ndarray:
+        return np.asarray(self.model.encode_texts(list(texts)), np.float32)
 
 
 def _moved(model: BuiltinModel, device: torch.device) -> JointModel:
@@ -112,13 +140,22 @@ class Decoded:
     """A decoded image, or why it could not be: what a loader worker hands back."""
 
     pos: int
-    pixels: torch.Tensor | None  # uint8 (3, S, S)
+    pixels: Any  # uint8 tensor (3, S, S) from `decode`, an RGB PIL image from `decode_rgb`
     sha256: bytes
     error: str
 
 
 def decode(item: PlanItem, size: int) -> Decoded:
     """Read, hash, decode and resize one image; errors come back as text, not exceptions."""
+    return _decode(item, lambda rgb: pixel_bytes([rgb], size)[0])
+
+
+def decode_rgb(item: PlanItem) -> Decoded:
+    """Read, hash and decode one image, not resized (a Hugging Face processor resizes it)."""
+    return _decode(item, lambda rgb: rgb)
+
+
+def _decode(item: PlanItem, convert: Callable[[Image.Image], Any]) -> Decoded:
     assert item.image is not None
     try:
         data = Path(item.image).read_bytes()
@@ -129,7 +166,7 @@ def decode(item: PlanItem, size: int) -> Decoded:
     try:
         img = Image.open(io.BytesIO(data))
         img.load()
-        pix = pixel_bytes([img.convert("RGB")], size)[0]
+        pix = convert(img.convert("RGB"))
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         return Decoded(item.pos, None, sha, f"cannot read image {item.image_rel!r} "
                        f"({item.image}): {exc}")
@@ -182,7 +219,8 @@ SHARD_FIELDS = ("image_ok", "image_sha", "image_error", "image_vectors", "image_
 class ShardBuilder:
     """Collects one shard's encoded image batches, then encodes its captions."""
 
-    def __init__(self, items: Sequence[PlanItem], encoder: Encoder, batch_size: int) -> None:
+    def __init__(self, items: Sequence[PlanItem], encoder: ImageEncoder,
+                 batch_size: int) -> None:
         self.items = list(items)
         self.encoder = encoder
         self.batch_size = batch_size
@@ -195,7 +233,7 @@ class ShardBuilder:
         self.decoded.extend(batch)
         good = [d.pixels for d in batch if d.pixels is not None]
         if good:
-            vec, tok = self.encoder.images(torch.stack(good))
+            vec, tok = self.encoder.images(good)
             self.vecs.append(vec)
             self.toks.append(tok)
 

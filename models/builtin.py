@@ -99,7 +99,7 @@ class BuiltinModel:
 
     @torch.inference_mode()
     def encode_images(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
-        """Images -> ((n, dim) float32 L2-normalised vectors, (n, T, d) float16 patch tokens)."""
+        """Images -> ((n, dim) float32 L2-normalised vectors, (n, T, d) float16 image states)."""
         toks = self.model.image_tokens(
             pixels(images, self.model.cfg.image_size).to(self.device))
         vec = self.model.embed_images(toks)
@@ -107,8 +107,8 @@ class BuiltinModel:
 
     @torch.inference_mode()
     def text_token_features(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Texts -> (text tower tokens (n, L, d) float32, mask (n, L) True for real tokens):
-        the query side (or caption side) of late interaction, the same width as image tokens."""
+        """Texts -> (text states (n, L, d) float32, mask (n, L) True for real tokens): the
+        word side of late interaction and HAN, in the same space as the stored image states."""
         ids, pad = self._batch(texts)
         toks = self.model.text_tokens(ids, pad)
         return toks.float().cpu().numpy(), (~pad).cpu().numpy()
@@ -119,10 +119,14 @@ class BuiltinModel:
         """ITM logits (n,) for n (text, image-tokens) pairs; higher means a better match."""
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
-        ids, pad = self._batch(texts)
-        txt = self.model.text_tokens(ids, pad)
+        # a text query's candidates share its text: its states are computed once
+        unique = list(dict.fromkeys(texts))
+        ids, pad = self._batch(unique)
+        states = self.model.text_tokens(ids, pad)
+        row = {t: i for i, t in enumerate(unique)}
+        pick = torch.tensor([row[t] for t in texts], device=self.device)
         img = torch.from_numpy(np.ascontiguousarray(image_tokens)).to(self.device).float()
-        return self.model.itm_logits(txt, pad, img).float().cpu().numpy()
+        return self.model.itm_logits(states[pick], pad[pick], img).float().cpu().numpy()
 
     def _batch(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pad = self.tokenizer.batch(list(texts))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 from PIL import Image
 
 from models.builtin import ModelLoadError
+from models.device import resolve_device
 
 DUAL_ENCODER_TYPES = ("clip", "siglip")
 RERANKER_TYPES = ("blip",)
@@ -52,8 +54,10 @@ def fingerprint(kind: str, directory: Path) -> str:
     return f"hf-{kind}:{h.hexdigest()[:16]}"
 
 
-def _load(directory: Path, allowed: Sequence[str], role: str) -> tuple[Any, Any, str]:
-    """(model, processor, model_type) from a local directory, or a ModelLoadError that says why."""
+def _load(directory: Path, allowed: Sequence[str], role: str,
+          device: torch.device) -> tuple[Any, Any, str]:
+    """(model, processor, model_type) from a local directory, on `device`, or a ModelLoadError
+    that says why."""
     d = Path(directory)
     kind = model_type(d)
     if kind not in allowed:
@@ -65,11 +69,14 @@ def _load(directory: Path, allowed: Sequence[str], role: str) -> tuple[Any, Any,
         import transformers
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
         raise ModelLoadError("Hugging Face checkpoints need `pip install transformers`") from exc
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in logs
     try:
         processor = transformers.AutoProcessor.from_pretrained(d, local_files_only=True)
         cls = (transformers.BlipForImageTextRetrieval if kind == "blip"
                else transformers.AutoModel)
-        model = cls.from_pretrained(d, local_files_only=True).eval()
+        model = cls.from_pretrained(d, local_files_only=True).eval().to(device)
+        if device.type == "cpu" and model.dtype in (torch.float16, torch.bfloat16):
+            model = model.float()  # half-precision checkpoints: CPU kernels want fp32
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load the {kind} checkpoint in {d}: {exc}") from exc
     return model, processor, kind
@@ -80,18 +87,29 @@ def _pooled(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
+def _tokenize(tokenizer: Any, lock: threading.Lock, texts: Sequence[str],
+              padding: bool | str) -> Any:
+    """One tokenizer call at a time: the service encodes queries from several threads, and a
+    Rust-backed tokenizer re-sets its padding / truncation state on every call, which PyO3
+    refuses concurrently ("RuntimeError: Already borrowed", huggingface/tokenizers#537)."""
+    with lock:
+        return tokenizer(list(texts), padding=padding, truncation=True, return_tensors="pt")
+
+
 def _rgb(images: Sequence[Image.Image]) -> list[Image.Image]:
     return [img.convert("RGB") for img in images]
 
 
 class HFDualEncoder:
-    """A CLIP or SigLIP checkpoint as duet's bi-encoder."""
+    """A CLIP or SigLIP checkpoint as duet's bi-encoder, on `device` (auto, cpu or cuda)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, device: str | torch.device = "cpu") -> None:
+        self.device = resolve_device(device) if isinstance(device, str) else device
         self.model, self.processor, self.kind = _load(directory, DUAL_ENCODER_TYPES,
-                                                      "encoder (DUET_ENCODER)")
+                                                      "encoder (DUET_ENCODER)", self.device)
         self.name = f"hf-{self.kind}"
         self.fingerprint = fingerprint(self.kind, Path(directory))
+        self._tokenizing = threading.Lock()  # see _tokenize
         cfg = self.model.config
         self.dim = int(getattr(cfg, "projection_dim", 0) or cfg.text_config.hidden_size)
         vision = cfg.vision_config
@@ -102,37 +120,42 @@ class HFDualEncoder:
     def _text_inputs(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         # SigLIP was trained on max-length padding; CLIP on the longest in the batch
         padding = "max_length" if self.kind == "siglip" else True
-        enc = self.processor.tokenizer(list(texts), padding=padding, truncation=True,
-                                       return_tensors="pt")
-        return {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+        enc = _tokenize(self.processor.tokenizer, self._tokenizing, texts, padding)
+        return {k: v.to(self.device) for k, v in enc.items()
+                if k in ("input_ids", "attention_mask")}
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         with torch.inference_mode():
             feats = _pooled(self.model.get_text_features(**self._text_inputs(texts)))
-        return torch.nn.functional.normalize(feats.float(), dim=-1).numpy()
+        return torch.nn.functional.normalize(feats.float(), dim=-1).cpu().numpy()
 
     def encode_images(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
         pix = self.processor.image_processor(_rgb(images), return_tensors="pt")["pixel_values"]
-        with torch.inference_mode():
-            feats = _pooled(self.model.get_image_features(pixel_values=pix))
-            hidden = self.model.vision_model(pixel_values=pix).last_hidden_state
+        pix = pix.to(self.device, self.model.dtype)
+        with torch.inference_mode():  # one vision pass; get_image_features pools the same way
+            out = self.model.vision_model(pixel_values=pix)
+            hidden = out.last_hidden_state
             if self.kind == "clip":  # drop [CLS]; the same head the pooled feature goes through
+                feats = self.model.visual_projection(out.pooler_output)
                 tokens = self.model.visual_projection(
                     self.model.vision_model.post_layernorm(hidden[:, 1:]))
-            else:
+            else:  # SigLIP: the attention-pooling head's output is the image feature
+                feats = out.pooler_output
                 tokens = hidden
-        vecs = torch.nn.functional.normalize(feats.float(), dim=-1).numpy()
-        return vecs, tokens.to(torch.float16).numpy()
+        vecs = torch.nn.functional.normalize(feats.float(), dim=-1).cpu().numpy()
+        return vecs, tokens.to(torch.float16).cpu().numpy()
 
 
 class HFBlipReranker:
-    """A BLIP image-text-matching checkpoint as duet's cross-encoder."""
+    """A BLIP image-text-matching checkpoint as duet's cross-encoder, on `device`."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, device: str | torch.device = "cpu") -> None:
+        self.device = resolve_device(device) if isinstance(device, str) else device
         self.model, self.processor, self.kind = _load(directory, RERANKER_TYPES,
-                                                      "re-ranker (DUET_RERANKER)")
+                                                      "re-ranker (DUET_RERANKER)", self.device)
         self.name = "hf-blip-itm"
         self.fingerprint = fingerprint("blip", Path(directory))
+        self._tokenizing = threading.Lock()
         vision = self.model.config.vision_config
         self.token_shape = ((vision.image_size // vision.patch_size) ** 2 + 1, vision.hidden_size)
 
@@ -140,19 +163,24 @@ class HFBlipReranker:
         """The vision encoder's output per image (what `score_pairs` reads), float16."""
         pix = self.processor.image_processor(_rgb(images), return_tensors="pt")["pixel_values"]
         with torch.inference_mode():
-            hidden = self.model.vision_model(pixel_values=pix).last_hidden_state
-        return hidden.to(torch.float16).numpy()
+            hidden = self.model.vision_model(
+                pixel_values=pix.to(self.device, self.model.dtype)).last_hidden_state
+        return hidden.to(torch.float16).cpu().numpy()
 
     def score_pairs(self, texts: Sequence[str], image_tokens: np.ndarray) -> np.ndarray:
         """ITM logit (match minus no-match) per (text, image tokens) pair."""
-        enc = self.processor.tokenizer(list(texts), padding=True, truncation=True,
-                                       return_tensors="pt")
-        image = torch.from_numpy(np.asarray(image_tokens, dtype=np.float32))
+        if len(texts) == 0:
+            return np.zeros(0, dtype=np.float32)
+        enc = _tokenize(self.processor.tokenizer, self._tokenizing, texts, True)
+        image = torch.from_numpy(np.asarray(image_tokens, dtype=np.float32)).to(
+            self.device, self.model.dtype)
         with torch.inference_mode():
             hidden = self.model.text_encoder(
-                input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                input_ids=enc["input_ids"].to(self.device),
+                attention_mask=enc["attention_mask"].to(self.device),
                 encoder_hidden_states=image,
-                encoder_attention_mask=torch.ones(image.shape[:2], dtype=torch.long),
+                encoder_attention_mask=torch.ones(image.shape[:2], dtype=torch.long,
+                                                  device=self.device),
             ).last_hidden_state
             logits = self.model.itm_head(hidden[:, 0, :]).float()
-        return (logits[:, 1] - logits[:, 0]).numpy()
+        return (logits[:, 1] - logits[:, 0]).cpu().numpy()

@@ -1,13 +1,16 @@
 """duet's own joint image-text model (JOINT+COOP, Rerank-Smart).
 
-An image tower turns the picture into patch tokens, a text tower turns words
-into tokens, and one shared transformer serves twice:
+An image tower turns the picture into patch tokens, a text tower turns words into tokens,
+and one shared transformer contextualises each modality alone into token *states*. They
+serve twice:
 
-* bi-encoder: each modality alone -> masked mean pool -> projection -> L2-normalised vector;
-* cross-encoder: [ITM] + text tokens + image tokens together -> ITM logit.
+* bi-encoder: states -> masked mean pool -> projection -> L2-normalised vector;
+* cross-encoder: [ITM] + text states + image states read together by fusion layers (as
+  ALBEF fuses its unimodal encoders' outputs) -> ITM logit.
 
-The image tower's patch tokens are what the index stores for re-ranking, so
-the service never needs the original image files of the corpus.
+The image states are what the index stores for re-ranking (the cross-encoder, late
+interaction and HAN read them), so the service never needs the corpus's image files and a
+query never re-encodes a candidate.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class JointConfig:
     embed_dim: int = 128
     max_text_len: int = 32
     grid: int = 4  # image tokens = grid * grid
+    fusion_layers: int = 2  # cross-encoder layers over the joint text + image states
 
     def to_json(self) -> dict[str, int]:
         return asdict(self)
@@ -91,7 +95,8 @@ class TextTower(nn.Module):
 
 
 class JointModel(nn.Module):
-    """Image tower + text tower + one shared transformer for both retrieval and re-ranking."""
+    """Image tower + text tower + one shared transformer for both modalities; fusion layers
+    on top of both for re-ranking."""
 
     def __init__(self, cfg: JointConfig) -> None:
         super().__init__()
@@ -103,6 +108,8 @@ class JointModel(nn.Module):
         self.itm_token = nn.Parameter(torch.zeros(1, 1, d))
         self.shared = _encoder(cfg, cfg.shared_layers)
         self.norm = nn.LayerNorm(d)
+        self.fusion = _encoder(cfg, cfg.fusion_layers)
+        self.fusion_norm = nn.LayerNorm(d)
         self.text_proj = nn.Linear(d, cfg.embed_dim)
         self.image_proj = nn.Linear(d, cfg.embed_dim)
         self.itm_head = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1))
@@ -110,31 +117,37 @@ class JointModel(nn.Module):
         nn.init.normal_(self.type_embed, std=1.0)
         nn.init.normal_(self.itm_token, std=0.02)
 
-    # -- towers -------------------------------------------------------------
+    # -- token states (what the index stores for images) ---------------------------
     def image_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
-        """The image tower's patch tokens (what the index stores for re-ranking)."""
-        return self.image_tower(pixels)
+        """pixels -> image states (B, grid*grid, d): the tower's patches through the shared
+        transformer. What the index stores and every re-ranker reads."""
+        return self.norm(self.shared(self.image_tower(pixels) + self.type_embed[1]))
 
     def text_tokens(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        return self.text_tower(ids, pad)
+        """ids -> text states (B, L, d); padded positions are meaningless (mask with `pad`)."""
+        x = self.text_tower(ids, pad) + self.type_embed[0]
+        return self.norm(self.shared(x, src_key_padding_mask=pad))
 
     # -- bi-encoder ---------------------------------------------------------
     def embed_images(self, img_tokens: torch.Tensor) -> torch.Tensor:
-        """Image tokens -> L2-normalised global vectors."""
-        h = self.norm(self.shared(img_tokens + self.type_embed[1]))
-        return F.normalize(self.image_proj(h.mean(dim=1)), dim=-1)
+        """Image states -> L2-normalised global vectors."""
+        return F.normalize(self.image_proj(img_tokens.mean(dim=1)), dim=-1)
 
     def embed_texts(self, txt_tokens: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        """Text tokens -> L2-normalised global vectors (mean over real tokens)."""
-        h = self.norm(self.shared(txt_tokens + self.type_embed[0], src_key_padding_mask=pad))
-        keep = (~pad).unsqueeze(-1).to(h.dtype)
-        pooled = (h * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
+        """Text states -> L2-normalised global vectors (mean over real tokens)."""
+        keep = (~pad).unsqueeze(-1).to(txt_tokens.dtype)
+        pooled = (txt_tokens * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
         return F.normalize(self.text_proj(pooled), dim=-1)
 
     # -- cross-encoder ------------------------------------------------------
     def itm_logits(self, txt_tokens: torch.Tensor, pad: torch.Tensor,
                    img_tokens: torch.Tensor) -> torch.Tensor:
-        """ITM logit for each (text, image) row pair: (B,) — higher means a match."""
+        """ITM logit for each (text states, image states) row pair: (B,), higher = a match."""
+        return self.itm_head(self.fused(txt_tokens, pad, img_tokens)[:, 0]).squeeze(-1)
+
+    def fused(self, txt_tokens: torch.Tensor, pad: torch.Tensor,
+              img_tokens: torch.Tensor) -> torch.Tensor:
+        """The fusion layers' output over [ITM] + text + image: (B, 1 + L + T, d)."""
         b = txt_tokens.shape[0]
         itm = self.itm_token.expand(b, -1, -1)
         x = torch.cat([itm, txt_tokens + self.type_embed[0],
@@ -142,5 +155,4 @@ class JointModel(nn.Module):
         no_pad = torch.zeros(b, 1, dtype=torch.bool, device=pad.device)
         img_pad = torch.zeros(b, img_tokens.shape[1], dtype=torch.bool, device=pad.device)
         mask = torch.cat([no_pad, pad, img_pad], dim=1)
-        h = self.norm(self.shared(x, src_key_padding_mask=mask))
-        return self.itm_head(h[:, 0]).squeeze(-1)
+        return self.fusion_norm(self.fusion(x, src_key_padding_mask=mask))

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from models import world
 from models.builtin import BuiltinModel, pixel_bytes, pixels, save_model
@@ -65,6 +66,24 @@ class PatchHead(torch.nn.Module):
             loss = loss + 4.0 * torch.nn.functional.mse_loss(y[..., c:][has],
                                                            targets["offset"][has])
         return loss
+
+
+Grounding = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, token positions, centres)
+
+
+def grounding_targets(captions: list[str], scenes: list[world.Scene],
+                      layouts: list[world.Layout]) -> Grounding:
+    """(row, token position, centre (x, y)) for every shape noun of every caption: where in
+    its image the thing the noun names is. Token positions count [CLS] as 0."""
+    rows, pos, xy = [], [], []
+    for r, (cap, scene, layout) in enumerate(zip(captions, scenes, layouts, strict=True)):
+        for word, which in world.grounding(cap, scene):
+            thing = scene.a if which == "a" or scene.b is None else scene.b
+            rows.append(r)
+            pos.append(word + 1)
+            xy.append(world.centre(layout, thing))
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(pos, dtype=torch.long), \
+        torch.tensor(xy, dtype=torch.float32).reshape(-1, 2)
 
 
 def patch_targets(layouts: list[world.Layout], grid: int) -> dict[str, torch.Tensor]:
@@ -115,8 +134,10 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
     tok = WordTokenizer(world.vocabulary())
     model = JointModel(JointConfig(vocab_size=tok.vocab_size))
     head = PatchHead(model.cfg.d_model)
+    ground = torch.nn.Linear(model.cfg.d_model, 2)  # training-only: noun -> its thing's centre
     targets = patch_targets([s.layout for s in samples], model.cfg.grid)
-    params = [*model.named_parameters(), *(("head." + n, p) for n, p in head.named_parameters())]
+    params = [*model.named_parameters(), *(("head." + n, p) for n, p in head.named_parameters()),
+              *(("ground." + n, p) for n, p in ground.named_parameters())]
     decay = [p for n, p in params if p.ndim >= 2 and "pos" not in n]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and "pos" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -143,11 +164,17 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
             name, loss = "be", _bi_encoder_loss(model, tok, img, texts, perturbed,
                                                 cfg.late_weight)
         elif not hard:
-            name, loss = "ce", _cross_encoder_easy_loss(model, tok, img, texts)
+            where = grounding_targets(texts, [samples[i].scene for i in idx],
+                                      [samples[i].layout for i in idx])
+            name, loss = "ce", _cross_encoder_easy_loss(model, tok, img, texts, ground, where,
+                                                        cfg.ground_weight)
         else:
             wrong_px = pixels([world.render(rng, w) for w in wrong], world.IMAGE_SIZE)
+            where = grounding_targets(texts, [samples[i].scene for i in idx],
+                                      [samples[i].layout for i in idx])
             name, loss = "ce", _cross_encoder_loss(model, tok, img, texts, perturbed,
-                                                   model.image_tokens(wrong_px))
+                                                   model.image_tokens(wrong_px), ground, where,
+                                                   cfg.ground_weight)
         ema["aux"] = 0.98 * ema.get("aux", aux.item()) + 0.02 * aux.item()
         loss = loss + cfg.aux_weight * aux
         opt.zero_grad(set_to_none=True)
@@ -174,7 +201,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
     log.info("validation (300 images, seed %d):\n%s", HELD_OUT_SEED_BASE - 1, format_table(metrics))
     summary: dict[str, object] = {
         "command": f"duet train --out {out} --seed {cfg.seed} --images {cfg.images} "
-                   f"--steps {cfg.steps} --batch {cfg.batch}",
+                   f"--steps {cfg.steps} --batch {cfg.batch} --han-steps {cfg.han_steps}",
         "config": cfg.__dict__,
         "train_seconds": round(train_seconds, 1),
         "joint_seconds": round(joint_seconds, 1),
@@ -215,21 +242,25 @@ def _local_sim(words: torch.Tensor, mask: torch.Tensor, img: torch.Tensor) -> to
 
 
 def _cross_encoder_easy_loss(model: JointModel, tok: WordTokenizer, img: torch.Tensor,
-                             texts: list[str]) -> torch.Tensor:
+                             texts: list[str], ground: torch.nn.Module, where: Grounding,
+                             ground_weight: float) -> torch.Tensor:
     """Warm-up: a random wrong image and a random wrong caption per pair (escapes ln 2)."""
     ids, pad = tok.batch(texts)
     txt = model.text_tokens(ids, pad)
     rows = torch.arange(len(texts))
     shift = torch.roll(rows, 1)
     t_idx, i_idx = torch.cat([rows, rows, shift]), torch.cat([rows, shift, rows])
-    logits = model.itm_logits(txt[t_idx], pad[t_idx], img[i_idx])
-    return ce_bce_loss(logits[: len(texts)], logits[len(texts) :])
+    return _bce_and_grounding(model, txt[t_idx], pad[t_idx], img[i_idx], len(texts), ground,
+                              where, ground_weight)
 
 
 def _cross_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Tensor,
-                        texts: list[str], perturbed: list[str],
-                        perturbed_images: torch.Tensor) -> torch.Tensor:
-    """`images` and `perturbed_images` are image-tower tokens."""
+                        texts: list[str], perturbed: list[str], perturbed_images: torch.Tensor,
+                        ground: torch.nn.Module, where: Grounding,
+                        ground_weight: float) -> torch.Tensor:
+    """`images` and `perturbed_images` are image states. On the positive pairs, each shape
+    noun's fused state must also say where its thing is (`where`, from `grounding_targets`):
+    word-to-region grounding, which the relation words then compare."""
     """Positives vs a random pairing, the in-batch hardest wrong image, a perturbed caption and
     the perturbed scene's image.
 
@@ -248,5 +279,19 @@ def _cross_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Ten
     rows = torch.arange(b)
     t_idx = torch.cat([rows, rows, rows, rows + b, rows])
     i_idx = torch.cat([rows, torch.roll(rows, 1), neg_img, rows, rows + b])
-    logits = model.itm_logits(txt[t_idx], pad[t_idx], img[i_idx])
-    return ce_bce_loss(logits[:b], logits[b:])
+    return _bce_and_grounding(model, txt[t_idx], pad[t_idx], img[i_idx], b, ground, where,
+                              ground_weight)
+
+
+def _bce_and_grounding(model: JointModel, txt: torch.Tensor, pad: torch.Tensor,
+                       img: torch.Tensor, b: int, ground: torch.nn.Module,
+                       where: Grounding, ground_weight: float) -> torch.Tensor:
+    """BCE over pairs whose first `b` are the positives (in batch order), plus the grounding
+    regression on those positives' shape nouns."""
+    h = model.fused(txt, pad, img)
+    logits = model.itm_head(h[:, 0]).squeeze(-1)
+    loss = ce_bce_loss(logits[:b], logits[b:])
+    rows, pos, xy = where
+    if ground_weight > 0 and len(rows):
+        loss = loss + ground_weight * F.mse_loss(ground(h[rows, 1 + pos]), xy)
+    return loss

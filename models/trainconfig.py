@@ -23,7 +23,8 @@ class TrainConfig:
     warmup: int = 150
     weight_decay: float = 0.02
     threads: int = 2
-    late_weight: float = 0.0  # TGDT: CMC on S_gl = (S_g + S_l) / 2 in bi-encoder steps
+    ground_weight: float = 4.0  # cross-encoder: each noun's fused state -> its thing's centre
+    late_weight: float = 0.5  # TGDT: CMC on S_gl = (S_g + S_l) / 2 in bi-encoder steps
     aux_weight: float = 0.5  # patch supervision (what is centred where) on the image tokens
     easy_steps: int = 300  # cross-encoder sees random in-batch negatives first, hardest after
     # second stage: the HAN head over the frozen towers (soft-max triplet, exponent p)

@@ -152,6 +152,37 @@ def captions(rng: random.Random, s: Scene, n: int) -> list[str]:
     return variants[:n]
 
 
+def grounding(caption: str, scene: Scene) -> list[tuple[int, str]]:
+    """(word index, "a" | "b") of each shape noun in `caption`: which of the scene's things it
+    names. Words are the tokenizer's ([a-z]+ or digits). A noun phrase is always
+    `det size colour shape`, and the two things of a pair differ in shape, colour, size or
+    count, so the words before the noun say which thing it is."""
+    import re
+
+    words = re.findall(r"[a-z]+|\d+", caption.lower())
+    plurals = {t + ("es" if t == "cross" else "s"): t for t in SHAPES}
+    sizes = {w: k for k, ws in SIZE_WORDS.items() for w in ws}
+    out = []
+    for i, w in enumerate(words):
+        if w not in SHAPES and w not in plurals:
+            continue
+        if scene.b is None:
+            out.append((i, "a"))
+            continue
+        said = (plurals.get(w, w), words[i - 1], sizes.get(words[i - 2]), w in plurals)
+        fit = [sum(x == y for x, y in zip(said, (t.shape, t.colour, t.size, t.count > 1),
+                                          strict=True)) for t in (scene.a, scene.b)]
+        out.append((i, "a" if fit[0] >= fit[1] else "b"))
+    return out
+
+
+def centre(layout: Layout, thing: Thing) -> tuple[float, float]:
+    """Mean centre of the drawn shapes of `thing` (a group's members), in [0, 1] image units."""
+    xs = [(x, y) for t, x, y, _r in layout if t == thing]
+    return (sum(x for x, _ in xs) / len(xs) / IMAGE_SIZE, sum(y for _, y in xs) / len(xs)
+            / IMAGE_SIZE)
+
+
 def perturb(rng: random.Random, s: Scene, binding: float = 0.6) -> Scene:
     """A scene that differs from `s` in one detail; its captions and image are hard negatives.
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import math
+import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from models.han import HAN, HANConfig, align_and_match
+from models import world
+from models.builtin import BuiltinModel
+from models.han import HAN, HANConfig, HANReranker, align_and_match, regions_of, save_han
+from models.late import kmeans_regions
 from models.losses import softmax_triplet_loss
+from models.train_han import han_scores, train_han
 
 
 def test_align_and_match_hand_computed() -> None:
@@ -59,12 +65,10 @@ def test_han_trains_with_the_softmax_triplet_loss() -> None:
     model = HAN(HANConfig(word_dim=d, region_dim=d, dim=d, layers=1))
     regions = torch.randn(b, m, d)
     words = regions[:, :n] + 0.3 * torch.randn(b, n, d)  # each caption "describes" its image
-    wm, rm = torch.ones(b, n, dtype=torch.bool), torch.ones(b, m, dtype=torch.bool)
+    wm = torch.ones(b, n, dtype=torch.bool)
 
     def scores() -> torch.Tensor:  # (captions, images)
-        w = words.repeat_interleave(b, 0)
-        r = regions.repeat(b, 1, 1)
-        return model(w, wm.repeat_interleave(b, 0), r, rm.repeat(b, 1)).view(b, b)
+        return han_scores(model, words, wm, regions)
 
     def accuracy() -> float:
         with torch.no_grad():
@@ -78,3 +82,55 @@ def test_han_trains_with_the_softmax_triplet_loss() -> None:
         loss.backward()
         opt.step()
     assert before < 0.5 and accuracy() >= 0.75
+
+
+def test_batch_score_matrix_is_every_pair() -> None:
+    torch.manual_seed(1)
+    model = HAN(HANConfig(word_dim=6, region_dim=6, dim=8)).eval()
+    words, regions = torch.randn(3, 4, 6), torch.randn(3, 5, 6)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    got = han_scores(model, words, mask, regions)
+    for i in range(3):
+        for j in range(3):
+            want = model(words[i : i + 1], mask[i : i + 1], regions[j : j + 1],
+                         torch.ones(1, 5, dtype=torch.bool))
+            assert float(got[i, j]) == pytest.approx(float(want[0]), abs=1e-5)
+
+
+def test_regions_are_the_patches_or_their_kmeans_centres() -> None:
+    rng = np.random.default_rng(0)
+    few = rng.normal(size=(2, 16, 4)).astype(np.float32)
+    np.testing.assert_array_equal(regions_of(few), few)  # 16 patches <= 32 regions: as they are
+    many = rng.normal(size=(2, 40, 4)).astype(np.float32)
+    got = regions_of(many, k=32)
+    assert got.shape == (2, 32, 4)
+    np.testing.assert_allclose(got[1], kmeans_regions(many[1], 32))
+
+
+def test_saved_head_scores_what_it_scored_before(model: BuiltinModel, tmp_path: Path) -> None:
+    assert HANReranker.load(tmp_path, model) is None  # no head in this directory
+    torch.manual_seed(2)
+    head = HAN(HANConfig()).eval()
+    save_han(head, tmp_path)
+    loaded = HANReranker.load(tmp_path, model)
+    assert loaded is not None
+    texts = ["a red circle above a blue square", "a small green cross in the center"]
+    tokens = model.encode_images([world.render(random.Random(i),
+                                               world.sample_scene(random.Random(i)))
+                                  for i in range(2)])[1]
+    words, mask = model.text_token_features(texts)
+    with torch.no_grad():
+        want = head(torch.from_numpy(words), torch.from_numpy(mask),
+                    torch.from_numpy(tokens.astype(np.float32)),
+                    torch.ones(2, tokens.shape[1], dtype=torch.bool)).numpy()
+    np.testing.assert_allclose(loaded.score_pairs(texts, tokens), want, atol=1e-5)
+    assert loaded.score_pairs([], tokens[:0]).shape == (0,)
+
+
+def test_train_han_runs_on_the_models_features(model: BuiltinModel) -> None:
+    samples = list(world.generate(12, seed=5, n_captions=2))
+    torch.manual_seed(3)
+    head = train_han(model.model, model.tokenizer, samples, steps=3, batch=8, lr=1e-3, p=8.0,
+                     margin=0.2, rng=random.Random(0), progress=False)
+    assert not head.training
+    assert head.word_proj.in_features == model.model.cfg.d_model

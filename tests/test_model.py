@@ -163,3 +163,17 @@ def test_losses_have_finite_gradients_when_all_hinges_are_zero() -> None:
                  triplet_sum_loss(sim, 0.2)):
         (grad,) = torch.autograd.grad(loss, sim)
         assert loss.item() == pytest.approx(0.0, abs=1e-6) and torch.isfinite(grad).all()
+
+
+def test_grounding_targets_follow_the_layouts() -> None:
+    from models.train import grounding_targets
+    from models.world import Scene, Thing
+
+    a, b = Thing("circle", "red", "small"), Thing("square", "blue", "large")
+    scene = Scene("pair", a, b, relation="left of")
+    here = [(a, 16.0, 32.0, 6.0), (b, 48.0, 32.0, 10.0)]
+    single = Scene("single", a, position="top")
+    caps = ["a big blue square to the right of a small red circle", "a red circle at the top"]
+    rows, pos, xy = grounding_targets(caps, [scene, single], [here, [(a, 32.0, 8.0, 6.0)]])
+    assert rows.tolist() == [0, 0, 1] and pos.tolist() == [4, 12, 3]  # [CLS] is position 0
+    assert xy.tolist() == [[0.75, 0.5], [0.25, 0.5], [0.5, 0.125]]

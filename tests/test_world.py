@@ -83,3 +83,32 @@ def test_relations_hold_in_pixels() -> None:
             dx, dy = x - bx, y - by
             assert {"left of": dx < 0, "right of": dx > 0, "above": dy < 0,
                     "below": dy > 0}[s.relation or ""]
+
+
+def test_grounding_names_each_nouns_thing() -> None:
+    red_circle, blue_square = Thing("circle", "red", "small"), Thing("square", "blue", "large")
+    scene = Scene("pair", red_circle, blue_square, relation="left of")
+    # word order differs between templates; the words before each noun decide
+    assert world.grounding("a small red circle left of a big blue square", scene) == [
+        (3, "a"), (9, "b")]
+    assert world.grounding("a large blue square with a tiny red circle to its left", scene) == [
+        (3, "b"), (8, "a")]
+    # only the colour tells two circles apart; a plural names the group
+    twins = Scene("pair", Thing("circle", "red", "small", 2), Thing("circle", "green", "small"),
+                  relation="above")
+    assert world.grounding("two small red circles above a small green circle", twins) == [
+        (3, "a"), (8, "b")]
+    single = Scene("single", red_circle, position="top")
+    assert world.grounding("a small red circle at the top", single) == [(3, "a")]
+
+
+def test_grounding_holds_on_generated_captions() -> None:
+    """Every pair caption names both things once; the centres are inside the picture."""
+    for s in world.generate(300, seed=21, n_captions=6):
+        for cap in s.captions:
+            named = world.grounding(cap, s.scene)
+            want = ["a"] if s.scene.b is None else ["a", "b"]
+            assert sorted(w for _, w in named) == want, cap
+            for which in want:
+                x, y = world.centre(s.layout, s.scene.a if which == "a" else s.scene.b)
+                assert 0 < x < 1 and 0 < y < 1

@@ -29,6 +29,7 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse({
         "status": "ready",
         "model": pipeline.model.fingerprint,
+        "rerankers": {"available": list(pipeline.rerankers), "default": pipeline.default_reranker},
         "index_version": index.version,
         "items": {"images": index.image_index.ntotal, "texts": index.text_index.ntotal},
         "cache": pipeline.cache.backend.name,

@@ -1,0 +1,271 @@
+"""DUET_ENCODER + DUET_RERANKER -> the models that `duet serve`, `duet build` and `duet eval` run.
+
+- encoder: `builtin` (duet's joint model from DUET_MODEL_DIR, else the shipped weights) or a
+  local Hugging Face CLIP / SigLIP directory (`models.hf.HFDualEncoder`).
+- reranker: `builtin` (the joint model's cross-encoder), `late` (late interaction over the
+  joint model's tokens; with the builtin encoder only), `han` (the HAN head `duet train`
+  saves beside the joint model's weights; with the builtin encoder only),
+  `none` (no re-ranking), or a local BLIP image-text-matching directory
+  (`models.hf.HFBlipReranker`).
+
+`load_models` checks the choices (names, directories, checkpoint kinds, combinations) before
+loading anything and returns one `Models`: the service's model in the `JointEncoder` shape.
+Its image tokens are the ones its re-ranker reads, so that is what an index built with it
+stores; its fingerprint names both parts (see `Models.fingerprint`), so an index built with
+other models is refused. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from models import hf
+from models.builtin import BuiltinModel, ModelLoadError
+from models.han import HANReranker
+from models.protocols import BiEncoder, PairReranker, TokenEncoder
+from models.trainconfig import DEFAULT_WEIGHTS
+
+BUILTIN = "builtin"
+RERANKER_NAMES = ("builtin", "late", "han", "none")
+ENCODER_LABEL = "DUET_ENCODER"
+RERANKER_LABEL = "DUET_RERANKER"
+ENCODER_CHOICES = "builtin or a local Hugging Face CLIP / SigLIP directory"
+RERANKER_CHOICES = ("builtin, late, han, none or a local Hugging Face BLIP image-text-matching "
+                    "directory")
+# the request re-rankers a model without a menu offers (a bare BuiltinModel, test doubles)
+NO_TOKENS_WHY = "needs token-level text features, which this model does not provide"
+HAN_WHY = "is not available in this deployment (its model has no trained HAN head)"
+
+
+class ChoiceError(ModelLoadError):
+    """A DUET_ENCODER / DUET_RERANKER value (or --encoder / --reranker) that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One model as an index manifest records it."""
+
+    name: str
+    fingerprint: str
+    directory: str | None = None  # a Hugging Face directory or DUET_MODEL_DIR; informative
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "fingerprint": self.fingerprint}
+        if self.directory is not None:
+            out["dir"] = self.directory
+        return out
+
+
+NO_TOKENS = Part("none", "none")
+
+
+@dataclass(frozen=True)
+class Menu:
+    """The `reranker` request options a model can run, the one a request gets by default,
+    and why each of the others is unavailable."""
+
+    available: tuple[str, ...]
+    default: str
+    why: dict[str, str] = field(default_factory=dict)
+
+
+class Models:
+    """The configured encoder and re-ranker behind the service's `JointEncoder` protocol.
+
+    `encode_images` returns the encoder's vectors with the image tokens the re-ranker reads
+    (the builtin model's patch tokens, the BLIP vision encoder's output, or zero-width tokens
+    when nothing re-ranks); `score_pairs` is the configured cross-encoder (the `ce` option).
+    """
+
+    def __init__(self, encoder: BiEncoder, encoder_part: Part, *,
+                 cross: PairReranker | None, tokens: Callable[[Sequence[Image.Image]],
+                                                             np.ndarray] | None,
+                 token_part: Part, token_shape: tuple[int, int], menu: Menu,
+                 joint: BuiltinModel | None, late: TokenEncoder | None,
+                 han: HANReranker | None = None) -> None:
+        self.encoder = encoder
+        self.encoder_part = encoder_part
+        self.cross = cross
+        self._tokens = tokens
+        self.token_part = token_part
+        self.token_shape = token_shape
+        self.menu = menu
+        self.joint = joint  # the builtin model when it is both encoder and token source
+        self._late = late
+        self.han = han  # HAN's head over the joint model's words and stored tokens
+        self.dim = encoder.dim
+        same = token_part.fingerprint == encoder_part.fingerprint
+        self.name = encoder_part.name if same else f"{encoder_part.name}+{token_part.name}"
+        # what an index built with these models records and the service checks: the encoder's
+        # fingerprint, joined with the token source's when that is another model
+        self.fingerprint = (encoder_part.fingerprint if same
+                            else f"{encoder_part.fingerprint}+{token_part.fingerprint}")
+        self.device = getattr(encoder, "device", "cpu")
+
+    def parts(self) -> dict[str, Any]:
+        """The manifest's `model` entry."""
+        return {"name": self.name, "fingerprint": self.fingerprint,
+                "encoder": self.encoder_part.as_json(), "reranker": self.token_part.as_json()}
+
+    def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        return self.encoder.encode_texts(texts)
+
+    def encode_images(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
+        """(encoder vectors (n, dim) float32, the re-ranker's image tokens float16)."""
+        if self.joint is not None:
+            return self.joint.encode_images(images)
+        vecs, _ = self.encoder.encode_images(images)
+        return vecs, self.image_tokens(images)
+
+    def image_tokens(self, images: Sequence[Image.Image]) -> np.ndarray:
+        """What the builder stores per image: the tokens the configured re-ranker reads."""
+        if self.joint is not None:
+            return self.joint.encode_images(images)[1]
+        if self._tokens is None:
+            return np.zeros((len(images), *self.token_shape), np.float16)
+        return self._tokens(images)
+
+    def score_pairs(self, texts: Sequence[str], image_tokens: np.ndarray) -> np.ndarray:
+        if self.cross is None:
+            raise RuntimeError("no cross-encoder is configured (DUET_RERANKER=none)")
+        return self.cross.score_pairs(texts, image_tokens)
+
+    def text_token_features(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        if self._late is None:
+            raise RuntimeError("late interaction is not available with these models")
+        return self._late.text_token_features(texts)
+
+
+def reranker_menu(model: object) -> Menu:
+    """The request re-rankers `model` offers: its own menu, or for a bare model (the builtin
+    one, test doubles) `ce` and `none`, and `late` when it has token-level text features."""
+    if isinstance(model, Models):
+        return model.menu
+    if isinstance(model, TokenEncoder):
+        return Menu(("ce", "late", "none"), "ce", {"han": HAN_WHY})
+    return Menu(("ce", "none"), "ce", {"han": HAN_WHY, "late": NO_TOKENS_WHY})
+
+
+def manifest_model(model: object) -> dict[str, Any]:
+    """The manifest's `model` entry for a `Models` or a bare model (encoder = token source)."""
+    if isinstance(model, Models):
+        return model.parts()
+    name, fp = str(getattr(model, "name")), str(getattr(model, "fingerprint"))  # noqa: B009
+    return {"name": name, "fingerprint": fp, "encoder": {"name": name, "fingerprint": fp},
+            "reranker": {"name": name, "fingerprint": fp}}
+
+
+# -- choosing ---------------------------------------------------------------------------------
+
+
+def _hf_dir(value: str, label: str, allowed: Sequence[str], choices: str) -> Path:
+    """A Hugging Face checkpoint directory of one of the `allowed` kinds, or a ChoiceError."""
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise ChoiceError(f"{label}={value}: no such directory; {label} is {choices}")
+    kind = hf.model_type(path)
+    if kind not in allowed:
+        found = f"its config.json says model_type {kind!r}" if kind else \
+            "it has no readable config.json"
+        raise ChoiceError(f"{label}={value}: not a {' or '.join(a.upper() for a in allowed)} "
+                          f"checkpoint ({found}); {label} is {choices}")
+    return path
+
+
+def check_choices(encoder: str, reranker: str, *, labels: tuple[str, str] = (
+        ENCODER_LABEL, RERANKER_LABEL)) -> tuple[Path | None, Path | None]:
+    """(encoder directory, re-ranker directory), None for the named choices; a ChoiceError
+    for a wrong kind, a missing directory or an impossible combination. Loads nothing."""
+    el, rl = labels
+    enc_dir = None if encoder == BUILTIN else _hf_dir(encoder, el, hf.DUAL_ENCODER_TYPES,
+                                                      ENCODER_CHOICES)
+    if reranker in ("late", "han") and enc_dir is not None:
+        raise ChoiceError(
+            f"{rl}={reranker} needs token-level text features in the space of the stored image "
+            f"tokens; {el}={encoder} (a {hf.model_type(enc_dir).upper()} checkpoint) gives "
+            f"pooled vectors only. Use {rl}=builtin, none or a BLIP directory with it, or "
+            f"{el}=builtin")
+    rr_dir = None if reranker in RERANKER_NAMES else _hf_dir(reranker, rl, hf.RERANKER_TYPES,
+                                                             RERANKER_CHOICES)
+    return enc_dir, rr_dir
+
+
+def load_models(encoder: str = BUILTIN, reranker: str = BUILTIN,
+                model_dir: Path | None = None, device: str = "cpu", *,
+                labels: tuple[str, str] = (ENCODER_LABEL, RERANKER_LABEL)) -> Models:
+    """The models for (encoder, reranker) on `device` (auto, cpu, cuda). `model_dir` holds the
+    builtin model's weights (None: the shipped ones). `labels` name the two choices in errors
+    (the settings, or a command's --encoder / --reranker)."""
+    el, rl = labels
+    encoder = encoder.strip() or BUILTIN
+    reranker = reranker.strip() or BUILTIN
+    enc_dir, rr_dir = check_choices(encoder, reranker, labels=labels)
+    builtin: BuiltinModel | None = None
+
+    def joint() -> BuiltinModel:
+        nonlocal builtin
+        if builtin is None:
+            builtin = BuiltinModel.load(model_dir, device)
+        return builtin
+
+    def builtin_part(model: BuiltinModel) -> Part:
+        return Part(model.name, model.fingerprint,
+                    str(Path(model_dir).resolve()) if model_dir is not None else None)
+
+    def hf_load(cls: Callable[..., Any], path: Path, label: str, value: str) -> Any:
+        try:
+            return cls(path, device)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{label}={value}: {exc}") from exc
+
+    enc: BiEncoder
+    if enc_dir is None:
+        enc = joint()
+        enc_part = builtin_part(joint())
+    else:
+        enc = hf_load(hf.HFDualEncoder, enc_dir, el, encoder)
+        enc_part = Part(enc.name, enc.fingerprint, str(enc_dir.resolve()))
+
+    why = {"han": HAN_WHY}
+    if rr_dir is not None:  # BLIP: its cross-encoder, its vision encoder's tokens
+        blip = hf_load(hf.HFBlipReranker, rr_dir, rl, reranker)
+        why["late"] = (f"needs the encoder's image tokens, and this deployment stores the "
+                       f"BLIP re-ranker's ({rl}={reranker})")
+        return Models(enc, enc_part, cross=blip, tokens=blip.image_tokens,
+                      token_part=Part(blip.name, blip.fingerprint, str(rr_dir.resolve())),
+                      token_shape=blip.token_shape, menu=Menu(("ce", "none"), "ce", why),
+                      joint=None, late=None)
+    if reranker == "none" and enc_dir is not None:  # nothing to store: zero-width tokens
+        why["ce"] = why["late"] = f"is not configured ({rl}=none)"
+        return Models(enc, enc_part, cross=None, tokens=None, token_part=NO_TOKENS,
+                      token_shape=(0, 0), menu=Menu(("none",), "none", why), joint=None,
+                      late=None)
+    model = joint()  # builtin / late / han, or none with the builtin encoder: its tokens
+    token_part = builtin_part(model)
+    same = enc_dir is None
+    han = HANReranker.load(model_dir or DEFAULT_WEIGHTS, model, model.device) if same else None
+    if reranker == "han" and han is None:
+        raise ChoiceError(f"{rl}=han: {model_dir or DEFAULT_WEIGHTS} has no trained HAN head "
+                          "(han.safetensors, han.json); `duet train --out DIR` trains the model "
+                          f"with one. {rl} is {RERANKER_CHOICES}")
+    if reranker == "none":
+        why["ce"] = why["late"] = why["han"] = f"is not configured ({rl}=none)"
+        menu = Menu(("none",), "none", why)
+    elif same:
+        offered = ("ce", "late", "han", "none") if han is not None else ("ce", "late", "none")
+        menu = Menu(offered, reranker if reranker in ("late", "han") else "ce", why)
+    else:
+        why["late"] = (f"needs token-level text features, which the {enc_part.name} encoder "
+                       "does not provide")
+        menu = Menu(("ce", "none"), "ce", why)
+    return Models(enc, enc_part, cross=None if reranker == "none" else model,
+                  tokens=lambda images: model.encode_images(images)[1], token_part=token_part,
+                  token_shape=model.token_shape, menu=menu, joint=model if same else None,
+                  late=model if same and reranker != "none" else None,
+                  han=han if reranker != "none" else None)
