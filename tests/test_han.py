@@ -89,11 +89,13 @@ def test_batch_score_matrix_is_every_pair() -> None:
     model = HAN(HANConfig(word_dim=6, region_dim=6, dim=8)).eval()
     words, regions = torch.randn(3, 4, 6), torch.randn(3, 5, 6)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
-    got = han_scores(model, words, mask, regions)
+    with torch.no_grad():
+        got = han_scores(model, words, mask, regions)
     for i in range(3):
         for j in range(3):
-            want = model(words[i : i + 1], mask[i : i + 1], regions[j : j + 1],
-                         torch.ones(1, 5, dtype=torch.bool))
+            with torch.no_grad():
+                want = model(words[i : i + 1], mask[i : i + 1], regions[j : j + 1],
+                             torch.ones(1, 5, dtype=torch.bool))
             assert float(got[i, j]) == pytest.approx(float(want[0]), abs=1e-5)
 
 
