@@ -48,7 +48,7 @@ def test_pattern_reads_the_papers_findings_off_the_numbers() -> None:
     assert lift[1] is False and "(-5.0)" in lift[2]
     # a slow coop is not 50x cheaper than ce-full
     plain["modes"]["coop"] = _mode(61, 62, ms=10.0)
-    speed = [c for c in paper_tables.pattern(plain, mixed) if "50x" in c[0]][0]
+    speed = next(c for c in paper_tables.pattern(plain, mixed) if "50x" in c[0])
     assert speed[1] is False and "10x" in speed[2]
 
 
