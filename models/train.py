@@ -1,16 +1,21 @@
-"""`duet train`: train the joint model on the synthetic world (JOINT+COOP).
+"""`duet train`: train the joint model on the synthetic world (JOINT+COOP), then HAN.
 
-Optimiser steps alternate between the two roles of the shared transformer:
+Stage 1 alternates optimiser steps between the model's two roles:
 
 * bi-encoder steps: CMR in-batch contrastive loss (plus a perturbed caption per image as
-  an extra image->text negative);
-* cross-encoder steps: BCE. For the first `easy_steps` the negatives are a random wrong
+  an extra image->text negative), and TGDT's CMC on S_gl = (S_g + S_l) / 2 so late
+  interaction is trained;
+* cross-encoder steps: BCE, plus grounding (each shape noun's fused state regresses the
+  centre of the thing it names). For the first `easy_steps` the negatives are a random wrong
   image and caption per pair: trained from scratch on hard negatives only, the
   cross-encoder sits on the ln 2 plateau for hundreds of steps. After that: a random
   wrong pairing, the in-batch hardest wrong image under the current bi-encoder, a
   perturbed caption and the perturbed scene rendered as an image (mostly binding
   changes: relation flipped, two objects' colours or shapes swapped), and the
   cross-encoder gets two steps in three.
+
+Every step also trains a patch probe on the image states (what is centred where). The probe
+and the grounding head are training-only. Stage 2 (`models.train_han`) trains the HAN head.
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ N_COLOURS, N_SHAPES, N_SIZES = len(world.COLOURS), len(world.SHAPES), len(world.
 
 
 class PatchHead(torch.nn.Module):
-    """Training-only probe on the image tower's patch tokens: which object is centred in each
-    patch (colour, shape, size; 0 = none) and where in the patch its centre lies.
+    """Training-only probe on the image states (what the index stores): which object is
+    centred in each patch (colour, shape, size; 0 = none) and where in the patch its centre lies.
 
     Region features in the papers come from a detector trained with object and attribute labels
     (bottom-up attention); this is our world's version of that supervision. It makes the stored
@@ -258,11 +263,10 @@ def _cross_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Ten
                         texts: list[str], perturbed: list[str], perturbed_images: torch.Tensor,
                         ground: torch.nn.Module, where: Grounding,
                         ground_weight: float) -> torch.Tensor:
-    """`images` and `perturbed_images` are image states. On the positive pairs, each shape
-    noun's fused state must also say where its thing is (`where`, from `grounding_targets`):
-    word-to-region grounding, which the relation words then compare."""
     """Positives vs a random pairing, the in-batch hardest wrong image, a perturbed caption and
-    the perturbed scene's image.
+    the perturbed scene's image (`images` and `perturbed_images` are image states). On the
+    positive pairs each shape noun's fused state must also say where its thing is (`where`,
+    from `grounding_targets`): word-to-region grounding, which the relation words compare.
 
     The random pairing stays in after the warm-up: without it the cross-encoder forgets gross
     mismatches (measured: it then preferred two-object images for one-object captions).
