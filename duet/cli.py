@@ -153,7 +153,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from duet.indexio import IndexLoadError
     from models.builtin import ModelLoadError
     from models.device import DeviceError
-    from models.han import HANReranker
     from models.loading import check_choices, load_models
     from models.trainconfig import DEFAULT_WEIGHTS
 
@@ -186,9 +185,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         for name in ("late", "han"):
             if name not in modes:
                 continue
-            head = None
-            if model.joint is not None and name == "han":
-                head = HANReranker.load(args.model_dir or DEFAULT_WEIGHTS, model.joint)
+            head = model.han if name == "han" else None  # load_models loads a saved head
             if model.joint is None or (name == "han" and head is None):
                 why = (f"{args.model_dir or DEFAULT_WEIGHTS} has no trained HAN head "
                        "(han.safetensors); `duet train` makes one" if model.joint is not None
