@@ -32,7 +32,7 @@ from duet import ann
 from duet.indexio import IndexVersion
 from models.fusion import add_scores, norm_add_scores, sigmoid
 from models.han import HANReranker
-from models.late import DEFAULT_THETA, late_scores
+from models.late import DEFAULT_THETA, text_image_late_scores
 from models.loading import reranker_menu
 from models.protocols import JointEncoder, TokenEncoder
 from models.tokenizer import normalise
@@ -228,8 +228,8 @@ class SearchPipeline:
         assert isinstance(self.model, TokenEncoder)
         q, mask = self.model.text_token_features([query])
         n = len(cand.rows)
-        return late_scores(cand.dots, np.repeat(q, n, axis=0), np.repeat(mask, n, axis=0),
-                           image_tokens.astype(np.float32), theta)
+        return text_image_late_scores(True, cand.dots, np.repeat(q, n, axis=0),
+                                      np.repeat(mask, n, axis=0), image_tokens, theta)
 
     def _late_image_query(self, image_tokens: np.ndarray, cand: _Candidates, texts: list[str],
                           theta: float) -> np.ndarray:
@@ -237,10 +237,8 @@ class SearchPipeline:
         tokens, so the text tower computes them here (one pass over <= `candidates` texts)."""
         assert isinstance(self.model, TokenEncoder)
         items, item_mask = self.model.text_token_features(texts)
-        n = len(texts)
-        q = np.repeat(image_tokens.astype(np.float32), n, axis=0)
-        return late_scores(cand.dots, q, np.ones(q.shape[:2], dtype=bool), items, theta,
-                           item_mask)
+        return text_image_late_scores(False, cand.dots, items, item_mask,
+                                      np.repeat(image_tokens, len(texts), axis=0), theta)
 
     async def _respond(self, key: str, ranked: list[Ranked],
                        rows_meta: list[tuple[str, dict[str, Any]]], index: IndexVersion,

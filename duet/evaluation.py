@@ -28,7 +28,7 @@ from models import evaluate
 from models.evaluate import KS, reorder
 from models.fusion import fuse, norm_fuse
 from models.han import HANReranker
-from models.late import late_scores
+from models.late import text_image_late_scores
 from models.protocols import PairReranker, TokenEncoder
 
 M_SWEEP = (10, 20, 50, 100)
@@ -170,13 +170,8 @@ TokenScorer = Callable[[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray], np
 def late_scorer(theta: float) -> TokenScorer:
     """TGDT's S_gl; the query's tokens are the ones averaged over (text tokens for t2i, image
     tokens for i2t)."""
-    def score(direction: str, dots: np.ndarray, words: np.ndarray, mask: np.ndarray,
-              images: np.ndarray) -> np.ndarray:
-        if direction == "t2i":
-            return late_scores(dots, words, mask, images, theta)
-        return late_scores(dots, images, np.ones(images.shape[:2], dtype=bool), words, theta,
-                           item_mask=mask)
-    return score
+    return lambda direction, dots, words, mask, images: text_image_late_scores(
+        direction == "t2i", dots, words, mask, images, theta)
 
 
 def han_scorer(han: HANReranker) -> TokenScorer:

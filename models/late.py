@@ -47,6 +47,19 @@ def late_scores(global_scores: np.ndarray, query_tokens: np.ndarray, query_mask:
     return (1.0 - theta) * np.asarray(global_scores, dtype=np.float32) + theta * s_l
 
 
+def text_image_late_scores(text_query: bool, global_scores: np.ndarray, words: np.ndarray,
+                           word_mask: np.ndarray, image_tokens: np.ndarray,
+                           theta: float = DEFAULT_THETA) -> np.ndarray:
+    """S_gl for B (sentence, image) pairs, whichever side the query is: S_l averages over the
+    query's tokens, the sentence's real words for a text query (against the image's tokens),
+    the image's tokens for an image query (against the caption's real words)."""
+    images = np.asarray(image_tokens, dtype=np.float32)
+    if text_query:
+        return late_scores(global_scores, words, word_mask, images, theta)
+    return late_scores(global_scores, images, np.ones(images.shape[:2], dtype=bool), words,
+                       theta, item_mask=word_mask)
+
+
 def kmeans_regions(tokens: np.ndarray, k: int = 32, iters: int = 10) -> np.ndarray:
     """Cluster one image's patch tokens (T, D) into min(k, T) region features (HAN's regions,
     from patches instead of detector boxes). Deterministic: the first centres are spread
