@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
+from models.world import caption_words
+
 PAD, UNK, CLS = "[PAD]", "[UNK]", "[CLS]"
-_WORD = re.compile(r"[a-z]+|\d+")
 
 
 def normalise(text: str) -> str:
     """Lower-case and collapse whitespace; also the cache's notion of "the same query"."""
-    return " ".join(_WORD.findall(text.lower()))
+    return " ".join(caption_words(text))
 
 
 class WordTokenizer:
@@ -32,7 +32,7 @@ class WordTokenizer:
     def ids(self, text: str) -> list[int]:
         """Token ids of one text, [CLS] first, cut at `max_len`."""
         unk = self.stoi[UNK]
-        toks = [self.stoi[CLS], *(self.stoi.get(w, unk) for w in _WORD.findall(text.lower()))]
+        toks = [self.stoi[CLS], *(self.stoi.get(w, unk) for w in caption_words(text))]
         return toks[: self.max_len]
 
     def batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

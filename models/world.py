@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -152,14 +153,22 @@ def captions(rng: random.Random, s: Scene, n: int) -> list[str]:
     return variants[:n]
 
 
+_WORD = re.compile(r"[a-z]+|\d+")
+
+
+def caption_words(text: str) -> list[str]:
+    """The words of a text as duet's tokenizer reads them: lower-cased letters or digits, the
+    rest dropped (`models.tokenizer` uses this too, so word indices here are token positions
+    there, after its [CLS])."""
+    return _WORD.findall(text.lower())
+
+
 def grounding(caption: str, scene: Scene) -> list[tuple[int, str]]:
     """(word index, "a" | "b") of each shape noun in `caption`: which of the scene's things it
     names. Words are the tokenizer's ([a-z]+ or digits). A noun phrase is always
     `det size colour shape`, and the two things of a pair differ in shape, colour, size or
     count, so the words before the noun say which thing it is."""
-    import re
-
-    words = re.findall(r"[a-z]+|\d+", caption.lower())
+    words = caption_words(caption)
     plurals = {t + ("es" if t == "cross" else "s"): t for t in SHAPES}
     sizes = {w: k for k, ws in SIZE_WORDS.items() for w in ws}
     out = []
