@@ -154,8 +154,12 @@ class HANReranker:
         """S_AVG for (text, image tokens) pairs; the words come from the model's text tower."""
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
-        words, mask = self.words.text_token_features(texts)
-        return self.score(words, mask, image_tokens)
+        # a text query's candidates share its sentence: its words are computed once
+        unique = list(dict.fromkeys(texts))
+        words, mask = self.words.text_token_features(unique)
+        row = {t: i for i, t in enumerate(unique)}
+        pick = np.array([row[t] for t in texts])
+        return self.score(words[pick], mask[pick], image_tokens)
 
 
 def save_han(head: HAN, out: Path) -> None:
