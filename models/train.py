@@ -168,18 +168,17 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
         if step % (3 if hard else 2) == 0:  # after the warm-up: two cross-encoder steps in three
             name, loss = "be", _bi_encoder_loss(model, tok, img, texts, perturbed,
                                                 cfg.late_weight)
-        elif not hard:
-            where = grounding_targets(texts, [samples[i].scene for i in idx],
-                                      [samples[i].layout for i in idx])
-            name, loss = "ce", _cross_encoder_easy_loss(model, tok, img, texts, ground, where,
-                                                        cfg.ground_weight)
         else:
-            wrong_px = pixels([world.render(rng, w) for w in wrong], world.IMAGE_SIZE)
             where = grounding_targets(texts, [samples[i].scene for i in idx],
                                       [samples[i].layout for i in idx])
-            name, loss = "ce", _cross_encoder_loss(model, tok, img, texts, perturbed,
-                                                   model.image_tokens(wrong_px), ground, where,
-                                                   cfg.ground_weight)
+            if not hard:
+                name, loss = "ce", _cross_encoder_easy_loss(model, tok, img, texts, ground,
+                                                            where, cfg.ground_weight)
+            else:
+                wrong_px = pixels([world.render(rng, w) for w in wrong], world.IMAGE_SIZE)
+                name, loss = "ce", _cross_encoder_loss(model, tok, img, texts, perturbed,
+                                                       model.image_tokens(wrong_px), ground,
+                                                       where, cfg.ground_weight)
         ema["aux"] = 0.98 * ema.get("aux", aux.item()) + 0.02 * aux.item()
         loss = loss + cfg.aux_weight * aux
         opt.zero_grad(set_to_none=True)
