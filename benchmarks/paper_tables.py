@@ -148,7 +148,6 @@ def main() -> None:
                                 "--modes", "dot,coop,late,han", *common, env=env))
     minutes = (time.perf_counter() - t0) / 60
     checks = pattern(plain, mixed)
-    fp = plain.get("models", {})
     lines = [
         "# Results: the papers' tables on duet's world",
         "",
@@ -194,7 +193,7 @@ def main() -> None:
         "## Raw output",
         "",
         "```json",
-        json.dumps({"test": plain, "distractors": mixed, "models": fp}, indent=1),
+        json.dumps({"test": plain, "distractors": mixed}, indent=1),
         "```",
         "",
     ]
