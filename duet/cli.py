@@ -282,8 +282,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     _setup_logging()
     cfg = TrainConfig(seed=args.seed, images=args.images, steps=args.steps, batch=args.batch,
-                      han_steps=args.han_steps)
-    summary = train(cfg, Path(args.out), progress=not args.no_progress)
+                      ce_steps=args.ce_steps, han_steps=args.han_steps)
+    init_from = Path(args.init_from) if args.init_from else None
+    if init_from is not None and not (init_from / "config.json").is_file():
+        print(f"error: --from {init_from} is not a trained model directory (no config.json)",
+              file=sys.stderr)
+        return 2
+    summary = train(cfg, Path(args.out), progress=not args.no_progress, init_from=init_from)
     print(f"trained in {summary['train_seconds']}s -> {args.out} ({summary['fingerprint']})")
     print(format_table(summary["validation"]))  # type: ignore[arg-type]
     return 0
@@ -410,7 +415,8 @@ def parser() -> argparse.ArgumentParser:
                    help="M, candidates the cross-encoder re-ranks (default 20)")
     e.add_argument("--m-sweep", action="store_true", help="also coop with M = 10, 20, 50, 100")
     e.add_argument("--fusion-sweep", action="store_true",
-                   help="also ADD_lambda and NORM_ADD_lambda fusion, lambda = 0.1, 0.5, 0.9")
+                   help="also ADD_lambda and NORM_ADD_lambda fusion, lambda = 0.1, 0.5, 0.9, and "
+                   "ADD at the service default (DUET_RERANK_FUSION_LAMBDA's default)")
     e.add_argument("--distractors", type=Path, default=None,
                    help="another index whose items join the pool (queries stay the same)")
     e.add_argument("--ce-full-queries", type=int, default=100,
@@ -447,17 +453,23 @@ def parser() -> argparse.ArgumentParser:
 
     defaults = TrainConfig()
     t = sub.add_parser("train", help="train duet's own model on the synthetic world",
-                       description="Train duet's model from scratch on CPU in two stages and "
-                       "save safetensors weights, config and vocabulary: (1) the joint "
-                       "bi-encoder / cross-encoder, (2) the HAN head over its frozen features "
-                       "(han.safetensors).")
+                       description="Train duet's model from scratch on CPU in three stages "
+                       "and save safetensors weights, config and vocabulary: (1) the joint "
+                       "bi-encoder / cross-encoder, (2) the cross-encoder afresh on the frozen "
+                       "token states, with many more steps, (3) the HAN head over the frozen "
+                       "states (han.safetensors). --from skips stage 1.")
     t.add_argument("--out", default=str(DEFAULT_WEIGHTS), help="output directory")
     t.add_argument("--seed", type=int, default=defaults.seed)
     t.add_argument("--images", type=int, default=defaults.images, help="training scenes")
     t.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     t.add_argument("--batch", type=int, default=defaults.batch, help="pairs per batch")
+    t.add_argument("--ce-steps", type=int, default=defaults.ce_steps,
+                   help="stage 2: cross-encoder steps on the frozen states (0 = keep stage 1's)")
     t.add_argument("--han-steps", type=int, default=defaults.han_steps,
-                   help="stage 2: HAN head steps (0 = no HAN head)")
+                   help="stage 3: HAN head steps (0 = no HAN head)")
+    t.add_argument("--from", dest="init_from", default=None, metavar="DIR",
+                   help="skip stage 1: keep the towers and projections of the trained model in "
+                   "DIR exactly (same vectors and token states) and train stages 2 and 3 on top")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(fn=cmd_train)
     return p

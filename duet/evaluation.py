@@ -26,13 +26,16 @@ import numpy as np
 from duet.indexio import IndexVersion, version_dir
 from models import evaluate
 from models.evaluate import KS, reorder
-from models.fusion import fuse, norm_fuse
+from models.fusion import DEFAULT_FUSION_LAMBDA, fuse, norm_fuse
 from models.han import HANReranker
 from models.late import text_image_late_scores
 from models.protocols import PairReranker, TokenEncoder
 
 M_SWEEP = (10, 20, 50, 100)
 LAMBDAS = (0.1, 0.5, 0.9)
+# the fusion sweep also reports the service's default re-ranking: ADD at the λ chosen on the
+# validation split (models/weights/README.md), never tuned on an evaluated split
+DEFAULT_FUSION = f"ADD_{DEFAULT_FUSION_LAMBDA}"
 CE_FULL_MAX_POOL = 1000
 PAIR_BATCH = 512
 
@@ -278,11 +281,12 @@ def evaluate_index(pool: Pool, reranker: PairReranker | None, *, candidates: int
             entry[d.name] = coop(cand[:, :mm], logits[:, :mm])
             entry.setdefault("ms_per_query", {})[d.name] = round(dot_ms + ce_ms_per_pair * mm, 4)
         if fusion_sweep:
-            for lam in LAMBDAS:
-                for name, f in (("ADD", fuse), ("NORM_ADD", norm_fuse)):
-                    entry = result["sweeps"].setdefault("fusion", {}).setdefault(
-                        f"{name}_{lam}", {})
-                    entry[d.name] = coop(cand[:, :c], f(dots[:, :c], logits[:, :c], lam))
+            runs = [(f"{name}_{lam}", f, lam) for lam in LAMBDAS
+                    for name, f in (("ADD", fuse), ("NORM_ADD", norm_fuse))]
+            runs.append((DEFAULT_FUSION, fuse, DEFAULT_FUSION_LAMBDA))
+            for key, f, lam in runs:
+                entry = result["sweeps"].setdefault("fusion", {}).setdefault(key, {})
+                entry[d.name] = coop(cand[:, :c], f(dots[:, :c], logits[:, :c], lam))
         if "ce-full" in modes:
             sample = np.sort(rng.choice(queries, min(ce_full_queries, len(queries)),
                                         replace=False))

@@ -35,7 +35,7 @@ class JointConfig:
     embed_dim: int = 128
     max_text_len: int = 32
     grid: int = 4  # image tokens = grid * grid
-    fusion_layers: int = 2  # cross-encoder layers over the joint text + image states
+    fusion_layers: int = 4  # cross-encoder layers over the joint text + image states
 
     def to_json(self) -> dict[str, int]:
         return asdict(self)
@@ -94,9 +94,12 @@ class TextTower(nn.Module):
         return self.blocks(x, src_key_padding_mask=pad)
 
 
+CROSS_ENCODER = ("fusion.", "fusion_norm.", "fusion_pos", "itm_token", "itm_head.")
+
+
 class JointModel(nn.Module):
     """Image tower + text tower + one shared transformer for both modalities; fusion layers
-    on top of both for re-ranking."""
+    on top of both for re-ranking (the parameters named in `CROSS_ENCODER`)."""
 
     def __init__(self, cfg: JointConfig) -> None:
         super().__init__()
@@ -110,12 +113,25 @@ class JointModel(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.fusion = _encoder(cfg, cfg.fusion_layers)
         self.fusion_norm = nn.LayerNorm(d)
+        # where each image state sits, told to the fusion layers directly (the papers' region
+        # features carry their box coordinates): relations compare these positions
+        self.fusion_pos = nn.Parameter(torch.randn(1, cfg.grid * cfg.grid, d))
         self.text_proj = nn.Linear(d, cfg.embed_dim)
         self.image_proj = nn.Linear(d, cfg.embed_dim)
         self.itm_head = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1))
         self.logit_scale = nn.Parameter(torch.tensor(2.996))  # log(1 / 0.05)
         nn.init.normal_(self.type_embed, std=1.0)
         nn.init.normal_(self.itm_token, std=0.02)
+
+    def reset_cross_encoder(self) -> None:
+        """Fresh fusion layers, [ITM] token and ITM head (what `models.train_ce` trains)."""
+        d = self.cfg.d_model
+        self.fusion = _encoder(self.cfg, self.cfg.fusion_layers)
+        self.fusion_norm = nn.LayerNorm(d)
+        self.itm_head = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1))
+        with torch.no_grad():
+            self.fusion_pos.normal_(std=1.0)
+            self.itm_token.normal_(std=0.02)
 
     # -- token states (what the index stores for images) ---------------------------
     def image_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -148,11 +164,22 @@ class JointModel(nn.Module):
     def fused(self, txt_tokens: torch.Tensor, pad: torch.Tensor,
               img_tokens: torch.Tensor) -> torch.Tensor:
         """The fusion layers' output over [ITM] + text + image: (B, 1 + L + T, d)."""
+        return self.fused_tap(txt_tokens, pad, img_tokens, 0)[0]
+
+    def fused_tap(self, txt_tokens: torch.Tensor, pad: torch.Tensor, img_tokens: torch.Tensor,
+                  tap: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`fused`, the sequence after the first `tap` fusion layers). Training supervises
+        grounding at the tap, so the layers above it are left to compare what was grounded."""
         b = txt_tokens.shape[0]
         itm = self.itm_token.expand(b, -1, -1)
-        x = torch.cat([itm, txt_tokens + self.type_embed[0],
-                       img_tokens.to(txt_tokens.dtype) + self.type_embed[1]], dim=1)
+        img = img_tokens.to(txt_tokens.dtype) + self.type_embed[1] + self.fusion_pos
+        x = torch.cat([itm, txt_tokens + self.type_embed[0], img], dim=1)
         no_pad = torch.zeros(b, 1, dtype=torch.bool, device=pad.device)
         img_pad = torch.zeros(b, img_tokens.shape[1], dtype=torch.bool, device=pad.device)
         mask = torch.cat([no_pad, pad, img_pad], dim=1)
-        return self.fusion_norm(self.fusion(x, src_key_padding_mask=mask))
+        tapped = x
+        for i, layer in enumerate(self.fusion.layers):
+            x = layer(x, src_key_padding_mask=mask)
+            if i + 1 == tap:
+                tapped = x
+        return self.fusion_norm(x), tapped

@@ -29,14 +29,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from models import world
-from models.builtin import BuiltinModel, pixel_bytes, pixels, save_model
+from models.builtin import WEIGHTS_FILE, BuiltinModel, pixel_bytes, pixels, save_model
 from models.evaluate import evaluate, format_table
 from models.han import save_han
-from models.joint import JointConfig, JointModel
+from models.joint import CROSS_ENCODER, JointConfig, JointModel
 from models.losses import ce_bce_loss, cmc_loss_from_sim, cmr_loss
 from models.tokenizer import WordTokenizer
+from models.train_ce import grounding_targets, train_cross_encoder
 from models.train_han import train_han
 from models.trainconfig import HELD_OUT_SEED_BASE, TrainConfig
 
@@ -76,21 +78,6 @@ class PatchHead(torch.nn.Module):
 Grounding = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, token positions, centres)
 
 
-def grounding_targets(captions: list[str], scenes: list[world.Scene],
-                      layouts: list[world.Layout]) -> Grounding:
-    """(row, token position, centre (x, y)) for every shape noun of every caption: where in
-    its image the thing the noun names is. Token positions count [CLS] as 0."""
-    rows, pos, xy = [], [], []
-    for r, (cap, scene, layout) in enumerate(zip(captions, scenes, layouts, strict=True)):
-        for word, which in world.grounding(cap, scene):
-            thing = scene.a if which == "a" or scene.b is None else scene.b
-            rows.append(r)
-            pos.append(word + 1)
-            xy.append(world.centre(layout, thing))
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(pos, dtype=torch.long), \
-        torch.tensor(xy, dtype=torch.float32).reshape(-1, 2)
-
-
 def patch_targets(layouts: list[world.Layout], grid: int) -> dict[str, torch.Tensor]:
     """Per-patch labels of the object whose centre lies in the patch (the nearest to the patch
     centre when two do): colour / shape / size class (0 = none) and the centre's offset in
@@ -123,8 +110,14 @@ def _lr(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, object]:
-    """Train from scratch, save into `out`, return a summary (also written as train.json)."""
+def train(cfg: TrainConfig, out: Path, progress: bool = True,
+          init_from: Path | None = None) -> dict[str, object]:
+    """Train, save into `out`, return a summary (also written as train.json).
+
+    From scratch by default. With `init_from` (a trained model directory) stage 1 is skipped:
+    its towers, shared transformer and projections are kept as they are, so indexes built
+    with them keep their vectors and token states, and stages 2 and 3 train on top.
+    """
     from tqdm import tqdm
 
     if cfg.seed >= HELD_OUT_SEED_BASE:
@@ -135,8 +128,70 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
     t0 = time.perf_counter()
     samples = list(tqdm(world.generate(cfg.images, cfg.seed, n_captions=6), total=cfg.images,
                         desc="rendering", unit="img", disable=not progress))
+    if init_from is None:
+        tok = WordTokenizer(world.vocabulary())
+        model = _train_joint(cfg, samples, tok, rng, progress)
+    else:
+        model, tok = load_encoders(init_from)
+    joint_seconds = time.perf_counter() - t0
+    if cfg.ce_steps > 0:
+        train_cross_encoder(model, tok, samples, cfg.ce_steps, cfg.ce_batch, cfg.ce_lr,
+                            cfg.ce_flip, cfg.ce_hard_k, cfg.ground_weight, cfg.ground_layer,
+                            rng, progress)
+    ce_seconds = time.perf_counter() - t0 - joint_seconds
+    han = None
+    if cfg.han_steps > 0:
+        han = train_han(model, tok, samples, cfg.han_steps, cfg.han_batch, cfg.han_lr,
+                        cfg.han_p, cfg.han_margin, rng, progress)
+    train_seconds = time.perf_counter() - t0
+
+    save_model(model, tok, out)
+    if han is not None:
+        save_han(han, out)
+    runtime = BuiltinModel.load(out)
+    val = list(world.generate(300, HELD_OUT_SEED_BASE - 1, n_captions=5))
+    metrics = evaluate(runtime, [s.image for s in val], [s.captions for s in val], candidates=20)
+    log.info("validation (300 images, seed %d):\n%s", HELD_OUT_SEED_BASE - 1, format_table(metrics))
+    command = (f"duet train --out {out} --seed {cfg.seed} --images {cfg.images} "
+               f"--steps {cfg.steps} --batch {cfg.batch} --ce-steps {cfg.ce_steps} "
+               f"--han-steps {cfg.han_steps}")
+    summary: dict[str, object] = {
+        "command": command + (f" --from {init_from}" if init_from is not None else ""),
+        "config": cfg.__dict__,
+        "train_seconds": round(train_seconds, 1),
+        "joint_seconds": round(joint_seconds, 1),
+        "cross_encoder_seconds": round(ce_seconds, 1),
+        "torch": torch.__version__,
+        "fingerprint": runtime.fingerprint,
+        "validation": metrics,
+    }
+    (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def load_encoders(directory: Path) -> tuple[JointModel, WordTokenizer]:
+    """A trained model's towers, shared transformer and projections, with a fresh cross-encoder
+    of this version's shape (the one in `directory` may have another)."""
+    saved = json.loads((directory / "config.json").read_text())
+    saved.pop("fusion_layers", None)
+    model = JointModel(JointConfig(**saved))
+    tok = WordTokenizer.load(directory / "vocab.json")
+    state = {k: v for k, v in load_file(str(directory / WEIGHTS_FILE)).items()
+             if not k.startswith(CROSS_ENCODER)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    left = [k for k in missing if not k.startswith(CROSS_ENCODER)]
+    if left or unexpected:
+        raise ValueError(f"{directory} is not a duet model of this shape: missing {left}, "
+                         f"unexpected {unexpected}")
+    return model, tok
+
+
+def _train_joint(cfg: TrainConfig, samples: list[world.Sample], tok: WordTokenizer,
+                 rng: random.Random, progress: bool) -> JointModel:
+    """Stage 1: the joint model, both roles, end to end."""
+    from tqdm import tqdm
+
     pix = pixel_bytes([s.image for s in samples], world.IMAGE_SIZE)  # uint8 in memory
-    tok = WordTokenizer(world.vocabulary())
     model = JointModel(JointConfig(vocab_size=tok.vocab_size))
     head = PatchHead(model.cfg.d_model)
     ground = torch.nn.Linear(model.cfg.d_model, 2)  # training-only: noun -> its thing's centre
@@ -152,7 +207,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
     ema: dict[str, float] = {}
     for step in bar:
         if len(order) < cfg.batch:
-            order = list(range(cfg.images))
+            order = list(range(len(samples)))
             rng.shuffle(order)
         idx, order = order[: cfg.batch], order[cfg.batch :]
         images = pix[idx].float() / 255.0
@@ -173,12 +228,13 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
                                       [samples[i].layout for i in idx])
             if not hard:
                 name, loss = "ce", _cross_encoder_easy_loss(model, tok, img, texts, ground,
-                                                            where, cfg.ground_weight)
+                                                            where, cfg.ground_weight,
+                                                            cfg.ground_layer)
             else:
                 wrong_px = pixels([world.render(rng, w) for w in wrong], world.IMAGE_SIZE)
                 name, loss = "ce", _cross_encoder_loss(model, tok, img, texts, perturbed,
                                                        model.image_tokens(wrong_px), ground,
-                                                       where, cfg.ground_weight)
+                                                       where, cfg.ground_weight, cfg.ground_layer)
         ema["aux"] = 0.98 * ema.get("aux", aux.item()) + 0.02 * aux.item()
         loss = loss + cfg.aux_weight * aux
         opt.zero_grad(set_to_none=True)
@@ -189,32 +245,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, objec
             model.logit_scale.clamp_(0.0, 4.6)
         ema[name] = 0.98 * ema.get(name, loss.item()) + 0.02 * loss.item()
         bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()})
-    joint_seconds = time.perf_counter() - t0
-    han = None
-    if cfg.han_steps > 0:
-        han = train_han(model, tok, samples, cfg.han_steps, cfg.han_batch, cfg.han_lr,
-                        cfg.han_p, cfg.han_margin, rng, progress)
-    train_seconds = time.perf_counter() - t0
-
-    save_model(model, tok, out)
-    if han is not None:
-        save_han(han, out)
-    runtime = BuiltinModel.load(out)
-    val = list(world.generate(300, HELD_OUT_SEED_BASE - 1, n_captions=5))
-    metrics = evaluate(runtime, [s.image for s in val], [s.captions for s in val], candidates=20)
-    log.info("validation (300 images, seed %d):\n%s", HELD_OUT_SEED_BASE - 1, format_table(metrics))
-    summary: dict[str, object] = {
-        "command": f"duet train --out {out} --seed {cfg.seed} --images {cfg.images} "
-                   f"--steps {cfg.steps} --batch {cfg.batch} --han-steps {cfg.han_steps}",
-        "config": cfg.__dict__,
-        "train_seconds": round(train_seconds, 1),
-        "joint_seconds": round(joint_seconds, 1),
-        "torch": torch.__version__,
-        "fingerprint": runtime.fingerprint,
-        "validation": metrics,
-    }
-    (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
+    return model
 
 
 def _bi_encoder_loss(model: JointModel, tok: WordTokenizer, img: torch.Tensor,
@@ -247,7 +278,7 @@ def _local_sim(words: torch.Tensor, mask: torch.Tensor, img: torch.Tensor) -> to
 
 def _cross_encoder_easy_loss(model: JointModel, tok: WordTokenizer, img: torch.Tensor,
                              texts: list[str], ground: torch.nn.Module, where: Grounding,
-                             ground_weight: float) -> torch.Tensor:
+                             ground_weight: float, ground_layer: int) -> torch.Tensor:
     """Warm-up: a random wrong image and a random wrong caption per pair (escapes ln 2)."""
     ids, pad = tok.batch(texts)
     txt = model.text_tokens(ids, pad)
@@ -255,13 +286,13 @@ def _cross_encoder_easy_loss(model: JointModel, tok: WordTokenizer, img: torch.T
     shift = torch.roll(rows, 1)
     t_idx, i_idx = torch.cat([rows, rows, shift]), torch.cat([rows, shift, rows])
     return _bce_and_grounding(model, txt[t_idx], pad[t_idx], img[i_idx], len(texts), ground,
-                              where, ground_weight)
+                              where, ground_weight, ground_layer)
 
 
 def _cross_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Tensor,
                         texts: list[str], perturbed: list[str], perturbed_images: torch.Tensor,
                         ground: torch.nn.Module, where: Grounding,
-                        ground_weight: float) -> torch.Tensor:
+                        ground_weight: float, ground_layer: int) -> torch.Tensor:
     """Positives vs a random pairing, the in-batch hardest wrong image, a perturbed caption and
     the perturbed scene's image (`images` and `perturbed_images` are image states). On the
     positive pairs each shape noun's fused state must also say where its thing is (`where`,
@@ -283,18 +314,19 @@ def _cross_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Ten
     t_idx = torch.cat([rows, rows, rows, rows + b, rows])
     i_idx = torch.cat([rows, torch.roll(rows, 1), neg_img, rows, rows + b])
     return _bce_and_grounding(model, txt[t_idx], pad[t_idx], img[i_idx], b, ground, where,
-                              ground_weight)
+                              ground_weight, ground_layer)
 
 
 def _bce_and_grounding(model: JointModel, txt: torch.Tensor, pad: torch.Tensor,
                        img: torch.Tensor, b: int, ground: torch.nn.Module,
-                       where: Grounding, ground_weight: float) -> torch.Tensor:
+                       where: Grounding, ground_weight: float,
+                       ground_layer: int) -> torch.Tensor:
     """BCE over pairs whose first `b` are the positives (in batch order), plus the grounding
-    regression on those positives' shape nouns."""
-    h = model.fused(txt, pad, img)
+    regression on those positives' shape nouns, after the first `ground_layer` fusion layers."""
+    h, tapped = model.fused_tap(txt, pad, img, ground_layer)
     logits = model.itm_head(h[:, 0]).squeeze(-1)
     loss = ce_bce_loss(logits[:b], logits[b:])
     rows, pos, xy = where
     if ground_weight > 0 and len(rows):
-        loss = loss + ground_weight * F.mse_loss(ground(h[rows, 1 + pos]), xy)
+        loss = loss + ground_weight * F.mse_loss(ground(tapped[rows, 1 + pos]), xy)
     return loss

@@ -24,10 +24,17 @@ class TrainConfig:
     weight_decay: float = 0.02
     threads: int = 2
     ground_weight: float = 4.0  # cross-encoder: each noun's fused state -> its thing's centre
+    ground_layer: int = 2  # ... after this many fusion layers (the rest compare positions)
     late_weight: float = 0.5  # TGDT: CMC on S_gl = (S_g + S_l) / 2 in bi-encoder steps
     aux_weight: float = 0.5  # patch supervision (what is centred where) on the image tokens
     easy_steps: int = 300  # cross-encoder sees random in-batch negatives first, hardest after
-    # second stage: the HAN head over the frozen towers (soft-max triplet, exponent p)
+    # second stage: the cross-encoder afresh on the frozen states (models.train_ce)
+    ce_steps: int = 2_000
+    ce_batch: int = 64
+    ce_lr: float = 1e-3
+    ce_flip: float = 0.5  # share of the perturbed negatives that are relation flips
+    ce_hard_k: int = 8  # a hard negative is one of the bi-encoder's top-k training images
+    # third stage: the HAN head over the frozen towers (soft-max triplet, exponent p)
     han_steps: int = 400
     han_batch: int = 32
     han_lr: float = 1e-3

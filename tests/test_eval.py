@@ -67,7 +67,7 @@ def test_sweeps_and_distractors(index_dir: Path, tmp_path: Path, model: BuiltinM
     assert set(a["sweeps"]["M"]) == {"10", "20"}
     assert a["sweeps"]["M"]["20"]["t2i"] == a["modes"]["coop"]["t2i"]  # M=20 is the default
     assert set(a["sweeps"]["fusion"]) == {f"{f}_{lam}" for f in ("ADD", "NORM_ADD")
-                                          for lam in (0.1, 0.5, 0.9)}
+                                          for lam in (0.1, 0.5, 0.9)} | {"ADD_0.8"}
 
 
 def test_late_and_han_modes_rerank_the_same_candidates(index_dir: Path,

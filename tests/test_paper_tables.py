@@ -52,6 +52,18 @@ def test_pattern_reads_the_papers_findings_off_the_numbers() -> None:
     assert speed[1] is False and "10x" in speed[2]
 
 
+def test_pattern_checks_the_served_fusion_when_the_sweep_has_it() -> None:
+    plain: dict[str, Any] = {"modes": {"dot": _mode(50, 50), "coop": _mode(45, 62)}}
+    mixed = {"modes": {"dot": _mode(40, 41), "coop": _mode(40, 60)}}
+    claims = [c for c, _, _ in paper_tables.pattern(plain, mixed)]
+    assert not any("as served" in c for c in claims)  # no fusion sweep, no such row
+    key = paper_tables.DEFAULT_FUSION
+    for r1, holds in ((61.0, True), (59.0, False)):
+        plain["sweeps"] = {"fusion": {key: {"t2i": _r(r1), "i2t": _r(60)}}}
+        row = next(c for c in paper_tables.pattern(plain, mixed) if "as served" in c[0])
+        assert row[1] is holds and key in row[0] and f"({r1 - 50:+.1f})" in row[2]
+
+
 @pytest.mark.slow
 def test_a_tiny_run_writes_every_table(tmp_path: Path) -> None:
     out = tmp_path / "results.md"

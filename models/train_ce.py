@@ -1,0 +1,126 @@
+"""Stage 2 of `duet train`: the cross-encoder, trained afresh on the frozen token states.
+
+After stage 1 the towers and the shared transformer are final (so is every index built with
+them); this stage gives the re-ranker many more steps than the joint stage can afford, at a
+fraction of the cost, since only the fusion layers learn and every training image's states are
+computed once. Per caption the negatives are a random image, one of the `hard_k` training
+images the bi-encoder ranks highest for it (over the whole training set, the candidates the
+service will hand the re-ranker), its scene perturbed (rendered) and a caption of that perturbed
+scene. `flip` of the perturbations are relation flips, the mistake the bi-encoder makes most.
+
+Each shape noun's state after the first `ground_layer` fusion layers regresses the centre of the
+thing it names (grounding); the layers above are then free to compare those positions with the
+relation words. Measured on validation: grounding at the top layer left flipped relations at
+0.55-0.62 pairwise accuracy, grounding at layer 2 of 4 reached 0.88 with the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from models import world
+from models.builtin import pixel_bytes
+from models.joint import CROSS_ENCODER, JointModel
+from models.losses import ce_bce_loss
+from models.tokenizer import WordTokenizer
+
+
+def grounding_targets(captions: list[str], scenes: list[world.Scene],
+                      layouts: list[world.Layout]) -> tuple[torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
+    """(rows, token positions, centres (x, y)) for every shape noun of every caption: where in
+    its image the thing the noun names is. Token positions count [CLS] as 0."""
+    rows, pos, xy = [], [], []
+    for r, (cap, scene, layout) in enumerate(zip(captions, scenes, layouts, strict=True)):
+        for word, which in world.grounding(cap, scene):
+            thing = scene.a if which == "a" or scene.b is None else scene.b
+            rows.append(r)
+            pos.append(word + 1)
+            xy.append(world.centre(layout, thing))
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(pos, dtype=torch.long), \
+        torch.tensor(xy, dtype=torch.float32).reshape(-1, 2)
+
+
+def perturbed_twin(rng: random.Random, scene: world.Scene, flip: float) -> world.Scene:
+    """A hard negative scene: the relation flipped with probability `flip` (pairs only), else
+    `world.perturb`."""
+    if scene.relation is not None and rng.random() < flip:
+        return replace(scene, relation=world.INVERSE[scene.relation])
+    return world.perturb(rng, scene)
+
+
+@torch.no_grad()
+def _states(model: JointModel, images: Sequence[object], batch: int = 500,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image states (N, T, d) float16, image vectors (N, e))."""
+    px = pixel_bytes(images, world.IMAGE_SIZE)  # type: ignore[arg-type]
+    states, vecs = [], []
+    for s in range(0, len(px), batch):
+        st = model.image_tokens(px[s : s + batch].float() / 255.0)
+        states.append(st.half())
+        vecs.append(model.embed_images(st))
+    return torch.cat(states), torch.cat(vecs)
+
+
+def train_cross_encoder(model: JointModel, tok: WordTokenizer, samples: Sequence[world.Sample],
+                        steps: int, batch: int, lr: float, flip: float, hard_k: int,
+                        ground_weight: float, ground_layer: int, rng: random.Random,
+                        progress: bool = True) -> None:
+    """Re-initialise and train `model`'s cross-encoder in place; everything else stays frozen."""
+    from tqdm import tqdm
+
+    model.reset_cross_encoder()
+    model.eval()  # no dropout anywhere; frozen parts stay frozen
+    ground = torch.nn.Linear(model.cfg.d_model, 2)  # training-only: noun -> its thing's centre
+    trained = [p for n, p in model.named_parameters() if n.startswith(CROSS_ENCODER)]
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith(CROSS_ENCODER))
+    twins = [perturbed_twin(rng, s.scene, flip) for s in samples]
+    twin_images = [world.render(rng, w) for w in tqdm(twins, desc="rendering twins", unit="img",
+                                                      disable=not progress)]
+    twin_captions = [world.captions(rng, w, 1)[0] for w in twins]
+    states, vecs = _states(model, [s.image for s in samples])
+    twin_states, _ = _states(model, twin_images)
+    opt = torch.optim.AdamW([*trained, *ground.parameters()], lr=lr, weight_decay=0.01)
+    ema: dict[str, float] = {}
+    bar = tqdm(range(steps), desc="training cross-encoder", unit="step", disable=not progress)
+    for step in bar:
+        for group in opt.param_groups:
+            warm = min(1.0, (step + 1) / 50)
+            group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
+        idx = torch.tensor(rng.sample(range(len(samples)), batch))
+        texts = [rng.choice(samples[i].captions) for i in idx.tolist()]
+        with torch.no_grad():
+            ids, pad = tok.batch(texts + [twin_captions[i] for i in idx.tolist()])
+            txt = model.text_tokens(ids, pad)
+            sim = model.embed_texts(txt[:batch], pad[:batch]) @ vecs.t()
+            sim[torch.arange(batch), idx] = float("-inf")
+            top = sim.topk(min(hard_k, len(samples) - 1), dim=1).indices
+            hard = top[torch.arange(batch), torch.randint(0, top.shape[1], (batch,))]
+        rows = torch.arange(batch)
+        t_idx = torch.cat([rows, rows, rows, rows, rows + batch])
+        img = torch.cat([states[idx], states[torch.roll(idx, 1)], states[hard], twin_states[idx],
+                         states[idx]]).float()
+        h, tapped = model.fused_tap(txt[t_idx], pad[t_idx], img, ground_layer)
+        logits = model.itm_head(h[:, 0]).squeeze(-1)
+        loss = ce_bce_loss(logits[:batch], logits[batch:])
+        r, pos, xy = grounding_targets(texts, [samples[i].scene for i in idx.tolist()],
+                                       [samples[i].layout for i in idx.tolist()])
+        if ground_weight > 0 and len(r):
+            g = F.mse_loss(ground(tapped[r, 1 + pos]), xy)
+            ema["ground"] = 0.98 * ema.get("ground", g.item()) + 0.02 * g.item()
+            loss = loss + ground_weight * g
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        opt.step()
+        ema["ce"] = 0.98 * ema.get("ce", loss.item()) + 0.02 * loss.item()
+        bar.set_postfix({k: f"{v:.4f}" for k, v in ema.items()})
+    for p in model.parameters():
+        p.requires_grad_(True)

@@ -1,0 +1,154 @@
+"""`duet train` end to end at toy size: the three stages, `--from`, and the cross-encoder stage's
+pieces (fusion tap, fresh cross-encoder, flipped twins)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models import world
+from models.builtin import WEIGHTS_FILE, BuiltinModel
+from models.joint import CROSS_ENCODER, JointConfig, JointModel
+from models.tokenizer import WordTokenizer
+from models.train import load_encoders, train
+from models.train_ce import perturbed_twin
+from models.trainconfig import TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = TrainConfig(images=48, steps=4, batch=8, warmup=1, easy_steps=2, ce_steps=3, ce_batch=8,
+                   han_steps=2, han_batch=4)
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, object]]:
+    out = tmp_path_factory.mktemp("scratch")
+    return out, train(TINY, out, progress=False)
+
+
+def _weights(d: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(d / WEIGHTS_FILE))
+
+
+def test_train_from_scratch_writes_a_loadable_model(
+        scratch: tuple[Path, dict[str, object]]) -> None:
+    out, summary = scratch
+    for name in ("model.safetensors", "config.json", "vocab.json", "han.safetensors",
+                 "train.json"):
+        assert (out / name).is_file(), name
+    loaded = BuiltinModel.load(out)
+    assert loaded.fingerprint == summary["fingerprint"]
+    recorded = json.loads((out / "train.json").read_text())
+    assert "--ce-steps 3" in recorded["command"] and "--from" not in recorded["command"]
+    assert recorded["cross_encoder_seconds"] > 0
+    assert set(recorded["validation"]) == {"dot", "ce_only", "rerank"}
+
+
+def test_from_keeps_the_encoders_and_retrains_the_cross_encoder(
+        scratch: tuple[Path, dict[str, object]], tmp_path: Path) -> None:
+    src, summary = scratch
+    out = tmp_path / "again"
+    again = train(TINY, out, progress=False, init_from=src)
+    before, after = _weights(src), _weights(out)
+    assert before.keys() == after.keys()
+    kept = [k for k in before if not k.startswith(CROSS_ENCODER)]
+    changed = [k for k in before if k.startswith(CROSS_ENCODER)]
+    assert kept and changed
+    for k in kept:  # the bi-encoder and the stored token states are exactly the source's
+        assert torch.equal(before[k], after[k]), k
+    assert not all(torch.equal(before[k], after[k]) for k in changed)
+    assert again["fingerprint"] != summary["fingerprint"]
+    assert f"--from {src}" in json.loads((out / "train.json").read_text())["command"]
+    old, new = BuiltinModel.load(src), BuiltinModel.load(out)
+    imgs = [s.image for s in world.generate(3, 1_000_123)]
+    assert (old.encode_images(imgs)[1] == new.encode_images(imgs)[1]).all()
+
+
+def test_load_encoders_takes_an_older_cross_encoder_shape(tmp_path: Path) -> None:
+    """A model saved with two fusion layers and no fusion positions (duet before the
+    cross-encoder stage) gives its encoders to a model of this version's shape."""
+    tok = WordTokenizer(world.vocabulary())
+    old = JointModel(JointConfig(vocab_size=tok.vocab_size, fusion_layers=2))
+    state = {k: v.contiguous() for k, v in old.state_dict().items() if k != "fusion_pos"}
+    save_file(state, str(tmp_path / WEIGHTS_FILE))
+    (tmp_path / "config.json").write_text(json.dumps(old.cfg.to_json()))
+    tok.save(tmp_path / "vocab.json")
+    model, _ = load_encoders(tmp_path)
+    assert len(model.fusion.layers) == JointConfig(vocab_size=1).fusion_layers
+    assert torch.equal(model.image_tower.pos, old.image_tower.pos)
+    assert torch.equal(model.text_proj.weight, old.text_proj.weight)
+
+
+def test_load_encoders_refuses_another_shape(tmp_path: Path) -> None:
+    tok = WordTokenizer(world.vocabulary())
+    other = JointModel(JointConfig(vocab_size=tok.vocab_size, d_model=64, n_heads=4,
+                                   embed_dim=64))
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()},
+              str(tmp_path / WEIGHTS_FILE))
+    cfg = {**other.cfg.to_json(), "d_model": 128, "embed_dim": 128}  # config and weights disagree
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tok.save(tmp_path / "vocab.json")
+    with pytest.raises((ValueError, RuntimeError)):
+        load_encoders(tmp_path)
+
+
+def test_fused_tap_is_the_sequence_after_that_many_layers() -> None:
+    torch.manual_seed(0)
+    model = JointModel(JointConfig(vocab_size=20)).eval()
+    txt, img = torch.randn(2, 5, 128), torch.randn(2, 16, 128)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():
+        final, tapped0 = model.fused_tap(txt, pad, img, 0)
+        assert torch.equal(final, model.fused(txt, pad, img))
+        _, tapped2 = model.fused_tap(txt, pad, img, 2)
+        x = tapped0
+        mask = torch.cat([torch.zeros(2, 1, dtype=torch.bool), pad,
+                          torch.zeros(2, 16, dtype=torch.bool)], dim=1)
+        for layer in model.fusion.layers[:2]:
+            x = layer(x, src_key_padding_mask=mask)
+        assert torch.allclose(tapped2, x)
+        assert not torch.allclose(tapped2, tapped0)
+        moved = img.clone()
+        moved[:, [0, 1]] = img[:, [1, 0]]  # two image states trade places: fusion can tell
+        assert not torch.allclose(model.fused(txt, pad, moved)[:, 0], final[:, 0])
+
+
+def test_reset_cross_encoder_touches_only_the_cross_encoder() -> None:
+    torch.manual_seed(0)
+    model = JointModel(JointConfig(vocab_size=20))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.reset_cross_encoder()
+    after = model.state_dict()
+    for k, v in before.items():
+        same = torch.equal(v, after[k])
+        if k.startswith(CROSS_ENCODER) and v.numel() > 1 and "norm" not in k and "bias" not in k:
+            assert not same, k
+        elif not k.startswith(CROSS_ENCODER):
+            assert same, k
+
+
+def test_perturbed_twin_flips_relations_at_the_asked_rate() -> None:
+    rng = random.Random(3)
+    scenes = [s.scene for s in world.generate(200, 1_000_321)]
+    pairs = [s for s in scenes if s.relation is not None]
+    assert all(perturbed_twin(rng, s, 1.0).relation == world.INVERSE[s.relation or ""]
+               for s in pairs)
+    assert all(perturbed_twin(rng, s, 1.0) != s for s in scenes)  # singles: world.perturb
+    flipped = sum(perturbed_twin(rng, s, 0.0).relation != s.relation for s in pairs)
+    assert flipped < len(pairs)  # flip=0 leaves it to world.perturb, which flips only some
+
+
+def test_cli_from_needs_a_model_directory(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "duet.cli", "train", "--out",
+                           str(tmp_path / "o"), "--from", str(tmp_path / "nothing")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert "--from" in proc.stderr and "config.json" in proc.stderr
