@@ -288,7 +288,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"error: --from {init_from} is not a trained model directory (no config.json)",
               file=sys.stderr)
         return 2
-    summary = train(cfg, Path(args.out), progress=not args.no_progress, init_from=init_from)
+    try:
+        summary = train(cfg, Path(args.out), progress=not args.no_progress, init_from=init_from)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"trained in {summary['train_seconds']}s -> {args.out} ({summary['fingerprint']})")
     print(format_table(summary["validation"]))  # type: ignore[arg-type]
     return 0
@@ -464,7 +468,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     t.add_argument("--batch", type=int, default=defaults.batch, help="pairs per batch")
     t.add_argument("--ce-steps", type=int, default=defaults.ce_steps,
-                   help="stage 2: cross-encoder steps on the frozen states (0 = keep stage 1's)")
+                   help="stage 2: cross-encoder steps on the frozen states (0 = keep stage 1's; "
+                   "not with --from)")
     t.add_argument("--han-steps", type=int, default=defaults.han_steps,
                    help="stage 3: HAN head steps (0 = no HAN head)")
     t.add_argument("--from", dest="init_from", default=None, metavar="DIR",

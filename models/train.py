@@ -1,4 +1,4 @@
-"""`duet train`: train the joint model on the synthetic world (JOINT+COOP), then HAN.
+"""`duet train`: the joint model on the synthetic world (JOINT+COOP), its cross-encoder, HAN.
 
 Stage 1 alternates optimiser steps between the model's two roles:
 
@@ -15,7 +15,8 @@ Stage 1 alternates optimiser steps between the model's two roles:
   cross-encoder gets two steps in three.
 
 Every step also trains a patch probe on the image states (what is centred where). The probe
-and the grounding head are training-only. Stage 2 (`models.train_han`) trains the HAN head.
+and the grounding head are training-only. Stage 2 (`models.train_ce`) trains the cross-encoder
+afresh, for many more steps, on the frozen states; stage 3 (`models.train_han`) the HAN head.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True,
 
     if cfg.seed >= HELD_OUT_SEED_BASE:
         raise ValueError(f"training seeds must be below {HELD_OUT_SEED_BASE} (held out for tests)")
+    if init_from is not None and cfg.ce_steps <= 0:
+        raise ValueError("--from keeps only the encoders, so the cross-encoder stage must run "
+                         "(--ce-steps > 0)")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     rng = random.Random(cfg.seed + 1)
@@ -178,7 +182,10 @@ def load_encoders(directory: Path) -> tuple[JointModel, WordTokenizer]:
     tok = WordTokenizer.load(directory / "vocab.json")
     state = {k: v for k, v in load_file(str(directory / WEIGHTS_FILE)).items()
              if not k.startswith(CROSS_ENCODER)}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a tensor of another shape
+        raise ValueError(f"{directory} is not a duet model of this shape: {exc}") from exc
     left = [k for k in missing if not k.startswith(CROSS_ENCODER)]
     if left or unexpected:
         raise ValueError(f"{directory} is not a duet model of this shape: missing {left}, "

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from models import world
 from models.builtin import pixel_bytes
@@ -56,10 +57,10 @@ def perturbed_twin(rng: random.Random, scene: world.Scene, flip: float) -> world
 
 
 @torch.no_grad()
-def _states(model: JointModel, images: Sequence[object], batch: int = 500,
+def _states(model: JointModel, images: Sequence[Image.Image], batch: int = 500,
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(image states (N, T, d) float16, image vectors (N, e))."""
-    px = pixel_bytes(images, world.IMAGE_SIZE)  # type: ignore[arg-type]
+    px = pixel_bytes(images, world.IMAGE_SIZE)
     states, vecs = [], []
     for s in range(0, len(px), batch):
         st = model.image_tokens(px[s : s + batch].float() / 255.0)
@@ -75,6 +76,7 @@ def train_cross_encoder(model: JointModel, tok: WordTokenizer, samples: Sequence
     """Re-initialise and train `model`'s cross-encoder in place; everything else stays frozen."""
     from tqdm import tqdm
 
+    batch = min(batch, len(samples))
     model.reset_cross_encoder()
     model.eval()  # no dropout anywhere; frozen parts stay frozen
     ground = torch.nn.Linear(model.cfg.d_model, 2)  # training-only: noun -> its thing's centre

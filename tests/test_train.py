@@ -95,8 +95,15 @@ def test_load_encoders_refuses_another_shape(tmp_path: Path) -> None:
     cfg = {**other.cfg.to_json(), "d_model": 128, "embed_dim": 128}  # config and weights disagree
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     tok.save(tmp_path / "vocab.json")
-    with pytest.raises((ValueError, RuntimeError)):
+    with pytest.raises(ValueError, match="not a duet model of this shape"):
         load_encoders(tmp_path)
+
+
+def test_from_without_the_cross_encoder_stage_is_refused(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="--ce-steps"):
+        train(replace(TINY, ce_steps=0), tmp_path / "o", progress=False, init_from=tmp_path)
 
 
 def test_fused_tap_is_the_sequence_after_that_many_layers() -> None:
