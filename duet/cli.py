@@ -285,14 +285,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                       ce_steps=args.ce_steps, han_steps=args.han_steps)
     init_from = Path(args.init_from) if args.init_from else None
     if init_from is not None and not (init_from / "config.json").is_file():
-        print(f"error: --from {init_from} is not a trained model directory (no config.json)",
-              file=sys.stderr)
-        return 2
+        return _fail(f"--from {init_from} is not a trained model directory (no config.json)")
     try:
         summary = train(cfg, Path(args.out), progress=not args.no_progress, init_from=init_from)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
     print(f"trained in {summary['train_seconds']}s -> {args.out} ({summary['fingerprint']})")
     print(format_table(summary["validation"]))  # type: ignore[arg-type]
     return 0

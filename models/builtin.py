@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from models.device import resolve_device
 from models.joint import JointConfig, JointModel
-from models.tokenizer import WordTokenizer
+from models.tokenizer import WordTokenizer, unique_texts
 from models.trainconfig import DEFAULT_WEIGHTS
 
 WEIGHTS_FILE = "model.safetensors"
@@ -119,12 +119,10 @@ class BuiltinModel:
         """ITM logits (n,) for n (text, image-tokens) pairs; higher means a better match."""
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
-        # a text query's candidates share its text: its states are computed once
-        unique = list(dict.fromkeys(texts))
+        unique, rows = unique_texts(texts)
         ids, pad = self._batch(unique)
         states = self.model.text_tokens(ids, pad)
-        row = {t: i for i, t in enumerate(unique)}
-        pick = torch.tensor([row[t] for t in texts], device=self.device)
+        pick = torch.tensor(rows, device=self.device)
         img = torch.from_numpy(np.ascontiguousarray(image_tokens)).to(self.device).float()
         return self.model.itm_logits(states[pick], pad[pick], img).float().cpu().numpy()
 

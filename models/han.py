@@ -32,6 +32,7 @@ from torch import nn
 
 from models.late import kmeans_regions
 from models.protocols import TokenEncoder
+from models.tokenizer import unique_texts
 
 NEG = -1e9  # added to masked attention logits
 
@@ -154,12 +155,9 @@ class HANReranker:
         """S_AVG for (text, image tokens) pairs; the words come from the model's text tower."""
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
-        # a text query's candidates share its sentence: its words are computed once
-        unique = list(dict.fromkeys(texts))
+        unique, rows = unique_texts(texts)
         words, mask = self.words.text_token_features(unique)
-        row = {t: i for i, t in enumerate(unique)}
-        pick = np.array([row[t] for t in texts])
-        return self.score(words[pick], mask[pick], image_tokens)
+        return self.score(words[rows], mask[rows], image_tokens)
 
 
 def save_han(head: HAN, out: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -15,6 +16,14 @@ PAD, UNK, CLS = "[PAD]", "[UNK]", "[CLS]"
 def normalise(text: str) -> str:
     """Lower-case and collapse whitespace; also the cache's notion of "the same query"."""
     return " ".join(caption_words(text))
+
+
+def unique_texts(texts: Sequence[str]) -> tuple[list[str], list[int]]:
+    """(each distinct text once, in first-seen order; each text's row in that list): a text
+    query's candidates all share its sentence, so re-rankers encode it once."""
+    row: dict[str, int] = {}
+    rows = [row.setdefault(t, len(row)) for t in texts]
+    return list(row), rows
 
 
 class WordTokenizer:

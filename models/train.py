@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from models import world
@@ -37,9 +36,14 @@ from models.builtin import WEIGHTS_FILE, BuiltinModel, pixel_bytes, pixels, save
 from models.evaluate import evaluate, format_table
 from models.han import save_han
 from models.joint import CROSS_ENCODER, JointConfig, JointModel
-from models.losses import ce_bce_loss, cmc_loss_from_sim, cmr_loss
+from models.losses import cmc_loss_from_sim, cmr_loss
 from models.tokenizer import WordTokenizer
-from models.train_ce import grounding_targets, train_cross_encoder
+from models.train_ce import (
+    Grounding,
+    bce_and_grounding,
+    grounding_targets,
+    train_cross_encoder,
+)
 from models.train_han import train_han
 from models.trainconfig import HELD_OUT_SEED_BASE, TrainConfig
 
@@ -74,9 +78,6 @@ class PatchHead(torch.nn.Module):
             loss = loss + 4.0 * torch.nn.functional.mse_loss(y[..., c:][has],
                                                            targets["offset"][has])
         return loss
-
-
-Grounding = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, token positions, centres)
 
 
 def patch_targets(layouts: list[world.Layout], grid: int) -> dict[str, torch.Tensor]:
@@ -292,8 +293,8 @@ def _cross_encoder_easy_loss(model: JointModel, tok: WordTokenizer, img: torch.T
     rows = torch.arange(len(texts))
     shift = torch.roll(rows, 1)
     t_idx, i_idx = torch.cat([rows, rows, shift]), torch.cat([rows, shift, rows])
-    return _bce_and_grounding(model, txt[t_idx], pad[t_idx], img[i_idx], len(texts), ground,
-                              where, ground_weight, ground_layer)
+    return bce_and_grounding(model, txt[t_idx], pad[t_idx], img[i_idx], len(texts), ground,
+                             where, ground_weight, ground_layer)[0]
 
 
 def _cross_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Tensor,
@@ -320,20 +321,6 @@ def _cross_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Ten
     rows = torch.arange(b)
     t_idx = torch.cat([rows, rows, rows, rows + b, rows])
     i_idx = torch.cat([rows, torch.roll(rows, 1), neg_img, rows, rows + b])
-    return _bce_and_grounding(model, txt[t_idx], pad[t_idx], img[i_idx], b, ground, where,
-                              ground_weight, ground_layer)
+    return bce_and_grounding(model, txt[t_idx], pad[t_idx], img[i_idx], b, ground, where,
+                             ground_weight, ground_layer)[0]
 
-
-def _bce_and_grounding(model: JointModel, txt: torch.Tensor, pad: torch.Tensor,
-                       img: torch.Tensor, b: int, ground: torch.nn.Module,
-                       where: Grounding, ground_weight: float,
-                       ground_layer: int) -> torch.Tensor:
-    """BCE over pairs whose first `b` are the positives (in batch order), plus the grounding
-    regression on those positives' shape nouns, after the first `ground_layer` fusion layers."""
-    h, tapped = model.fused_tap(txt, pad, img, ground_layer)
-    logits = model.itm_head(h[:, 0]).squeeze(-1)
-    loss = ce_bce_loss(logits[:b], logits[b:])
-    rows, pos, xy = where
-    if ground_weight > 0 and len(rows):
-        loss = loss + ground_weight * F.mse_loss(ground(tapped[rows, 1 + pos]), xy)
-    return loss

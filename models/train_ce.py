@@ -31,10 +31,11 @@ from models.joint import CROSS_ENCODER, JointModel
 from models.losses import ce_bce_loss
 from models.tokenizer import WordTokenizer
 
+Grounding = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, token positions, centres)
+
 
 def grounding_targets(captions: list[str], scenes: list[world.Scene],
-                      layouts: list[world.Layout]) -> tuple[torch.Tensor, torch.Tensor,
-                                                            torch.Tensor]:
+                      layouts: list[world.Layout]) -> Grounding:
     """(rows, token positions, centres (x, y)) for every shape noun of every caption: where in
     its image the thing the noun names is. Token positions count [CLS] as 0."""
     rows, pos, xy = [], [], []
@@ -46,6 +47,22 @@ def grounding_targets(captions: list[str], scenes: list[world.Scene],
             xy.append(world.centre(layout, thing))
     return torch.tensor(rows, dtype=torch.long), torch.tensor(pos, dtype=torch.long), \
         torch.tensor(xy, dtype=torch.float32).reshape(-1, 2)
+
+
+def bce_and_grounding(model: JointModel, txt: torch.Tensor, pad: torch.Tensor,
+                      img: torch.Tensor, b: int, ground: torch.nn.Module, where: Grounding,
+                      ground_weight: float, ground_layer: int) -> tuple[torch.Tensor, float | None]:
+    """(BCE over pairs whose first `b` are the positives (in batch order) plus the grounding
+    regression on those positives' shape nouns after the first `ground_layer` fusion layers,
+    the grounding MSE alone or None when there was none). Both training stages use it."""
+    h, tapped = model.fused_tap(txt, pad, img, ground_layer)
+    logits = model.itm_head(h[:, 0]).squeeze(-1)
+    loss = ce_bce_loss(logits[:b], logits[b:])
+    rows, pos, xy = where
+    if ground_weight > 0 and len(rows):
+        g = F.mse_loss(ground(tapped[rows, 1 + pos]), xy)
+        return loss + ground_weight * g, g.item()
+    return loss, None
 
 
 def perturbed_twin(rng: random.Random, scene: world.Scene, flip: float) -> world.Scene:
@@ -109,15 +126,12 @@ def train_cross_encoder(model: JointModel, tok: WordTokenizer, samples: Sequence
         t_idx = torch.cat([rows, rows, rows, rows, rows + batch])
         img = torch.cat([states[idx], states[torch.roll(idx, 1)], states[hard], twin_states[idx],
                          states[idx]]).float()
-        h, tapped = model.fused_tap(txt[t_idx], pad[t_idx], img, ground_layer)
-        logits = model.itm_head(h[:, 0]).squeeze(-1)
-        loss = ce_bce_loss(logits[:batch], logits[batch:])
-        r, pos, xy = grounding_targets(texts, [samples[i].scene for i in idx.tolist()],
-                                       [samples[i].layout for i in idx.tolist()])
-        if ground_weight > 0 and len(r):
-            g = F.mse_loss(ground(tapped[r, 1 + pos]), xy)
-            ema["ground"] = 0.98 * ema.get("ground", g.item()) + 0.02 * g.item()
-            loss = loss + ground_weight * g
+        where = grounding_targets(texts, [samples[i].scene for i in idx.tolist()],
+                                  [samples[i].layout for i in idx.tolist()])
+        loss, g = bce_and_grounding(model, txt[t_idx], pad[t_idx], img, batch, ground, where,
+                                    ground_weight, ground_layer)
+        if g is not None:
+            ema["ground"] = 0.98 * ema.get("ground", g) + 0.02 * g
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
