@@ -52,9 +52,22 @@ class Settings(BaseSettings):
     rerank_theta: float = Field(
         DEFAULT_THETA, ge=0.0, le=1.0,
         description="late re-ranker: S_gl = (1 - theta) * dot + theta * S_l; 0 = dot alone")
-    rerank_max_batch: int = Field(256, ge=1, description="pairs per cross-encoder forward pass")
-    rerank_max_wait_ms: float = Field(4.0, ge=0, description="how long a batch waits to fill")
-    rerank_max_queue: int = Field(512, ge=1, description="waiting requests before 429")
+
+    workers: int = Field(
+        1, ge=1, description="inference-engine worker threads (measured on CPU: one worker "
+        "using every core beats one per core)")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch threads; empty = the cores this process may use "
+        "(affinity and cgroup quota) divided among the workers")
+    request_timeout_ms: float = Field(
+        2000.0, gt=0, description="deadline for a request's model work: refused with 429 when "
+        "the queue ahead cannot finish in time, fewer candidates re-ranked when its own "
+        "share does not fit (degraded), 503 if it passes while queued")
+    max_queue: int = Field(1024, ge=1, description="requests waiting for a worker before 429")
+    max_batch: int = Field(64, ge=1, description="requests a worker takes in one batch")
+    rerank_max_batch: int | None = Field(
+        None, ge=1, description="pairs per cross-encoder call, across requests; empty = 64 on "
+        "the CPU (one request's candidates), 4096 on a GPU")
 
     index_nprobe: int = Field(ann.DEFAULT_NPROBE, ge=1,
                               description="IVF lists searched per query (per call)")

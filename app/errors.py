@@ -21,9 +21,16 @@ class DuetError(Exception):
     code = "bad_request"
     headers: ClassVar[dict[str, str] | None] = None
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.retry_after = retry_after
+
+    def response_headers(self) -> dict[str, str] | None:
+        """The class's headers plus Retry-After (seconds) when the error carries one."""
+        if self.retry_after is None:
+            return self.headers
+        return {**(self.headers or {}), "Retry-After": str(self.retry_after)}
 
 
 class ValidationFailed(DuetError):
@@ -74,6 +81,27 @@ class NotReady(DuetError):
     code = "not_ready"
 
 
+class ClientGone(DuetError):
+    """The client disconnected while its request waited (nginx's 499; nobody reads it)."""
+
+    status = 499
+    code = "client_closed_request"
+
+
+class ShuttingDown(DuetError):
+    """The service stopped taking work while this request waited."""
+
+    status = 503
+    code = "shutting_down"
+
+
+class DeadlineExceeded(DuetError):
+    """The request's deadline (DUET_REQUEST_TIMEOUT_MS) passed before model work started."""
+
+    status = 503
+    code = "deadline_exceeded"
+
+
 def error_body(code: str, message: str, **extra: object) -> dict[str, object]:
     return {"error": {"code": code, "message": message, **extra}}
 
@@ -94,7 +122,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(DuetError)
     async def _duet(_: Request, exc: DuetError) -> JSONResponse:
         return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status,
-                            headers=exc.headers)
+                            headers=exc.response_headers())
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -6,14 +6,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.cache import CacheBackend, LRUCache, RedisCache, ResilientCache
 from app.config import Settings
+from app.engine import available_cores
 from app.errors import install_handlers
 from app.metrics import Metrics
 from app.pipeline import SearchPipeline
@@ -63,12 +65,15 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
             load_resources, settings)
         cache = ResilientCache(_cache_backend(settings), metrics,
                                timeout_s=settings.redis_timeout_ms / 1000)
+        on_gpu = str(getattr(res.model, "device", "cpu")).startswith("cuda")
         pipeline = SearchPipeline(
             res.model, res.index, cache, metrics,
-            rerank_max_batch=settings.rerank_max_batch,
-            rerank_max_wait_s=settings.rerank_max_wait_ms / 1000,
-            rerank_max_queue=settings.rerank_max_queue,
             fusion_lambda=settings.rerank_fusion_lambda, theta=settings.rerank_theta,
+            workers=settings.workers,
+            torch_threads=settings.torch_threads or max(1, available_cores() // settings.workers),
+            max_batch=settings.max_batch, max_queue=settings.max_queue,
+            rerank_max_batch=settings.rerank_max_batch or (4096 if on_gpu else 64),
+            timeout_s=settings.request_timeout_ms / 1000,
             index_nprobe=settings.index_nprobe, index_ef_search=settings.index_ef_search)
         await pipeline.start()
         reloader = IndexReloader(pipeline, settings.index_dir, metrics, settings.index_poll_s)
@@ -102,19 +107,35 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
     app.include_router(health.router)
     app.include_router(admin.router)
 
-    @app.middleware("http")
-    async def _observe(request: Request,
-                       call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    app.add_middleware(_ObserveRequests, metrics=metrics)
+    return app
+
+
+class _ObserveRequests:
+    """duet_request_seconds per route and status, as a plain ASGI middleware (Starlette's
+    BaseHTTPMiddleware costs a task and a stream per request)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         t0 = time.perf_counter()
         status = 500  # an exception escaping the handlers still counts as a 500
-        try:
-            response = await call_next(request)
-            status = response.status_code
-            return response
-        finally:
-            endpoint = getattr(request.scope.get("route"), "path", "other")
-            if endpoint != "/metrics":
-                metrics.request_seconds.labels(endpoint=endpoint, status=str(status)).observe(
-                    time.perf_counter() - t0)
 
-    return app
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            endpoint = getattr(scope.get("route"), "path", "other")
+            if endpoint != "/metrics":
+                self.metrics.request_seconds.labels(endpoint=endpoint, status=str(status)).observe(
+                    time.perf_counter() - t0)

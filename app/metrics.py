@@ -26,6 +26,15 @@ class Metrics:
         self.rerank_batch_size = Histogram(
             "duet_rerank_batch_size", "Pairs per cross-encoder forward pass",
             buckets=BATCH_BUCKETS, registry=r)
+        self.engine_batch_size = Histogram(
+            "duet_engine_batch_size", "Requests per inference-engine batch",
+            buckets=BATCH_BUCKETS, registry=r)
+        self.shed = Counter(
+            "duet_shed_requests", "Requests dropped before model work, by reason "
+            "(queue_full = 429, deadline = 503, client_gone)", ["reason"], registry=r)
+        self.degraded = Counter(
+            "duet_degraded_requests", "Responses that re-ranked fewer candidates than asked "
+            "because the deadline could not fit them", registry=r)
         self.index_items = Gauge(
             "duet_index_items", "Items in the served index", ["modality"], registry=r)
         self.index_info = Gauge(
@@ -35,14 +44,17 @@ class Metrics:
             registry=r)
         self.ready = Gauge("duet_ready", "1 when model and index are loaded and search is served",
                            registry=r)
-        self.rerank_queue_depth = Gauge(
-            "duet_rerank_queue_depth", "Requests waiting for the re-ranker", registry=r)
-        self.rerank_queue_capacity = Gauge(
-            "duet_rerank_queue_capacity", "Requests the re-rank queue holds before answering 429",
+        self.queue_depth = Gauge(
+            "duet_queue_depth", "Requests waiting for an inference-engine worker", registry=r)
+        self.queue_capacity = Gauge(
+            "duet_queue_capacity", "Requests the engine queue holds before answering 429 "
+            "(it also refuses earlier when the queued work would outlast the deadline)",
             registry=r)
         for result in ("ok", "refused"):
             self.index_reloads.labels(result=result)
         for result in ("hit", "miss", "error"):
             self.cache_requests.labels(result=result)
-        for stage in ("cache", "encode", "search", "rerank", "lookup"):
+        for reason in ("queue_full", "deadline", "client_gone"):
+            self.shed.labels(reason=reason)
+        for stage in ("cache", "queue", "encode", "search", "rerank", "lookup"):
             self.stage_seconds.labels(stage=stage)

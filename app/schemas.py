@@ -122,3 +122,8 @@ class SearchResponse(BaseModel):
     timings_ms: dict[str, float]
     index_version: str
     cached: bool
+    degraded: bool = Field(
+        False, description="true when the deadline (DUET_REQUEST_TIMEOUT_MS) could not fit "
+                           "every candidate: `reranked` says how many were re-ranked")
+    reranked: int | None = Field(
+        None, description="candidates re-ranked; null when the request does not re-rank")

@@ -14,6 +14,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from models.device import resolve_device
+from models.inference import CrossEncoderRuntime, Precision
 from models.joint import JointConfig, JointModel
 from models.tokenizer import WordTokenizer, unique_texts
 from models.trainconfig import DEFAULT_WEIGHTS
@@ -60,9 +61,10 @@ class BuiltinModel:
     """
 
     def __init__(self, model: JointModel, tokenizer: WordTokenizer, fingerprint: str,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, precision: Precision = "fp32") -> None:
         self.device = device or torch.device("cpu")
         self.model = model.to(self.device).eval()
+        self.cross = CrossEncoderRuntime(self.model, precision)
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
         self.name = NAME
@@ -71,9 +73,11 @@ class BuiltinModel:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, directory: Path | None = None, device: str = "cpu") -> BuiltinModel:
+    def load(cls, directory: Path | None = None, device: str = "cpu",
+             precision: Precision | None = None) -> BuiltinModel:
         """Load from a directory holding model.safetensors, config.json and vocab.json, onto
-        `device` (auto, cpu or cuda)."""
+        `device` (auto, cpu or cuda); the cross-encoder runs in `precision` (default: fp16 on
+        a GPU, fp32 on the CPU)."""
         d = Path(directory) if directory is not None else DEFAULT_WEIGHTS
         try:
             cfg = JointConfig(**json.loads((d / "config.json").read_text()))
@@ -87,7 +91,9 @@ class BuiltinModel:
         model = JointModel(cfg)
         model.load_state_dict(state)
         digest = hashlib.sha256(weights).hexdigest()[:16]
-        return cls(model, tok, f"{NAME}:{digest}", resolve_device(device))
+        dev = resolve_device(device)
+        prec = precision or ("fp16" if dev.type == "cuda" else "fp32")
+        return cls(model, tok, f"{NAME}:{digest}", dev, prec)
 
     # -- bi-encoder -----------------------------------------------------------
     @torch.inference_mode()
@@ -116,15 +122,16 @@ class BuiltinModel:
     # -- cross-encoder --------------------------------------------------------
     @torch.inference_mode()
     def score_pairs(self, texts: Sequence[str], image_tokens: np.ndarray) -> np.ndarray:
-        """ITM logits (n,) for n (text, image-tokens) pairs; higher means a better match."""
+        """ITM logits (n,) for n (text, image-tokens) pairs; higher means a better match.
+        Each distinct sentence's text states are computed once (`models.inference`)."""
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
         unique, rows = unique_texts(texts)
         ids, pad = self._batch(unique)
         states = self.model.text_tokens(ids, pad)
-        pick = torch.tensor(rows, device=self.device)
-        img = torch.from_numpy(np.ascontiguousarray(image_tokens)).to(self.device).float()
-        return self.model.itm_logits(states[pick], pad[pick], img).float().cpu().numpy()
+        lengths = (~pad).sum(dim=1).tolist()
+        img = torch.from_numpy(np.array(image_tokens, dtype=np.float32)).to(self.device)
+        return self.cross.logits(states, lengths, torch.tensor(rows), img).cpu().numpy()
 
     def _batch(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pad = self.tokenizer.batch(list(texts))

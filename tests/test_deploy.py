@@ -304,7 +304,7 @@ def dashboard_exprs() -> list[str]:
 def test_alerts_cover_what_ops_must_hear_about() -> None:
     names = {r["alert"] for r in alert_rules()}
     assert {"DuetDown", "DuetNotReady", "DuetSearchLatencyP99High", "DuetHigh5xxRate",
-            "DuetCacheErrors", "DuetRerankQueueSaturated"} <= names
+            "DuetCacheErrors", "DuetQueueSaturated"} <= names
     headings = {github_anchor(m) for m in re.findall(r"^#+ (.+)$", (REPO / "README.md")
                                                       .read_text(), flags=re.M)}
     for rule in alert_rules():
@@ -384,8 +384,8 @@ def test_metric_name_extraction() -> None:
     assert metric_names('sum(rate(a_total{result="error"}[5m])) / sum(rate(b[$__rate_interval]))'
                         ) == {"a_total", "b"}
     assert metric_names('up{job="duet"} == 0') == {"up"}
-    assert metric_names("duet_rerank_queue_depth / duet_rerank_queue_capacity > 0.8") == {
-        "duet_rerank_queue_depth", "duet_rerank_queue_capacity"}
+    assert metric_names("duet_queue_depth / duet_queue_capacity > 0.8") == {
+        "duet_queue_depth", "duet_queue_capacity"}
 
 
 def exported_names(metrics_text: str) -> set[str]:

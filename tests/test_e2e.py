@@ -160,8 +160,8 @@ def test_metrics_exported(service: Service) -> None:
         assert _metric(text, "duet_stage_seconds_count", stage=stage) >= 1
     assert _metric(text, "duet_rerank_batch_size_count") >= 1
     assert _metric(text, "duet_ready") == 1
-    assert _metric(text, "duet_rerank_queue_depth") == 0
-    assert _metric(text, "duet_rerank_queue_capacity") == 512
+    assert _metric(text, "duet_queue_depth") == 0
+    assert _metric(text, "duet_queue_capacity") == 1024
     assert _metric(text, "duet_index_reloads_total", result="refused") == 0
 
 

@@ -1,4 +1,4 @@
-"""The app in-process (httpx over ASGI): concurrent requests share re-rank batches."""
+"""The app in-process (httpx over ASGI): concurrent requests share engine batches."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from models.builtin import BuiltinModel
 
 
 async def test_concurrent_requests_share_rerank_batches(index_dir: Path) -> None:
-    settings = Settings(index_dir=index_dir, rerank_max_batch=1000, rerank_max_wait_ms=200)
+    settings = Settings(index_dir=index_dir, rerank_max_batch=1000)
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -30,9 +30,13 @@ async def test_concurrent_requests_share_rerank_batches(index_dir: Path) -> None
         hist = app.state.metrics.rerank_batch_size
         count = hist._sum  # total pairs scored
         samples = {s.name: s.value for m in hist.collect() for s in m.samples}
+        engine = {s.name: s.value for m in app.state.metrics.engine_batch_size.collect()
+                  for s in m.samples}
     assert samples["duet_rerank_batch_size_sum"] == 6 * 20 == count.get()
-    # six requests, fewer forward passes: they were batched together
+    # six requests, fewer forward passes and engine batches: they were batched together
     assert samples["duet_rerank_batch_size_count"] < 6
+    assert engine["duet_engine_batch_size_sum"] == 6
+    assert engine["duet_engine_batch_size_count"] < 6
 
 
 async def test_not_ready_before_startup(index_dir: Path) -> None:
@@ -61,7 +65,7 @@ class _BrokenReranker:
 
 async def test_rerank_failure_is_a_json_500_for_every_request(index_dir: Path,
                                                               model: BuiltinModel) -> None:
-    settings = Settings(index_dir=index_dir, rerank_max_wait_ms=50)
+    settings = Settings(index_dir=index_dir)
     index = IndexVersion.open(resolve_current(index_dir), expect_fingerprint=model.fingerprint)
     app = create_app(settings, Resources(_BrokenReranker(model), index))
     async with app.router.lifespan_context(app):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from typing import Any
+import contextlib
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
@@ -13,6 +15,7 @@ from starlette.datastructures import UploadFile
 
 from app.deps import PipelineDep, SettingsDep
 from app.errors import (
+    ClientGone,
     ImageTooLarge,
     InvalidImage,
     UnsupportedMediaType,
@@ -30,6 +33,7 @@ from app.schemas import (
 )
 
 router = APIRouter(tags=["search"])
+T = TypeVar("T")
 
 _IMAGE_BODY_DOC: dict[str, Any] = {
     "requestBody": {
@@ -53,10 +57,33 @@ _IMAGE_BODY_DOC: dict[str, Any] = {
 }
 
 
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first: its queued model work is
+    then skipped by the engine instead of computed for nobody."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientGone("the client closed the connection before the answer was ready")
+    return task.result()
+
+
 @router.post("/search/text", response_model=SearchResponse)
-async def search_text(body: TextSearchRequest, pipeline: PipelineDep) -> SearchResponse:
+async def search_text(body: TextSearchRequest, request: Request,
+                      pipeline: PipelineDep) -> SearchResponse:
     """A sentence finds images."""
-    return await pipeline.search_text(body.query, body.options())
+    return await _unless_gone(request, pipeline.search_text(body.query, body.options()))
 
 
 def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOptions:
@@ -105,5 +132,5 @@ async def search_image(request: Request, pipeline: PipelineDep,
             'a file field "image", or application/json with "image_b64"')
     # decoding a large upload takes a while: keep it off the event loop too
     image = await asyncio.to_thread(decode_image, data, max_bytes, settings.max_image_pixels)
-    return await pipeline.search_image(data, image, opts)
+    return await _unless_gone(request, pipeline.search_image(data, image, opts))
 
