@@ -41,7 +41,8 @@ def load_resources(settings: Settings) -> Resources:
     built by other models."""
     model = load_models(settings.encoder, settings.reranker, settings.model_dir, settings.device)
     index = IndexVersion.open(resolve_current(settings.index_dir),
-                              expect_fingerprint=model.fingerprint)
+                              expect_fingerprint=model.fingerprint,
+                              device=str(getattr(model, "device", "cpu")))
     log.info("loaded model %s (re-rankers %s, default %s) and index %s (%d images, %d texts)",
              model.fingerprint, ", ".join(model.menu.available), model.menu.default,
              index.version, index.image_index.ntotal, index.text_index.ntotal)

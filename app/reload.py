@@ -81,7 +81,8 @@ def smoke_test(index: IndexVersion, model: JointEncoder) -> None:
 
 def load_checked(path: Path, model: JointEncoder) -> IndexVersion:
     """Open a version (fingerprint and counts are checked there), then smoke-test it."""
-    index = IndexVersion.open(path, expect_fingerprint=model.fingerprint)
+    index = IndexVersion.open(path, expect_fingerprint=model.fingerprint,
+                              device=str(getattr(model, "device", "cpu")))
     try:
         smoke_test(index, model)
     except Exception as exc:

@@ -192,10 +192,56 @@ def search_params(index: faiss.Index, knobs: SearchKnobs) -> _Params | None:
     return None
 
 
-def search(index: faiss.Index, queries: np.ndarray, k: int,
+class TorchFlat:
+    """Exact inner-product search as one matmul + top-k on a torch device: Flat search on a
+    GPU host whose FAISS has no GPU support (torch's CUDA build without faiss-gpu). Answers
+    like a FAISS index: (scores, rows) with rows -1 and scores -inf past `ntotal`."""
+
+    def __init__(self, vectors: np.ndarray, device: str) -> None:
+        import torch
+
+        self._torch = torch
+        self.vectors = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)).to(device)
+        self.ntotal, self.d = self.vectors.shape
+        self.metric_type = faiss.METRIC_INNER_PRODUCT
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        torch = self._torch
+        n = len(queries)
+        scores = np.full((n, k), -np.inf, dtype=np.float32)
+        rows = np.full((n, k), -1, dtype=np.int64)
+        take = min(k, self.ntotal)
+        if take:
+            with torch.inference_mode():
+                q = torch.from_numpy(queries).to(self.vectors.device)
+                top = (q @ self.vectors.T).topk(take, dim=1)
+            scores[:, :take] = top.values.cpu().numpy()
+            rows[:, :take] = top.indices.cpu().numpy()
+        return scores, rows
+
+
+def place(index: faiss.Index, device: str) -> Any:
+    """`index` ready to search on `device`: on a CUDA device a Flat index moves to the GPU,
+    through faiss-gpu where it is importable, else as a `TorchFlat`; IVF and HNSW indexes
+    stay FAISS on the CPU (their GPU forms need faiss-gpu and tuning of their own)."""
+    if not device.startswith("cuda") or not isinstance(faiss.downcast_index(index),
+                                                       faiss.IndexFlat):
+        return index
+    if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
+        res = _faiss.StandardGpuResources()
+        gpu = _faiss.index_cpu_to_gpu(res, 0, index)
+        gpu.keep_resources = res  # the resources must live as long as the index
+        return gpu
+    return TorchFlat(index.reconstruct_n(0, index.ntotal), device)
+
+
+def search(index: Any, queries: np.ndarray, k: int,
            knobs: SearchKnobs | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, rows) of the top-k by inner product, with per-call parameters; thread-safe."""
+    """(scores, rows) of the top-k by inner product, with per-call parameters; thread-safe.
+    `index` is a FAISS index or what `place` made of one."""
     q = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+    if isinstance(index, TorchFlat):
+        return index.search(q, k)
     params = search_params(index, knobs or SearchKnobs())
     if params is None:
         return index.search(q, k)

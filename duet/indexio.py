@@ -24,6 +24,8 @@ from typing import Any
 import faiss
 import numpy as np
 
+from duet import ann
+
 MANIFEST = "manifest.json"
 IMAGE_INDEX = "image.faiss"
 TEXT_INDEX = "text.faiss"
@@ -190,8 +192,10 @@ class IndexVersion:
         self.image_tokens = np.zeros((0, *self.image_tokens.shape[1:]), self.image_tokens.dtype)
 
     @classmethod
-    def open(cls, path: Path, expect_fingerprint: str | None = None) -> IndexVersion:
-        """Load a version directory; refuse it if another model built it."""
+    def open(cls, path: Path, expect_fingerprint: str | None = None,
+             device: str = "cpu") -> IndexVersion:
+        """Load a version directory; refuse it if another model built it. On a CUDA `device`
+        Flat indexes search on the GPU (`ann.place`)."""
         path = Path(path)
         manifest = read_manifest(path)
         built_by = manifest.get("model", {}).get("fingerprint")
@@ -214,4 +218,5 @@ class IndexVersion:
         if (image_index.ntotal != counts.get("images") or text_index.ntotal != counts.get("texts")
                 or tokens.shape[0] != image_index.ntotal):
             raise IndexLoadError(f"index {path}: counts in {MANIFEST} do not match the files")
-        return cls(path, manifest, image_index, text_index, tokens, store)
+        return cls(path, manifest, ann.place(image_index, device), ann.place(text_index, device),
+                   tokens, store)

@@ -1,0 +1,76 @@
+"""The plain alternative duet is measured against: the FastAPI script a user would write.
+
+Same model, same index, per request: encode -> FAISS top-M -> the model's cross-encoder
+forward (`JointModel.itm_logits`, its PyTorch module as trained) -> ADD_lambda -> top-k. A
+sync endpoint (FastAPI runs it in its thread pool), torch's default threads, no cache, no
+batching, no admission control.
+
+    python benchmarks/baseline_server.py --index indexes/current --port 8100
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+from pathlib import Path
+
+import faiss
+import numpy as np
+import torch
+import uvicorn
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from models.builtin import BuiltinModel
+from models.fusion import DEFAULT_FUSION_LAMBDA
+
+
+class Query(BaseModel):
+    query: str
+    top_k: int = 10
+    candidates: int = 50
+    rerank: bool = True
+
+
+def make_app(index_dir: Path, device: str = "cpu") -> FastAPI:
+    model = BuiltinModel.load(device=device)
+    index = faiss.read_index(str(index_dir / "image.faiss"))
+    tokens = np.load(index_dir / "image_tokens.npy", mmap_mode="r")
+    db = sqlite3.connect(index_dir / "items.sqlite", check_same_thread=False)
+    ids = [row[0] for row in db.execute("SELECT id FROM images ORDER BY row")]
+    app = FastAPI()
+
+    @app.post("/search/text")
+    def search(q: Query) -> dict[str, object]:
+        with torch.inference_mode():
+            vec = model.encode_texts([q.query])
+            dots, rows = index.search(vec, q.candidates if q.rerank else q.top_k)
+            dots, rows = dots[0], rows[0]
+            score = dots
+            if q.rerank:
+                ids_t, pad = model.tokenizer.batch([q.query])  # the sentence once, shared
+                ids_t, pad = ids_t.to(model.device), pad.to(model.device)
+                text = model.model.text_tokens(ids_t, pad).expand(len(rows), -1, -1)
+                pad = pad.expand(len(rows), -1)
+                img = torch.from_numpy(np.array(tokens[rows], dtype=np.float32)).to(model.device)
+                ce = torch.sigmoid(model.model.itm_logits(text, pad, img)).cpu().numpy()
+                score = DEFAULT_FUSION_LAMBDA * dots + (1 - DEFAULT_FUSION_LAMBDA) * ce
+            order = np.argsort(-score)[: q.top_k]
+        return {"hits": [{"id": ids[rows[i]], "score": float(score[i])} for i in order]}
+
+    return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--index", type=Path, default=Path("indexes/current"),
+                   help="an index version directory (default: indexes/current)")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    args = p.parse_args()
+    uvicorn.run(make_app(args.index.resolve(), args.device), host="127.0.0.1", port=args.port,
+                log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

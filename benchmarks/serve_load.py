@@ -1,0 +1,352 @@
+"""duet serve against the plain FastAPI script (benchmarks/baseline_server.py), side by side.
+
+Starts both servers on one index, then runs closed-loop load (each client sends its next
+request when the last one answers; every query is a different caption, so no cache
+answers) at each concurrency, re-ranked and dot-only, the two servers interleaved and the
+whole grid repeated `--rounds` times so machine noise hits both alike. Also measures, in
+the same run, the cross-encoder's pairs/s alone (the model's PyTorch forward and duet's
+serving runtime: the compute bound) and an overload run against duet at `--overload`
+clients. Writes a markdown report and a plot.
+
+    python benchmarks/serve_load.py                       # CPU, indexes/current
+    python benchmarks/serve_load.py --device cuda         # on a GPU host
+
+Nothing else should run on the machine meanwhile; the ratios are what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from models import world  # noqa: E402
+
+
+@dataclass
+class Cell:
+    """One (server, mode, concurrency) measurement, summed over rounds."""
+
+    latencies: list[float] = field(default_factory=list)  # full answers only, seconds
+    seconds: float = 0.0
+    degraded: int = 0
+    refused: int = 0
+    errors: int = 0
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies) / self.seconds if self.seconds else 0.0
+
+    def q(self, p: float) -> float:
+        return float(np.percentile(self.latencies, p)) * 1000 if self.latencies else float("nan")
+
+
+class Queries:
+    """Different captions forever (held-out world seeds), so a cache never answers."""
+
+    def __init__(self, seed: int) -> None:
+        self._it = self._gen(seed)
+
+    @staticmethod
+    def _gen(seed: int) -> Iterator[str]:
+        while True:
+            for s in world.generate(500, seed=seed, n_captions=5):
+                yield from s.captions
+            seed += 1
+
+    def next(self) -> str:
+        return next(self._it)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def server(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[str]:
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                                stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise SystemExit(f"{cmd} exited:\n{log.read_text()}")
+                try:
+                    httpx.post(f"{url}/search/text", json={"query": "a red circle"}, timeout=2)
+                    break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def closed_loop(url: str, clients: int, seconds: float, rerank: bool, candidates: int,
+                      queries: Queries, cell: Cell, warmup: float = 1.0) -> None:
+    """`clients` loops each sending one request at a time for `seconds` (after `warmup`)."""
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        t_start = time.perf_counter() + warmup
+        t_end = t_start + seconds
+
+        async def one() -> None:
+            while (now := time.perf_counter()) < t_end:
+                body = {"query": queries.next(), "top_k": 10, "candidates": candidates,
+                        "rerank": rerank}
+                try:
+                    r = await client.post("/search/text", json=body)
+                except httpx.TransportError:
+                    if now >= t_start:
+                        cell.errors += 1
+                    continue
+                done = time.perf_counter()
+                if now < t_start:
+                    continue
+                if r.status_code == 429:
+                    cell.refused += 1
+                elif r.status_code != 200:
+                    cell.errors += 1
+                elif r.json().get("degraded"):
+                    cell.degraded += 1
+                else:
+                    cell.latencies.append(done - now)
+
+        await asyncio.gather(*(one() for _ in range(clients)))
+        cell.seconds += seconds
+
+
+async def overload(url: str, clients: int, seconds: float, candidates: int,
+                   queries: Queries) -> dict[str, object]:
+    """Open many clients at once; count 429s (and their Retry-After), 5xx, admitted latency,
+    and how fast /healthz answers meanwhile."""
+    cell = Cell()
+    health: list[float] = []
+    retry_after: list[int] = []
+    limits = httpx.Limits(max_connections=clients + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        t_end = time.perf_counter() + seconds
+
+        async def one() -> None:
+            while time.perf_counter() < t_end:
+                t0 = time.perf_counter()
+                r = await client.post("/search/text", json={
+                    "query": queries.next(), "top_k": 10, "candidates": candidates})
+                if r.status_code == 429:
+                    cell.refused += 1
+                    retry_after.append(int(r.headers.get("retry-after", "0")))
+                    await asyncio.sleep(min(1.0, float(r.headers.get("retry-after", "1"))))
+                elif r.status_code >= 500:
+                    cell.errors += 1
+                elif r.json().get("degraded"):
+                    cell.degraded += 1
+                else:
+                    cell.latencies.append(time.perf_counter() - t0)
+
+        async def probe() -> None:
+            while time.perf_counter() < t_end:
+                t0 = time.perf_counter()
+                r = await client.get("/healthz")
+                health.append(time.perf_counter() - t0 if r.status_code == 200 else float("inf"))
+                await asyncio.sleep(0.25)
+
+        await asyncio.gather(probe(), *(one() for _ in range(clients)))
+    cell.seconds = seconds
+    return {"clients": clients, "answered": len(cell.latencies), "degraded": cell.degraded,
+            "refused_429": cell.refused, "errors_5xx": cell.errors,
+            "retry_after_present": bool(retry_after) and min(retry_after) >= 1,
+            "admitted_p50_ms": round(cell.q(50), 1), "admitted_p99_ms": round(cell.q(99), 1),
+            "healthz_max_ms": round(max(health) * 1000, 1) if health else None,
+            "throughput": round(cell.throughput, 1)}
+
+
+def pairs_per_second(index_dir: Path, device: str, candidates: int,
+                     seconds: float = 3.0) -> dict[str, float]:
+    """The cross-encoder alone, one request's pairs at a time: the model's PyTorch forward
+    and duet's serving runtime (the same logits)."""
+    import torch
+
+    from duet.indexio import IndexVersion, resolve_current
+    from models.builtin import BuiltinModel
+
+    model = BuiltinModel.load(device=device)
+    index = IndexVersion.open(resolve_current(index_dir))
+    toks = np.array(index.image_tokens[:candidates], dtype=np.float32)
+    q = "a small red circle left of a large blue square"
+    ids, pad = model.tokenizer.batch([q])
+    ids, pad = ids.to(model.device), pad.to(model.device)
+    img = torch.from_numpy(toks).to(model.device)
+    out = {}
+    with torch.inference_mode():
+        text = model.model.text_tokens(ids, pad)
+
+        def forward() -> None:
+            model.model.itm_logits(text.expand(len(toks), -1, -1), pad.expand(len(toks), -1), img)
+
+        def runtime() -> None:
+            model.score_pairs([q] * len(toks), toks)
+
+        for name, fn in (("pytorch forward", forward), ("duet runtime", runtime)):
+            fn()
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                fn()
+                n += 1
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            out[name] = n * len(toks) / (time.perf_counter() - t0)
+    index.close()
+    return out
+
+
+def plot(results: dict[str, Cell], levels: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for col, mode in enumerate(("re-ranked", "dot only")):
+        for srv, style in (("duet", "o-"), ("baseline", "s--")):
+            cells = [results[f"{srv}|{mode}|{c}"] for c in levels]
+            axes[0][col].plot(levels, [c.throughput for c in cells], style, label=srv)
+            axes[1][col].plot(levels, [c.q(50) for c in cells], style, label=f"{srv} p50")
+            axes[1][col].plot(levels, [c.q(99) for c in cells], style, alpha=0.5,
+                              label=f"{srv} p99")
+        axes[0][col].set_title(f"{mode}: throughput (full answers/s)")
+        axes[1][col].set_title(f"{mode}: latency (ms)")
+        axes[1][col].set_yscale("log")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(levels, [str(c) for c in levels])
+            ax.set_xlabel("concurrent clients")
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--index-dir", type=Path, default=REPO / "indexes",
+                   help="serves INDEX_DIR/current (default: the demo index, `make demo-index`)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both servers)")
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--seconds", type=float, default=6.0, help="per cell and round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--candidates", type=int, default=50)
+    p.add_argument("--overload", type=int, default=256,
+                   help="clients for the overload run against duet (0 = skip)")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "performance.md")
+    p.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
+    args = p.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    current = (args.index_dir / "current").resolve()
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+
+    print("cross-encoder alone ...", flush=True)
+    bound = pairs_per_second(args.index_dir, args.device, args.candidates,
+                             min(3.0, args.seconds))
+    queries = Queries(seed=2_000_000)
+    results: dict[str, Cell] = {}
+    duet_port, base_port = _free_port(), _free_port()
+    duet_cmd = [sys.executable, "-m", "duet.cli", "serve"]
+    duet_env = {"DUET_INDEX_DIR": str(args.index_dir), "DUET_PORT": str(duet_port),
+                "DUET_DEVICE": args.device, "DUET_INDEX_POLL_S": "0", "DUET_REDIS_URL": "",
+                "DUET_LOG_LEVEL": "warning"}
+    base_cmd = [sys.executable, str(REPO / "benchmarks" / "baseline_server.py"), "--index",
+                str(current), "--port", str(base_port), "--device", args.device]
+    with server(duet_cmd, duet_env, duet_port, logs / "duet-serve-load.log") as duet_url, \
+            server(base_cmd, {}, base_port, logs / "baseline-serve-load.log") as base_url:
+        urls = {"duet": duet_url, "baseline": base_url}
+        for rnd in range(args.rounds):
+            order = ["duet", "baseline"] if rnd % 2 == 0 else ["baseline", "duet"]
+            for mode, rerank in (("re-ranked", True), ("dot only", False)):
+                for c in levels:
+                    for srv in order:
+                        cell = results.setdefault(f"{srv}|{mode}|{c}", Cell())
+                        asyncio.run(closed_loop(urls[srv], c, args.seconds, rerank,
+                                                args.candidates, queries, cell))
+                        print(f"round {rnd + 1} {mode:9s} c={c:3d} {srv:8s} "
+                              f"{cell.throughput:6.1f}/s p50 {cell.q(50):7.1f} ms", flush=True)
+        over = None
+        if args.overload:
+            print(f"overload: {args.overload} clients against duet ...", flush=True)
+            over = asyncio.run(overload(duet_url, args.overload, 3 * args.seconds,
+                                        args.candidates, queries))
+    write_report(args, levels, results, bound, over)
+    print(args.out.read_text())
+
+
+def write_report(args: argparse.Namespace, levels: list[int], results: dict[str, Cell],
+                 bound: dict[str, float], over: dict[str, object] | None) -> None:
+    png = args.out.with_suffix(".png")
+    plot(results, levels, png)
+    lines = [
+        "# Serving performance: duet against the plain script",
+        "",
+        f"Written by `python benchmarks/serve_load.py --device {args.device}` "
+        f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
+        f"device {args.device}). Index: `{args.index_dir}/current`; "
+        f"{args.candidates} candidates, top 10; closed-loop clients, {args.seconds:g} s per cell "
+        f"x {args.rounds} interleaved rounds; every query a different caption (no cache hits).",
+        "The baseline (`benchmarks/baseline_server.py`) is the script a user would write: a sync "
+        "FastAPI endpoint running encode -> FAISS -> the model's PyTorch cross-encoder forward "
+        "-> ADD_0.8 per request, torch's default threads, no cache, no batching. Throughput "
+        "counts full answers only (degraded and refused ones are counted apart).",
+        "",
+        f"![throughput and latency against concurrency]({png.name})",
+        "",
+        "| mode | clients | duet req/s | script req/s | duet / script | duet p50 ms | "
+        "script p50 ms | duet p99 ms | script p99 ms | duet degraded / 429 | script errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in ("re-ranked", "dot only"):
+        for c in levels:
+            d, b = results[f"duet|{mode}|{c}"], results[f"baseline|{mode}|{c}"]
+            ratio = d.throughput / b.throughput if b.throughput else float("nan")
+            lines.append(
+                f"| {mode} | {c} | {d.throughput:.1f} | {b.throughput:.1f} | {ratio:.2f}x | "
+                f"{d.q(50):.1f} | {b.q(50):.1f} | {d.q(99):.1f} | {b.q(99):.1f} | "
+                f"{d.degraded} / {d.refused} | {b.errors + b.refused} |")
+    lines += ["", "Cross-encoder alone, one request's "
+              f"{args.candidates} pairs per call, in the same run (the compute bound):", ""]
+    lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
+    if over is not None:
+        lines += ["", f"Overload: {over['clients']} clients against duet for "
+                  f"{3 * args.seconds:g} s (a refused client waits out Retry-After, at most 1 s):",
+                  "", "```json", json.dumps(over, indent=1), "```"]
+    args.out.write_text("\n".join(lines) + "\n")
+    if args.json:
+        raw = {k: {"throughput": v.throughput, "p50_ms": v.q(50), "p99_ms": v.q(99),
+                   "degraded": v.degraded, "refused": v.refused, "errors": v.errors}
+               for k, v in results.items()}
+        args.json.write_text(json.dumps({"cells": raw, "bound": bound, "overload": over},
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    main()

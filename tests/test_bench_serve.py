@@ -1,0 +1,50 @@
+"""The serving benchmark compares like with like: the baseline script ranks exactly as duet's
+default does (same model, same index, ADD_0.8), and the benchmark runs end to end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.config import Settings
+from app.main import create_app
+from benchmarks.baseline_server import make_app
+from duet.indexio import resolve_current
+from tests.conftest import REPO
+
+
+async def test_baseline_script_ranks_as_duet_does(index_dir: Path) -> None:
+    baseline = make_app(resolve_current(index_dir))
+    duet = create_app(Settings(index_dir=index_dir, index_poll_s=0))
+    queries = ["a red circle above a small blue square", "two green crosses", "a big diamond"]
+    async with duet.router.lifespan_context(duet):
+        for rerank in (True, False):
+            for q in queries:
+                body = {"query": q, "top_k": 5, "candidates": 20, "rerank": rerank}
+                got = []
+                for app in (duet, baseline):
+                    transport = httpx.ASGITransport(app=app)
+                    async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
+                        r = await c.post("/search/text", json=body)
+                        assert r.status_code == 200, r.text
+                        got.append([(h["id"], round(h["score"], 4)) for h in r.json()["hits"]])
+                assert got[0] == got[1], (q, rerank)
+
+
+@pytest.mark.slow
+def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "performance.md"
+    res = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "serve_load.py"), "--index-dir", str(index_dir),
+         "--seconds", "0.5", "--rounds", "1", "--concurrency", "1,2", "--overload", "8",
+         "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = out.read_text()
+    for row in ("| re-ranked | 1 |", "| re-ranked | 2 |", "| dot only | 1 |", "| dot only | 2 |"):
+        assert row in report
+    assert "pairs/s" in report and '"errors_5xx": 0' in report
+    assert out.with_suffix(".png").stat().st_size > 10_000
