@@ -8,8 +8,8 @@ worker is busy. One hop from the event loop to a worker and one back per batch.
 
 Admission is decided on the event loop before any model work, from a cost model the workers
 keep measuring (`Throughput`): a ticket is refused with 429 and a `Retry-After` when the
-queue ahead of it could not finish within the deadline (`DUET_REQUEST_TIMEOUT_MS`) or holds
-`max_queue` tickets already. A ticket whose caller went away (its future cancelled) or whose
+work ahead of it plus its own could not finish within the deadline (`DUET_REQUEST_TIMEOUT_MS`)
+or the queue holds `max_queue` tickets already; with nothing ahead it is always taken. A ticket whose caller went away (its future cancelled) or whose
 deadline passed while queued is dropped before any compute. Whatever the batch function
 leaves unresolved, by returning or raising, fails with an error: no caller ever hangs.
 
@@ -166,7 +166,9 @@ class Engine(Generic[P, R]):
         budget = self.timeout_s if timeout_s is None else timeout_s
         with self._cond:
             wait = self.wait_s()
-            if len(self._queue) >= self.max_queue or wait + cost_s > budget:
+            # with nothing ahead a request is always taken: if its own estimate does not
+            # fit, it re-ranks what fits (degraded) rather than being turned away idle
+            if len(self._queue) >= self.max_queue or (wait > 0 and wait + cost_s > budget):
                 self._on_shed("queue_full")
                 raise Overloaded(
                     f"the service is at capacity (about {wait:.1f}s of work queued, "

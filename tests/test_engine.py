@@ -245,3 +245,15 @@ def test_overload_over_real_sockets_sheds_with_retry_after(index_dir: Path,
     assert all(r.json()["error"]["code"] == "overloaded" for r in refused)
     assert max(admitted) < 3.0
     assert health and set(health) == {200}
+
+
+async def test_an_idle_engine_takes_a_request_even_when_its_estimate_exceeds_the_deadline(
+) -> None:
+    def fn(tickets: Tickets) -> None:
+        for t in tickets:
+            t.resolve(t.payload)
+
+    eng = _engine(fn, timeout_s=0.1)
+    eng.start()
+    assert await asyncio.wait_for(eng.submit(7, 5.0), 5) == 7  # nothing ahead: taken
+    eng.stop()
