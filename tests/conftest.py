@@ -105,10 +105,14 @@ class Service:
 
 
 def start_service(index_dir: Path, log: Path, **env: str) -> Service:
-    """`duet serve` as a real process on a free port; returns once /readyz answers 200."""
+    """`duet serve` as a real process on a free port; returns once /readyz answers 200.
+
+    The request deadline is generous unless a test sets its own: tests of other features must
+    not see load-shedding 429s because a shared CI machine is slow for a moment."""
     port = free_port()
     full_env = {**os.environ, "DUET_INDEX_DIR": str(index_dir), "DUET_PORT": str(port),
-                "DUET_HOST": "127.0.0.1", "PYTHONPATH": str(REPO), **env}
+                "DUET_HOST": "127.0.0.1", "PYTHONPATH": str(REPO),
+                "DUET_REQUEST_TIMEOUT_MS": "30000", **env}
     fh = log.open("wb")
     proc = subprocess.Popen([*DUET, "serve"], env=full_env, stdout=fh, stderr=subprocess.STDOUT,
                             cwd=REPO)
