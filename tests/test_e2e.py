@@ -230,6 +230,10 @@ def test_other_bad_image_requests(service: Service) -> None:
         assert r.status_code == 422 and "top_k" in r.json()["error"]["message"]
         r = c.post("/search/image", json=[1, 2])
         assert r.status_code == 422
+        deep = b"[" * 100_000 + b"]" * 100_000  # Python's JSON parser recurses per level
+        r = c.post("/search/image", content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and "nested too deeply" in r.json()["error"]["message"]
+        assert c.get("/healthz").status_code == 200  # same keep-alive connection, still served
         assert c.get("/nope").json()["error"]["code"] == "not_found"
 
 

@@ -117,6 +117,8 @@ async def search_image(request: Request, pipeline: PipelineDep,
             payload = await request.json()
         except (ValueError, UnicodeDecodeError) as exc:
             raise ValidationFailed(f"body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:  # '[' * 100000: Python's parser gives up, not the caller
+            raise ValidationFailed("body is not valid JSON: nested too deeply") from exc
         if not isinstance(payload, dict):
             raise ValidationFailed("JSON body must be an object with image_b64")
         req = _options(payload, ImageSearchJSON)
