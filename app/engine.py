@@ -8,8 +8,9 @@ worker is busy. One hop from the event loop to a worker and one back per batch.
 
 Admission is decided on the event loop before any model work, from a cost model the workers
 keep measuring (`Throughput`): a ticket is refused with 429 and a `Retry-After` when the
-work ahead of it plus its own could not finish within the deadline (`DUET_REQUEST_TIMEOUT_MS`)
-or the queue holds `max_queue` tickets already; with nothing ahead it is always taken. A ticket whose caller went away (its future cancelled) or whose
+work ahead of it plus its own could not finish within the deadline
+(`DUET_REQUEST_TIMEOUT_MS`) or the queue holds `max_queue` tickets already; with nothing
+ahead it is always taken. A ticket whose caller went away (its future cancelled) or whose
 deadline passed while queued is dropped before any compute. Whatever the batch function
 leaves unresolved, by returning or raising, fails with an error: no caller ever hangs.
 
@@ -70,10 +71,12 @@ class Throughput:
             self._per[kind] = (1 - self._alpha) * old + self._alpha * seconds / units
 
     def seconds(self, kind: str, units: float = 1.0) -> float:
-        return self._per.get(kind, 0.0) * units
+        """Estimated seconds for `units` of `kind`; a kind not yet seen costs what its
+        family does ("pair/late" -> "pair") until it is measured."""
+        return self._per.get(kind, self._per.get(kind.split("/")[0], 0.0)) * units
 
     def per_second(self, kind: str) -> float:
-        per = self._per.get(kind, 0.0)
+        per = self.seconds(kind)
         return math.inf if per <= 0 else 1.0 / per
 
 

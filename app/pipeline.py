@@ -313,7 +313,7 @@ class SearchPipeline:
             return hit
         m = opts.candidates if plan.reranks else opts.top_k
         cost = self.throughput.seconds("query") + (
-            self.throughput.seconds("pair", m) if plan.reranks else 0.0)
+            self.throughput.seconds(_pair_kind(plan), m) if plan.reranks else 0.0)
         answer = await self.engine.submit(Query(kind, text, image, index, plan, m, opts.top_k),
                                           cost)
         timings.update(answer.timings)
@@ -338,10 +338,23 @@ class SearchPipeline:
         each; one query's failure fails that query alone."""
         start = time.monotonic()
         work = [_Work(t, {"queue": _ms(start - t.enqueued)}) for t in tickets]
-        with _clock(work, "encode"):
-            vecs = self._encode(work)
-        with _clock(work, "search"):
-            self._search_all(work, vecs)
+        try:
+            with _clock(work, "encode"):
+                vecs = self._encode(work)
+            with _clock(work, "search"):
+                self._search_all(work, vecs)
+        except Exception:
+            if len(tickets) == 1:
+                raise
+            # one bad query must not fail its batch-mates: answer each on its own
+            log.warning("a batch of %d queries failed; running each alone", len(tickets))
+            for t in tickets:
+                try:
+                    self._run_batch([t])
+                except Exception as exc:
+                    log.exception("a query failed")
+                    t.fail(exc)
+            return
         self.throughput.observe("query", len(work), time.monotonic() - start)
         chunk: list[_Work] = []
         for w in work:
@@ -389,9 +402,9 @@ class SearchPipeline:
 
     def _affordable(self, chunk: list[_Work]) -> float:
         """The share (0..1) of the chunk's candidates that can be re-ranked before the
-        earliest deadline in it, at the measured seconds per pair."""
+        earliest deadline in it, at the measured seconds per pair of its re-ranker."""
         pairs = sum(len(w.cand.rows) for w in chunk)
-        per_pair = self.throughput.seconds("pair")
+        per_pair = self.throughput.seconds(_pair_kind(chunk[0].query.plan))
         if pairs == 0 or per_pair <= 0:
             return 1.0
         now = time.monotonic()
@@ -467,7 +480,7 @@ class SearchPipeline:
             scores = score(chunk)
             dt = time.monotonic() - t0
             pairs = sum(len(s) for s in scores if s is not None)
-            self.throughput.observe("pair", pairs, dt)
+            self.throughput.observe(_pair_kind(chunk[0].query.plan), pairs, dt)
             for w, s in zip(chunk, scores, strict=True):
                 if s is not None:
                     w.timings["rerank"] = _ms(dt)
@@ -499,6 +512,11 @@ class SearchPipeline:
         used = None if scores is None else len(scores)
         return Answer(ranked, meta, w.timings, used,
                       degraded=used is not None and used < len(w.cand.rows))
+
+
+def _pair_kind(plan: RerankPlan) -> str:
+    """The cost-model kind of one re-ranked candidate: each re-ranker has its own price."""
+    return "pair" if plan.reranker == "ce" else f"pair/{plan.reranker}"
 
 
 def _ms(seconds: float) -> float:

@@ -156,6 +156,9 @@ def test_throughput_and_cores() -> None:
     tp.observe("pair", 10, 0.2)  # 0.02 s a pair
     assert tp.seconds("pair", 2) == pytest.approx(0.03)
     assert tp.per_second("pair") == pytest.approx(1 / 0.015)
+    assert tp.seconds("pair/late") == tp.seconds("pair")  # unmeasured: its family's cost
+    tp.observe("pair/late", 10, 0.01)
+    assert tp.seconds("pair/late") == pytest.approx(0.001) and tp.seconds("pair") > 0.01
     assert 1 <= available_cores() <= (len(__import__("os").sched_getaffinity(0)))
 
 

@@ -81,3 +81,34 @@ async def test_rerank_failure_is_a_json_500_for_every_request(index_dir: Path,
     assert "simulated" not in rs[0].text  # internals stay in the log
     assert ok.status_code == 200  # dot-only search still works
     assert 'duet_request_seconds_count{endpoint="/search/text",status="500"} 4.0' in text
+
+
+class _PoisonedEncoder(_BrokenReranker):
+    """The real model, except that one sentence makes its text encoder fail."""
+
+    def __init__(self, model: BuiltinModel) -> None:
+        super().__init__(model)
+        self.score_pairs = model.score_pairs  # type: ignore[method-assign]
+        self.encode_texts = self._encode_texts
+
+    def _encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        if any("poison" in t for t in texts):
+            raise ValueError("simulated failure on one query")
+        return self._model.encode_texts(texts)
+
+
+async def test_one_failing_query_does_not_fail_its_batch_mates(index_dir: Path,
+                                                               model: BuiltinModel) -> None:
+    index = IndexVersion.open(resolve_current(index_dir), expect_fingerprint=model.fingerprint)
+    app = create_app(Settings(index_dir=index_dir, index_poll_s=0),
+                     Resources(_PoisonedEncoder(model), index))
+    queries = ["a red circle", "a blue square", "poison", "a green cross", "a big diamond"]
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://duet") as client:
+            rs = await asyncio.wait_for(asyncio.gather(*(client.post(
+                "/search/text", json={"query": q, "candidates": 20}) for q in queries)), 30)
+        batches = {s.name: s.value for m in app.state.metrics.engine_batch_size.collect()
+                   for s in m.samples}
+    assert [r.status_code for r in rs] == [200, 200, 500, 200, 200]
+    assert batches["duet_engine_batch_size_count"] < len(queries)  # some shared a batch
