@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -57,17 +58,16 @@ class Cell:
 
 
 class Queries:
-    """Different captions forever (held-out world seeds), so a cache never answers."""
+    """Different captions (a held-out world seed, scenes drawn without rendering them), made
+    before the load starts so the load generator spends its CPU on requests only."""
 
-    def __init__(self, seed: int) -> None:
-        self._it = self._gen(seed)
-
-    @staticmethod
-    def _gen(seed: int) -> Iterator[str]:
-        while True:
-            for s in world.generate(500, seed=seed, n_captions=5):
-                yield from s.captions
-            seed += 1
+    def __init__(self, seed: int, n: int = 60_000) -> None:
+        rng = random.Random(seed)
+        seen: dict[str, None] = {}
+        while len(seen) < n:
+            for c in world.captions(rng, world.sample_scene(rng), 5):
+                seen.setdefault(c, None)
+        self._it = iter(list(seen))
 
     def next(self) -> str:
         return next(self._it)
@@ -128,6 +128,8 @@ async def closed_loop(url: str, clients: int, seconds: float, rerank: bool, cand
                     continue
                 if r.status_code == 429:
                     cell.refused += 1
+                    # a well-behaved client waits as told (at most 1 s here) before retrying
+                    await asyncio.sleep(min(1.0, float(r.headers.get("retry-after", "1"))))
                 elif r.status_code != 200:
                     cell.errors += 1
                 elif r.json().get("degraded"):

@@ -10,6 +10,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
@@ -79,11 +80,19 @@ async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
     return task.result()
 
 
+def _json(resp: SearchResponse) -> JSONResponse:
+    """The response as JSON, once: the pipeline built it as a `SearchResponse` already, so
+    FastAPI's dump-validate-serialise of `response_model` (kept for the OpenAPI document)
+    would only repeat the work."""
+    return JSONResponse(resp.model_dump(mode="json"))
+
+
 @router.post("/search/text", response_model=SearchResponse)
 async def search_text(body: TextSearchRequest, request: Request,
-                      pipeline: PipelineDep) -> SearchResponse:
+                      pipeline: PipelineDep) -> JSONResponse:
     """A sentence finds images."""
-    return await _unless_gone(request, pipeline.search_text(body.query, body.options()))
+    return _json(await _unless_gone(request,
+                                    pipeline.search_text(body.query, body.options())))
 
 
 def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOptions:
@@ -95,7 +104,7 @@ def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOption
 
 @router.post("/search/image", response_model=SearchResponse, openapi_extra=_IMAGE_BODY_DOC)
 async def search_image(request: Request, pipeline: PipelineDep,
-                       settings: SettingsDep) -> SearchResponse:
+                       settings: SettingsDep) -> JSONResponse:
     """An image finds captions: multipart field `image`, or JSON `image_b64`; same options."""
     max_bytes = settings.max_image_bytes
     declared = request.headers.get("content-length")
@@ -134,5 +143,5 @@ async def search_image(request: Request, pipeline: PipelineDep,
             'a file field "image", or application/json with "image_b64"')
     # decoding a large upload takes a while: keep it off the event loop too
     image = await asyncio.to_thread(decode_image, data, max_bytes, settings.max_image_pixels)
-    return await _unless_gone(request, pipeline.search_image(data, image, opts))
+    return _json(await _unless_gone(request, pipeline.search_image(data, image, opts)))
 
