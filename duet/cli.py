@@ -145,6 +145,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         TextTokens,
         TokenScorer,
         evaluate_index,
+        evaluate_partial,
         format_tables,
         han_scorer,
         late_scorer,
@@ -154,9 +155,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from models.builtin import ModelLoadError
     from models.device import DeviceError
     from models.loading import check_choices, load_models
-    from models.trainconfig import DEFAULT_WEIGHTS
+    from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE
+    from models.world import partial_queries
 
     _setup_logging("warning")
+    if args.partial < 0:
+        return _fail("--partial must be 0 (none) or more queries")
+    if args.partial and args.partial_seed < HELD_OUT_SEED_BASE:
+        return _fail(f"--partial-seed must be at least {HELD_OUT_SEED_BASE}: seeds below are "
+                     "training's")
     modes = [m.strip() for m in (args.modes or ",".join(EVAL_MODES)).split(",") if m.strip()]
     if unknown := set(modes) - set(EVAL_MODES):
         return _fail(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(EVAL_MODES)}")
@@ -206,6 +213,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             token_scorers=scorers,
             text_tokens=TextTokens.of(model.joint, pool.texts) if model.joint and scorers
             else None)
+        if args.partial:
+            say(f"{args.partial} partial queries (seed {args.partial_seed})")
+            result["partial"] = {"seed": args.partial_seed, **evaluate_partial(
+                pool, model, model if model.cross is not None else None,
+                partial_queries(args.partial, args.partial_seed), candidates=args.candidates,
+                modes=modes, token_scorers=scorers, token_encoder=model.joint)}
     except (IndexLoadError, ModelLoadError, EvalError, DeviceError) as exc:
         return _fail(str(exc))
     result["index_version"] = version
@@ -310,7 +323,7 @@ def _model_options(p: argparse.ArgumentParser, verb: str) -> None:
 
 def parser() -> argparse.ArgumentParser:
     from models.late import DEFAULT_THETA
-    from models.trainconfig import DEFAULT_WEIGHTS, TrainConfig
+    from models.trainconfig import DEFAULT_WEIGHTS, PARTIAL_SEED, TrainConfig
 
     p = argparse.ArgumentParser(
         prog="duet", description="Image-text retrieval: encode a corpus into FAISS indexes, "
@@ -418,6 +431,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--fusion-sweep", action="store_true",
                    help="also ADD_lambda and NORM_ADD_lambda fusion, lambda = 0.1, 0.5, 0.9, and "
                    "ADD at the service default (DUET_RERANK_FUSION_LAMBDA's default)")
+    e.add_argument("--partial", type=int, default=0, metavar="N",
+                   help="also N partial text queries (\"a red circle\", \"two blue squares\"), "
+                   "judged by whether each hit's scene fits: P@1 and P@10 per mode and for the "
+                   "service default (needs scene meta: a duet demo-corpus index; default 0)")
+    e.add_argument("--partial-seed", type=int, default=PARTIAL_SEED,
+                   help=f"world seed the partial queries are drawn with, held out from training "
+                   f"(default {PARTIAL_SEED})")
     e.add_argument("--distractors", type=Path, default=None,
                    help="another index whose items join the pool (queries stay the same)")
     e.add_argument("--ce-full-queries", type=int, default=100,
