@@ -295,7 +295,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     _setup_logging()
     cfg = TrainConfig(seed=args.seed, images=args.images, steps=args.steps, batch=args.batch,
-                      ce_steps=args.ce_steps, han_steps=args.han_steps)
+                      ce_steps=args.ce_steps, han_steps=args.han_steps, ce_lr=args.ce_lr,
+                      ce_warm=args.ce_warm, tune=args.tune, lr=args.lr, warmup=args.warmup,
+                      easy_steps=args.easy_steps, aux_weight=args.aux_weight)
+    if args.tune and not args.init_from:
+        return _fail("--tune continues the model of --from DIR: give --from")
     init_from = Path(args.init_from) if args.init_from else None
     if init_from is not None and not (init_from / "config.json").is_file():
         return _fail(f"--from {init_from} is not a trained model directory (no config.json)")
@@ -488,7 +492,26 @@ def parser() -> argparse.ArgumentParser:
                    help="stage 2: cross-encoder steps on the frozen states (0 = keep stage 1's; "
                    "not with --from)")
     t.add_argument("--han-steps", type=int, default=defaults.han_steps,
-                   help="stage 3: HAN head steps (0 = no HAN head)")
+                   help="stage 3: HAN head steps (0 = no HAN head; with --from, DIR's head is "
+                   "kept)")
+    t.add_argument("--ce-lr", type=float, default=defaults.ce_lr,
+                   help=f"stage 2: peak learning rate (default {defaults.ce_lr})")
+    t.add_argument("--ce-warm", action="store_true",
+                   help="stage 2 fine-tunes the cross-encoder it is given (DIR's with --from, "
+                   "else stage 1's) instead of training one afresh")
+    t.add_argument("--tune", action="store_true",
+                   help="with --from: stage 1 continues from DIR's weights for --steps steps "
+                   "(encoders included) instead of keeping its encoders")
+    t.add_argument("--lr", type=float, default=defaults.lr,
+                   help=f"stage 1: peak learning rate (default {defaults.lr})")
+    t.add_argument("--warmup", type=int, default=defaults.warmup,
+                   help=f"stage 1: warm-up steps (default {defaults.warmup})")
+    t.add_argument("--aux-weight", type=float, default=defaults.aux_weight,
+                   help="stage 1: weight of the patch probe's loss on the image states (default "
+                   f"{defaults.aux_weight}; the probe starts untrained, also with --tune)")
+    t.add_argument("--easy-steps", type=int, default=defaults.easy_steps,
+                   help="stage 1: steps with random negatives only before the hard ones "
+                   f"(default {defaults.easy_steps})")
     t.add_argument("--from", dest="init_from", default=None, metavar="DIR",
                    help="skip stage 1: keep the towers and projections of the trained model in "
                    "DIR exactly (same vectors and token states) and train stages 2 and 3 on top")

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,7 +41,7 @@ from safetensors.torch import load_file
 from models import world
 from models.builtin import WEIGHTS_FILE, BuiltinModel, pixel_bytes, pixels, save_model
 from models.evaluate import evaluate, format_table, partial_precision
-from models.han import save_han
+from models.han import HAN_CONFIG, HAN_WEIGHTS, save_han
 from models.joint import CROSS_ENCODER, JointConfig, JointModel
 from models.losses import cmc_loss_from_sim, cmr_loss
 from models.tokenizer import WordTokenizer
@@ -157,13 +158,15 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True,
 
     From scratch by default. With `init_from` (a trained model directory) stage 1 is skipped:
     its towers, shared transformer and projections are kept as they are, so indexes built
-    with them keep their vectors and token states, and stages 2 and 3 train on top.
+    with them keep their vectors and token states, and stages 2 and 3 train on top. With
+    `init_from` and `cfg.tune`, stage 1 instead continues from that model's weights for
+    `cfg.steps` steps (new captions for the encoders without a run from scratch).
     """
     from tqdm import tqdm
 
     if cfg.seed >= HELD_OUT_SEED_BASE:
         raise ValueError(f"training seeds must be below {HELD_OUT_SEED_BASE} (held out for tests)")
-    if init_from is not None and cfg.ce_steps <= 0:
+    if init_from is not None and not cfg.tune and cfg.ce_steps <= 0:
         raise ValueError("--from keeps only the encoders, so the cross-encoder stage must run "
                          "(--ce-steps > 0)")
     torch.manual_seed(cfg.seed)
@@ -172,16 +175,22 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True,
     t0 = time.perf_counter()
     samples = list(tqdm(world.generate(cfg.images, cfg.seed, n_captions=6), total=cfg.images,
                         desc="rendering", unit="img", disable=not progress))
+    if cfg.tune and init_from is None:
+        raise ValueError("--tune continues a trained model: give --from")
     if init_from is None:
         tok = WordTokenizer(world.vocabulary())
         model = _train_joint(cfg, samples, tok, rng, progress)
+    elif cfg.tune:
+        model, tok = load_encoders(init_from, keep_cross_encoder=True)
+        model = _train_joint(cfg, samples, tok, rng, progress, start=model)
     else:
-        model, tok = load_encoders(init_from)
+        model, tok = load_encoders(init_from, keep_cross_encoder=cfg.ce_warm)
     joint_seconds = time.perf_counter() - t0
     if cfg.ce_steps > 0:
         train_cross_encoder(model, tok, samples, cfg.ce_steps, cfg.ce_batch, cfg.ce_lr,
                             cfg.ce_flip, cfg.ce_ranks, cfg.ground_weight, cfg.ground_layer,
-                            rng, progress, partial=cfg.partial)
+                            rng, progress, partial=cfg.partial,
+                            reset=not cfg.ce_warm)
     ce_seconds = time.perf_counter() - t0 - joint_seconds
     han = None
     if cfg.han_steps > 0:
@@ -192,6 +201,11 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True,
     save_model(model, tok, out)
     if han is not None:
         save_han(han, out)
+    elif (init_from is not None and not cfg.tune and (init_from / HAN_WEIGHTS).is_file()
+          and init_from != out):
+        # the HAN head reads the towers' features, which --from keeps bit for bit
+        for name in (HAN_WEIGHTS, HAN_CONFIG):
+            shutil.copyfile(init_from / name, out / name)
     runtime = BuiltinModel.load(out)
     val = list(world.generate(300, HELD_OUT_SEED_BASE - 1, n_captions=5))
     metrics = evaluate(runtime, [s.image for s in val], [s.captions for s in val], candidates=20)
@@ -203,7 +217,10 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True,
              partial)
     command = (f"duet train --out {out} --seed {cfg.seed} --images {cfg.images} "
                f"--steps {cfg.steps} --batch {cfg.batch} --ce-steps {cfg.ce_steps} "
-               f"--han-steps {cfg.han_steps}")
+               f"--han-steps {cfg.han_steps} --ce-lr {cfg.ce_lr}"
+               + (" --ce-warm" if cfg.ce_warm else "")
+               + (f" --tune --lr {cfg.lr} --warmup {cfg.warmup} --easy-steps {cfg.easy_steps}"
+                  f" --aux-weight {cfg.aux_weight}" if cfg.tune else ""))
     summary: dict[str, object] = {
         "command": command + (f" --from {init_from}" if init_from is not None else ""),
         "config": cfg.__dict__,
@@ -219,20 +236,22 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True,
     return summary
 
 
-def load_encoders(directory: Path) -> tuple[JointModel, WordTokenizer]:
+def load_encoders(directory: Path, keep_cross_encoder: bool = False,
+                  ) -> tuple[JointModel, WordTokenizer]:
     """A trained model's towers, shared transformer and projections, with a fresh cross-encoder
-    of this version's shape (the one in `directory` may have another)."""
+    of this version's shape (the one in `directory` may have another), or with `directory`'s
+    own cross-encoder when `keep_cross_encoder` (it must then have this version's shape)."""
     saved = json.loads((directory / "config.json").read_text())
     saved.pop("fusion_layers", None)
     model = JointModel(JointConfig(**saved))
     tok = WordTokenizer.load(directory / "vocab.json")
     state = {k: v for k, v in load_file(str(directory / WEIGHTS_FILE)).items()
-             if not k.startswith(CROSS_ENCODER)}
+             if keep_cross_encoder or not k.startswith(CROSS_ENCODER)}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # a tensor of another shape
         raise ValueError(f"{directory} is not a duet model of this shape: {exc}") from exc
-    left = [k for k in missing if not k.startswith(CROSS_ENCODER)]
+    left = [k for k in missing if keep_cross_encoder or not k.startswith(CROSS_ENCODER)]
     if left or unexpected:
         raise ValueError(f"{directory} is not a duet model of this shape: missing {left}, "
                          f"unexpected {unexpected}")
@@ -240,12 +259,13 @@ def load_encoders(directory: Path) -> tuple[JointModel, WordTokenizer]:
 
 
 def _train_joint(cfg: TrainConfig, samples: list[world.Sample], tok: WordTokenizer,
-                 rng: random.Random, progress: bool) -> JointModel:
-    """Stage 1: the joint model, both roles, end to end."""
+                 rng: random.Random, progress: bool, start: JointModel | None = None,
+                 ) -> JointModel:
+    """Stage 1: the joint model, both roles, end to end (from `start` when given)."""
     from tqdm import tqdm
 
     pix = pixel_bytes([s.image for s in samples], world.IMAGE_SIZE)  # uint8 in memory
-    model = JointModel(JointConfig(vocab_size=tok.vocab_size))
+    model = start if start is not None else JointModel(JointConfig(vocab_size=tok.vocab_size))
     head = PatchHead(model.cfg.d_model)
     ground = torch.nn.Linear(model.cfg.d_model, 2)  # training-only: noun -> its thing's centre
     targets = patch_targets([s.layout for s in samples], model.cfg.grid)

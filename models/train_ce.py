@@ -130,12 +130,14 @@ def twin_text(rng: random.Random, twin: world.Scene, full: str, scene: world.Sce
 def train_cross_encoder(model: JointModel, tok: WordTokenizer, samples: Sequence[world.Sample],
                         steps: int, batch: int, lr: float, flip: float, ranks: int,
                         ground_weight: float, ground_layer: int, rng: random.Random,
-                        progress: bool = True, partial: float = 0.0) -> None:
-    """Re-initialise and train `model`'s cross-encoder in place; everything else stays frozen."""
+                        progress: bool = True, partial: float = 0.0, reset: bool = True) -> None:
+    """Train `model`'s cross-encoder in place, re-initialised first unless `reset` is False;
+    everything else stays frozen."""
     from tqdm import tqdm
 
     batch = min(batch, len(samples))
-    model.reset_cross_encoder()
+    if reset:
+        model.reset_cross_encoder()
     model.eval()  # no dropout anywhere; frozen parts stay frozen
     ground = torch.nn.Linear(model.cfg.d_model, 2)  # training-only: noun -> its thing's centre
     trained = [p for n, p in model.named_parameters() if n.startswith(CROSS_ENCODER)]

@@ -35,6 +35,8 @@ class TrainConfig:
     ce_steps: int = 2_000
     ce_batch: int = 64
     ce_lr: float = 1e-3
+    ce_warm: bool = False  # stage 2 fine-tunes the cross-encoder it is given instead of afresh
+    tune: bool = False  # with --from: stage 1 continues from that model for `steps` steps
     ce_flip: float = 0.5  # share of the perturbed negatives that are relation flips
     # a hard negative's rank among the bi-encoder's training images, drawn log-uniformly below
     # this: the top 50 of a 1,000-2,000 image index is the top 500-1,000 of 20,000 training

@@ -391,7 +391,7 @@ def vocabulary() -> list[str]:
         for phrase in group:
             words.update(phrase.split())
     words.update(["a", "one", "there", "is", "are", "with", "picture", "of", "placed", "you",
-                  "can", "see", "it", "and", "some"])
+                  "can", "see", "it"])
     return sorted(words)
 
 
@@ -483,8 +483,8 @@ def _np(rng: random.Random, p: Part) -> str:
     shape = p.shape if p.count == 1 else p.shape + ("es" if p.shape == "cross" else "s")
     size = rng.choice(SIZE_WORDS[p.size]) if p.size else ""
     words = [w for w in (size, p.colour or "", shape) if w]
-    if p.count is None:
-        lead = rng.choice(("some", ""))
+    if p.count is None:  # a bare plural; "some" would be a word the shipped vocabulary lacks
+        lead = ""
     else:
         lead = rng.choice(COUNT_WORDS[p.count]) if p.count > 1 else rng.choice(("a", "a", "one"))
     return " ".join(([lead] if lead else []) + words)
@@ -502,8 +502,10 @@ def describe(rng: random.Random, d: Desc) -> str:
         return rng.choice((a, f"there {be} {a}", f"a picture of {a}", f"you can see {a}"))
     b = _np(rng, d.b)
     if d.relation is None:
-        return rng.choice((f"{a} and {b}", f"there {be} {a} and {b}", f"a picture of {a} and {b}",
-                           f"{a} with {b}"))
+        # "with" and no relation words: both are there (the grammar has no "and"; the parser
+        # reads one when a person types it)
+        return rng.choice((f"{a} with {b}", f"there {be} {a} with {b}",
+                           f"a picture of {a} with {b}"))
     r, inv = rng.choice(REL_WORDS[d.relation]), rng.choice(REL_WORDS[INVERSE[d.relation]])
     return rng.choice((f"{a} {r} {b}", f"{b} {inv} {a}", f"there {be} {a} {r} {b}",
                        f"{b} with {a} {REL_ITS[d.relation]}", f"a picture of {a} {r} {b}",

@@ -32,7 +32,7 @@ RED_PAIR = Scene("pair", Thing("circle", "red", "small", 2), Thing("diamond", "b
 @pytest.mark.parametrize(("query", "fits"), [
     ("a red circle", False),  # a singular noun is one thing; the scene has two
     ("red circles", True),
-    ("some small red circles", True),
+    ("some small red circles", True),  # "some" is not in the vocabulary; the parser reads it
     ("two red circles", True),
     ("three red circles", False),
     ("a blue diamond", True),
