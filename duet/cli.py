@@ -145,6 +145,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         TextTokens,
         TokenScorer,
         evaluate_index,
+        evaluate_partial,
         format_tables,
         han_scorer,
         late_scorer,
@@ -154,9 +155,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from models.builtin import ModelLoadError
     from models.device import DeviceError
     from models.loading import check_choices, load_models
-    from models.trainconfig import DEFAULT_WEIGHTS
+    from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE
+    from models.world import partial_queries
 
     _setup_logging("warning")
+    if args.partial < 0:
+        return _fail("--partial must be 0 (none) or more queries")
+    if args.partial and args.partial_seed < HELD_OUT_SEED_BASE:
+        return _fail(f"--partial-seed must be at least {HELD_OUT_SEED_BASE}: seeds below are "
+                     "training's")
     modes = [m.strip() for m in (args.modes or ",".join(EVAL_MODES)).split(",") if m.strip()]
     if unknown := set(modes) - set(EVAL_MODES):
         return _fail(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(EVAL_MODES)}")
@@ -206,6 +213,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             token_scorers=scorers,
             text_tokens=TextTokens.of(model.joint, pool.texts) if model.joint and scorers
             else None)
+        if args.partial:
+            say(f"{args.partial} partial queries (seed {args.partial_seed})")
+            result["partial"] = {"seed": args.partial_seed, **evaluate_partial(
+                pool, model, model if model.cross is not None else None,
+                partial_queries(args.partial, args.partial_seed), candidates=args.candidates,
+                modes=modes, token_scorers=scorers, token_encoder=model.joint)}
     except (IndexLoadError, ModelLoadError, EvalError, DeviceError) as exc:
         return _fail(str(exc))
     result["index_version"] = version
@@ -282,7 +295,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     _setup_logging()
     cfg = TrainConfig(seed=args.seed, images=args.images, steps=args.steps, batch=args.batch,
-                      ce_steps=args.ce_steps, han_steps=args.han_steps)
+                      ce_steps=args.ce_steps, han_steps=args.han_steps, ce_lr=args.ce_lr,
+                      ce_warm=args.ce_warm, tune=args.tune, lr=args.lr, warmup=args.warmup,
+                      easy_steps=args.easy_steps, aux_weight=args.aux_weight)
+    if args.tune and not args.init_from:
+        return _fail("--tune continues the model of --from DIR: give --from")
     init_from = Path(args.init_from) if args.init_from else None
     if init_from is not None and not (init_from / "config.json").is_file():
         return _fail(f"--from {init_from} is not a trained model directory (no config.json)")
@@ -310,7 +327,7 @@ def _model_options(p: argparse.ArgumentParser, verb: str) -> None:
 
 def parser() -> argparse.ArgumentParser:
     from models.late import DEFAULT_THETA
-    from models.trainconfig import DEFAULT_WEIGHTS, TrainConfig
+    from models.trainconfig import DEFAULT_WEIGHTS, PARTIAL_SEED, TrainConfig
 
     p = argparse.ArgumentParser(
         prog="duet", description="Image-text retrieval: encode a corpus into FAISS indexes, "
@@ -418,6 +435,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--fusion-sweep", action="store_true",
                    help="also ADD_lambda and NORM_ADD_lambda fusion, lambda = 0.1, 0.5, 0.9, and "
                    "ADD at the service default (DUET_RERANK_FUSION_LAMBDA's default)")
+    e.add_argument("--partial", type=int, default=0, metavar="N",
+                   help="also N partial text queries (\"a red circle\", \"two blue squares\"), "
+                   "judged by whether each hit's scene fits: P@1 and P@10 per mode and for the "
+                   "service default (needs scene meta: a duet demo-corpus index; default 0)")
+    e.add_argument("--partial-seed", type=int, default=PARTIAL_SEED,
+                   help=f"world seed the partial queries are drawn with, held out from training "
+                   f"(default {PARTIAL_SEED})")
     e.add_argument("--distractors", type=Path, default=None,
                    help="another index whose items join the pool (queries stay the same)")
     e.add_argument("--ce-full-queries", type=int, default=100,
@@ -468,7 +492,26 @@ def parser() -> argparse.ArgumentParser:
                    help="stage 2: cross-encoder steps on the frozen states (0 = keep stage 1's; "
                    "not with --from)")
     t.add_argument("--han-steps", type=int, default=defaults.han_steps,
-                   help="stage 3: HAN head steps (0 = no HAN head)")
+                   help="stage 3: HAN head steps (0 = no HAN head; with --from, DIR's head is "
+                   "kept)")
+    t.add_argument("--ce-lr", type=float, default=defaults.ce_lr,
+                   help=f"stage 2: peak learning rate (default {defaults.ce_lr})")
+    t.add_argument("--ce-warm", action="store_true",
+                   help="stage 2 fine-tunes the cross-encoder it is given (DIR's with --from, "
+                   "else stage 1's) instead of training one afresh")
+    t.add_argument("--tune", action="store_true",
+                   help="with --from: stage 1 continues from DIR's weights for --steps steps "
+                   "(encoders included) instead of keeping its encoders")
+    t.add_argument("--lr", type=float, default=defaults.lr,
+                   help=f"stage 1: peak learning rate (default {defaults.lr})")
+    t.add_argument("--warmup", type=int, default=defaults.warmup,
+                   help=f"stage 1: warm-up steps (default {defaults.warmup})")
+    t.add_argument("--aux-weight", type=float, default=defaults.aux_weight,
+                   help="stage 1: weight of the patch probe's loss on the image states (default "
+                   f"{defaults.aux_weight}; the probe starts untrained, also with --tune)")
+    t.add_argument("--easy-steps", type=int, default=defaults.easy_steps,
+                   help="stage 1: steps with random negatives only before the hard ones "
+                   f"(default {defaults.easy_steps})")
     t.add_argument("--from", dest="init_from", default=None, metavar="DIR",
                    help="skip stage 1: keep the towers and projections of the trained model in "
                    "DIR exactly (same vectors and token states) and train stages 2 and 3 on top")

@@ -6,13 +6,19 @@ import torch
 import torch.nn.functional as F
 
 
-def cmr_loss(sim: torch.Tensor, extra_text_negatives: torch.Tensor | None = None) -> torch.Tensor:
+def cmr_loss(sim: torch.Tensor, extra_text_negatives: torch.Tensor | None = None,
+             positives: torch.Tensor | None = None) -> torch.Tensor:
     """LightningDOT's CMR: in-batch cross-entropy over rows (text->image) and columns (image->text).
 
     `sim` is (B, B) text x image with the positives on the diagonal, already scaled by the
     temperature. `extra_text_negatives` (B, K), image x extra texts, widens the image->text side.
+    `positives` (B, B) bool, text i fits image j: off-diagonal pairs that also match (a partial
+    caption fits many images) are left out of both softmaxes rather than pushed apart.
     """
     target = torch.arange(sim.shape[0], device=sim.device)
+    if positives is not None:
+        also = positives & ~torch.eye(sim.shape[0], dtype=torch.bool, device=sim.device)
+        sim = sim.masked_fill(also, float("-inf"))
     t2i = F.cross_entropy(sim, target)
     i2t_logits = sim.t()
     if extra_text_negatives is not None:
@@ -87,12 +93,16 @@ def cmc_loss(images: torch.Tensor, texts: torch.Tensor, delta: float = 0.2,
 
 
 def cmc_loss_from_sim(s_ti: torch.Tensor, s_ii: torch.Tensor, s_tt: torch.Tensor,
-                      delta: float = 0.2, sigma: float = 0.3) -> torch.Tensor:
+                      delta: float = 0.2, sigma: float = 0.3,
+                      positives: torch.Tensor | None = None) -> torch.Tensor:
     """`cmc_loss` from score matrices: s_ti (B, B) text x image (any cross-modal score, e.g.
-    TGDT's S_gl), s_ii image x image and s_tt text x text."""
+    TGDT's S_gl), s_ii image x image and s_tt text x text. `positives` (B, B) text x image:
+    pairs that match besides the diagonal are never picked as the hardest negative."""
     s_it = s_ti.t()  # S(I_i, T_j)
     b = s_it.shape[0]
     eye = torch.eye(b, dtype=torch.bool, device=s_it.device)
+    if positives is not None:
+        eye = eye | positives.t()
     rows = torch.arange(b, device=s_it.device)
     neg_l = s_it.masked_fill(eye, float("-inf")).argmax(dim=1)  # hardest text per image
     neg_v = s_it.masked_fill(eye, float("-inf")).argmax(dim=0)  # hardest image per text

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from models.trainconfig import DEFAULT_WEIGHTS
 from models.world import caption_words
 
 PAD, UNK, CLS = "[PAD]", "[UNK]", "[CLS]"
@@ -24,6 +26,17 @@ def unique_texts(texts: Sequence[str]) -> tuple[list[str], list[int]]:
     row: dict[str, int] = {}
     rows = [row.setdefault(t, len(row)) for t in texts]
     return list(row), rows
+
+
+def unknown_words(query: str, vocab: WordTokenizer | None = None) -> list[str]:
+    """The words of `query` that `vocab` (default: the shipped weights' vocab.json) does not
+    know, each once, in order."""
+    return (vocab or _shipped_vocab()).unknown_words(query)
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_vocab() -> WordTokenizer:
+    return WordTokenizer.load(DEFAULT_WEIGHTS / "vocab.json")
 
 
 class WordTokenizer:
@@ -43,6 +56,15 @@ class WordTokenizer:
         unk = self.stoi[UNK]
         toks = [self.stoi[CLS], *(self.stoi.get(w, unk) for w in caption_words(text))]
         return toks[: self.max_len]
+
+    def unknown_words(self, text: str) -> list[str]:
+        """The words of `text` this vocabulary does not know (they are read as [UNK]), each
+        once, in order; the service reports them so a user sees which words were ignored."""
+        seen: dict[str, None] = {}
+        for w in caption_words(text):
+            if w not in self.stoi:
+                seen.setdefault(w, None)
+        return list(seen)
 
     def batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded ids (B, T) and a padding mask (True where padded)."""

@@ -3,10 +3,14 @@
 After stage 1 the towers and the shared transformer are final (so is every index built with
 them); this stage gives the re-ranker many more steps than the joint stage can afford, at a
 fraction of the cost, since only the fusion layers learn and every training image's states are
-computed once. Per caption the negatives are a random image, one of the `hard_k` training
-images the bi-encoder ranks highest for it (over the whole training set, the candidates the
-service will hand the re-ranker), its scene perturbed (rendered) and a caption of that perturbed
-scene. `flip` of the perturbations are relation flips, the mistake the bi-encoder makes most.
+computed once. Per caption (full or, with probability `partial`, partial) the negatives are a
+random image, a training image the bi-encoder ranks high for it, at a rank drawn log-uniformly
+below `ranks` (over the whole training set: the candidates the service will hand the re-ranker,
+from the hardest few to the easy-but-wrong ones deeper in its list), its scene perturbed
+(rendered) and a caption of that perturbed scene. `flip` of the perturbations are relation
+flips, the mistake the bi-encoder makes most. No negative fits the caption: a partial caption
+is only paired with a perturbed image that breaks something it says, and ranked images that
+fit it are skipped.
 
 Each shape noun's state after the first `ground_layer` fusion layers regresses the centre of the
 thing it names (grounding); the layers above are then free to compare those positions with the
@@ -86,15 +90,54 @@ def _states(model: JointModel, images: Sequence[Image.Image], batch: int = 500,
     return torch.cat(states), torch.cat(vecs)
 
 
+def ranked_negative(rng: random.Random, ranked: Sequence[int], desc: world.Desc,
+                    scenes: Sequence[world.Scene], tries: int = 10) -> int:
+    """One of `ranked` (training images, best first) that `desc` does not fit, at a rank drawn
+    log-uniformly (the hardest few as likely as each decade below them); -1 when `tries`
+    draws all fit."""
+    for _ in range(tries):
+        r = min(int(math.exp(rng.uniform(0.0, math.log(len(ranked) + 1)))) - 1, len(ranked) - 1)
+        if not world.satisfies(desc, scenes[ranked[r]]):
+            return ranked[r]
+    return -1
+
+
+def caption_beside_twin(rng: random.Random, sample: world.Sample, twin: world.Scene,
+                        partial: float, tries: int = 5) -> tuple[str, world.Desc]:
+    """A caption of `sample` that its perturbed twin does not fit: partial with probability
+    `partial` when one of `tries` partial descriptions names what the twin changed, else
+    full."""
+    if rng.random() < partial:
+        for _ in range(tries):
+            text, desc = world.partial_caption(rng, sample.scene)
+            if not world.satisfies(desc, twin):
+                return text, desc
+    return rng.choice(sample.captions), world.full_desc(sample.scene)
+
+
+def twin_text(rng: random.Random, twin: world.Scene, full: str, scene: world.Scene,
+              partial: float, tries: int = 5) -> str:
+    """A caption of the twin that `scene` does not fit (a text negative for `scene`'s image):
+    partial with probability `partial` when one of `tries` says what changed, else `full`."""
+    if rng.random() < partial:
+        for _ in range(tries):
+            text, desc = world.partial_caption(rng, twin)
+            if not world.satisfies(desc, scene):
+                return text
+    return full
+
+
 def train_cross_encoder(model: JointModel, tok: WordTokenizer, samples: Sequence[world.Sample],
-                        steps: int, batch: int, lr: float, flip: float, hard_k: int,
+                        steps: int, batch: int, lr: float, flip: float, ranks: int,
                         ground_weight: float, ground_layer: int, rng: random.Random,
-                        progress: bool = True) -> None:
-    """Re-initialise and train `model`'s cross-encoder in place; everything else stays frozen."""
+                        progress: bool = True, partial: float = 0.0, reset: bool = True) -> None:
+    """Train `model`'s cross-encoder in place, re-initialised first unless `reset` is False;
+    everything else stays frozen."""
     from tqdm import tqdm
 
     batch = min(batch, len(samples))
-    model.reset_cross_encoder()
+    if reset:
+        model.reset_cross_encoder()
     model.eval()  # no dropout anywhere; frozen parts stay frozen
     ground = torch.nn.Linear(model.cfg.d_model, 2)  # training-only: noun -> its thing's centre
     trained = [p for n, p in model.named_parameters() if n.startswith(CROSS_ENCODER)]
@@ -104,6 +147,7 @@ def train_cross_encoder(model: JointModel, tok: WordTokenizer, samples: Sequence
     twin_images = [world.render(rng, w) for w in tqdm(twins, desc="rendering twins", unit="img",
                                                       disable=not progress)]
     twin_captions = [world.captions(rng, w, 1)[0] for w in twins]
+    scenes = [s.scene for s in samples]
     states, vecs = _states(model, [s.image for s in samples])
     twin_states, _ = _states(model, twin_images)
     opt = torch.optim.AdamW([*trained, *ground.parameters()], lr=lr, weight_decay=0.01)
@@ -114,20 +158,29 @@ def train_cross_encoder(model: JointModel, tok: WordTokenizer, samples: Sequence
             warm = min(1.0, (step + 1) / 50)
             group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
         idx = torch.tensor(rng.sample(range(len(samples)), batch))
-        texts = [rng.choice(samples[i].captions) for i in idx.tolist()]
+        picked = idx.tolist()
+        said = [caption_beside_twin(rng, samples[i], twins[i], partial) for i in picked]
+        texts = [t for t, _d in said]
+        twin_texts = [twin_text(rng, twins[i], twin_captions[i], samples[i].scene, partial)
+                      for i in picked]
         with torch.no_grad():
-            ids, pad = tok.batch(texts + [twin_captions[i] for i in idx.tolist()])
+            ids, pad = tok.batch(texts + twin_texts)
             txt = model.text_tokens(ids, pad)
             sim = model.embed_texts(txt[:batch], pad[:batch]) @ vecs.t()
             sim[torch.arange(batch), idx] = float("-inf")
-            top = sim.topk(min(hard_k, len(samples) - 1), dim=1).indices
-            hard = top[torch.arange(batch), torch.randint(0, top.shape[1], (batch,))]
+            top = sim.topk(min(ranks, len(samples) - 1), dim=1).indices.tolist()
+        hard = [ranked_negative(rng, top[r], d, scenes) for r, (_t, d) in enumerate(said)]
+        shift = torch.roll(idx, 1)
+        keep_shift = torch.tensor([not world.satisfies(d, samples[j].scene)
+                                   for (_t, d), j in zip(said, shift.tolist(), strict=True)])
+        keep_hard = torch.tensor([h >= 0 for h in hard])
         rows = torch.arange(batch)
-        t_idx = torch.cat([rows, rows, rows, rows, rows + batch])
-        img = torch.cat([states[idx], states[torch.roll(idx, 1)], states[hard], twin_states[idx],
-                         states[idx]]).float()
-        where = grounding_targets(texts, [samples[i].scene for i in idx.tolist()],
-                                  [samples[i].layout for i in idx.tolist()])
+        t_idx = torch.cat([rows, rows[keep_shift], rows[keep_hard], rows, rows + batch])
+        hard_idx = torch.tensor(hard)[keep_hard]
+        img = torch.cat([states[idx], states[shift[keep_shift]], states[hard_idx],
+                         twin_states[idx], states[idx]]).float()
+        where = grounding_targets(texts, [samples[i].scene for i in picked],
+                                  [samples[i].layout for i in picked])
         loss, g = bce_and_grounding(model, txt[t_idx], pad[t_idx], img, batch, ground, where,
                                     ground_weight, ground_layer)
         if g is not None:

@@ -9,6 +9,8 @@ DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights"
 
 # World seeds at or above this are never used for training; tests draw their splits there.
 HELD_OUT_SEED_BASE = 1_000_000
+# `duet eval --partial`'s queries are drawn with this world seed, apart from the test splits'
+PARTIAL_SEED = HELD_OUT_SEED_BASE + 13_000
 
 
 @dataclass(frozen=True)
@@ -27,13 +29,20 @@ class TrainConfig:
     ground_layer: int = 2  # ... after this many fusion layers (the rest compare positions)
     late_weight: float = 0.5  # TGDT: CMC on S_gl = (S_g + S_l) / 2 in bi-encoder steps
     aux_weight: float = 0.5  # patch supervision (what is centred where) on the image tokens
+    partial: float = 0.5  # share of training captions that leave things out (world.partial_desc)
     easy_steps: int = 300  # cross-encoder sees random in-batch negatives first, hardest after
     # second stage: the cross-encoder afresh on the frozen states (models.train_ce)
     ce_steps: int = 2_000
     ce_batch: int = 64
     ce_lr: float = 1e-3
+    ce_warm: bool = False  # stage 2 fine-tunes the cross-encoder it is given instead of afresh
+    tune: bool = False  # with --from: stage 1 continues from that model for `steps` steps
     ce_flip: float = 0.5  # share of the perturbed negatives that are relation flips
-    ce_hard_k: int = 8  # a hard negative is one of the bi-encoder's top-k training images
+    # a hard negative's rank among the bi-encoder's training images, drawn log-uniformly below
+    # this: the top 50 of a 1,000-2,000 image index is the top 500-1,000 of 20,000 training
+    # images, and a cross-encoder that only ever saw the top 8 ranked the easy-but-wrong
+    # candidates deeper in the list above the right one (coop R@1 fell from M = 10 to M = 50)
+    ce_ranks: int = 1_000
     # third stage: the HAN head over the frozen towers (soft-max triplet, exponent p)
     han_steps: int = 400
     han_batch: int = 32

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,22 @@ def test_from_keeps_the_encoders_and_retrains_the_cross_encoder(
     old, new = BuiltinModel.load(src), BuiltinModel.load(out)
     imgs = [s.image for s in world.generate(3, 1_000_123)]
     assert (old.encode_images(imgs)[1] == new.encode_images(imgs)[1]).all()
+
+
+def test_ce_warm_fine_tunes_the_source_cross_encoder_and_keeps_its_han(
+        scratch: tuple[Path, dict[str, object]], tmp_path: Path) -> None:
+    src, _ = scratch
+    still = replace(TINY, ce_lr=1e-12, han_steps=0)  # a step this small leaves the start visible
+    warm = train(replace(still, ce_warm=True), tmp_path / "warm", progress=False, init_from=src)
+    train(still, tmp_path / "cold", progress=False, init_from=src)
+    before, w, c = _weights(src), _weights(tmp_path / "warm"), _weights(tmp_path / "cold")
+    ce = [k for k in before if k.startswith(CROSS_ENCODER)]
+    assert all(torch.allclose(before[k], w[k], atol=1e-6) for k in ce)
+    assert not all(torch.allclose(before[k], c[k], atol=1e-6) for k in ce)  # afresh: reset
+    assert "--ce-warm" in str(warm["command"])
+    for d in ("warm", "cold"):  # HAN reads the kept towers' features: the source's head stays
+        assert (tmp_path / d / "han.safetensors").read_bytes() == (
+            src / "han.safetensors").read_bytes()
 
 
 def test_load_encoders_takes_an_older_cross_encoder_shape(tmp_path: Path) -> None:
