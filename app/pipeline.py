@@ -179,6 +179,11 @@ class SearchPipeline:
         await asyncio.to_thread(self.engine.stop)
         await self.cache.close()
 
+    def _unknown(self, text: str | None) -> list[str]:
+        """The query's words outside the model's vocabulary (none for an image query)."""
+        words = getattr(self.model, "unknown_words", None)
+        return list(words(text)) if text is not None and callable(words) else []
+
     def _warm_up(self) -> None:
         index = self.index
         try:
@@ -249,14 +254,15 @@ class SearchPipeline:
             body = json.loads(raw)
             return SearchResponse(hits=body["hits"], timings_ms=timings,
                                   index_version=body["index_version"], cached=True,
-                                  degraded=False, reranked=body.get("reranked"))
+                                  degraded=False, reranked=body.get("reranked"),
+                                  unknown_words=body.get("unknown_words", []))
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring an unreadable cache entry %s", key)
             return None
 
     async def _store(self, key: str, resp: SearchResponse) -> None:
         body = {"hits": [h.model_dump() for h in resp.hits], "index_version": resp.index_version,
-                "reranked": resp.reranked}
+                "reranked": resp.reranked, "unknown_words": resp.unknown_words}
         await self.cache.set(key, json.dumps(body))
 
     def _top(self, vec: np.ndarray, index: Any, m: int) -> _Candidates:
@@ -327,7 +333,8 @@ class SearchPipeline:
                     zip(answer.ranked, answer.meta, strict=True))]
         timings["total"] = round((time.perf_counter() - t0) * 1000, 3)
         resp = SearchResponse(hits=hits, timings_ms=timings, index_version=index.version,
-                              cached=False, degraded=answer.degraded, reranked=answer.reranked)
+                              cached=False, degraded=answer.degraded, reranked=answer.reranked,
+                              unknown_words=self._unknown(text))
         if not answer.degraded:  # a later request with time to spare gets the full answer
             await self._store(key, resp)
         return resp

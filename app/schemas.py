@@ -127,3 +127,6 @@ class SearchResponse(BaseModel):
                            "every candidate: `reranked` says how many were re-ranked")
     reranked: int | None = Field(
         None, description="candidates re-ranked; null when the request does not re-rank")
+    unknown_words: list[str] = Field(
+        default_factory=list, description="query words the model's vocabulary does not know "
+                                          "(it reads them as unknown); empty for image queries")

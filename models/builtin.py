@@ -95,6 +95,10 @@ class BuiltinModel:
         prec = precision or ("fp16" if dev.type == "cuda" else "fp32")
         return cls(model, tok, f"{NAME}:{digest}", dev, prec)
 
+    def unknown_words(self, text: str) -> list[str]:
+        """The words of `text` outside the vocabulary (each read as [UNK])."""
+        return self.tokenizer.unknown_words(text)
+
     # -- bi-encoder -----------------------------------------------------------
     @torch.inference_mode()
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:

@@ -116,6 +116,12 @@ class Models:
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         return self.encoder.encode_texts(texts)
 
+    def unknown_words(self, text: str) -> list[str]:
+        """The query's words the encoder's vocabulary lacks (read as [UNK]); a Hugging Face
+        encoder's sub-word tokenizer knows every word, so [] there."""
+        words = getattr(self.encoder, "unknown_words", None)
+        return list(words(text)) if callable(words) else []
+
     def encode_images(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
         """(encoder vectors (n, dim) float32, the re-ranker's image tokens float16)."""
         if self.joint is not None:

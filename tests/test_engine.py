@@ -198,10 +198,16 @@ async def test_full_answers_say_how_many_were_re_ranked(index_dir: Path) -> None
                                                            "rerank": False})).json()
             cached = (await client.post("/search/text", json={"query": "a blue square",
                                                               "candidates": 20})).json()
+            odd = [(await client.post("/search/text", json={"query": "a red dog on a beach"})
+                    ).json() for _ in range(2)]
     assert (full["degraded"], full["reranked"]) == (False, 20)
     assert (dot["degraded"], dot["reranked"]) == (False, None)
     assert cached["cached"] and cached["reranked"] == 20
     assert set(full["timings_ms"]) >= {"queue", "encode", "search", "rerank", "lookup", "total"}
+    assert full["unknown_words"] == []
+    # words the model never saw are named, the first time and from the cache alike
+    assert [o["cached"] for o in odd] == [False, True]
+    assert all(o["unknown_words"] == ["dog", "beach"] for o in odd), odd
 
 
 @pytest.mark.slow
