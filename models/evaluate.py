@@ -60,12 +60,7 @@ def evaluate(model: BuiltinModel, images: Sequence[Image.Image],
     """
     texts = [c for caps in captions for c in caps]
     owner = np.array([i for i, caps in enumerate(captions) for _ in caps])
-    img_vecs, img_toks = [], []
-    for s in range(0, len(images), batch):
-        v, t = model.encode_images(images[s : s + batch])
-        img_vecs.append(v)
-        img_toks.append(t)
-    iv, itok = np.concatenate(img_vecs), np.concatenate(img_toks)
+    iv, itok = encode_images(model, images, batch)
     tv = np.concatenate([model.encode_texts(texts[s : s + batch])
                          for s in range(0, len(texts), batch)])
     sim = tv @ iv.T  # (texts, images)
@@ -100,18 +95,24 @@ def evaluate(model: BuiltinModel, images: Sequence[Image.Image],
     }
 
 
+def encode_images(model: BuiltinModel, images: Sequence[Image.Image],
+                  batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """(vectors, image states) of `images`, encoded `batch` at a time."""
+    vecs, toks = [], []
+    for s in range(0, len(images), batch):
+        v, t = model.encode_images(images[s : s + batch])
+        vecs.append(v)
+        toks.append(t)
+    return np.concatenate(vecs), np.concatenate(toks)
+
+
 def partial_precision(model: BuiltinModel, images: Sequence[Image.Image],
                       scenes: Sequence[world.Scene], queries: Sequence[tuple[str, world.Desc]],
                       candidates: int = 50, lambdas: Sequence[float] = (DEFAULT_FUSION_LAMBDA,),
                       batch: int = 256) -> dict[str, dict[str, float]]:
     """P@1 / P@10 (`precision`) of partial text queries over `images` (whose scenes are
     `scenes`): dot, the cross-encoder alone over the top `candidates`, and ADD_λ per λ."""
-    vecs, toks = [], []
-    for s in range(0, len(images), batch):
-        v, t = model.encode_images(images[s : s + batch])
-        vecs.append(v)
-        toks.append(t)
-    iv, itok = np.concatenate(vecs), np.concatenate(toks)
+    iv, itok = encode_images(model, images, batch)
     texts = [t for t, _d in queries]
     fit = fit_matrix([d for _t, d in queries], scenes)
     sim = model.encode_texts(texts) @ iv.T
