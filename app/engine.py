@@ -207,7 +207,8 @@ class Engine(Generic[P, R]):
         self._threads.clear()
 
     # -- worker side -----------------------------------------------------------------
-    def _take(self) -> list[Ticket[P, R]] | None:
+    def _take(self) -> tuple[list[Ticket[P, R]], float] | None:
+        """The waiting tickets (up to max_batch) and their estimated cost, once any wait."""
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait()
@@ -222,13 +223,13 @@ class Engine(Generic[P, R]):
                 self._queued_cost = 0.0  # no float drift accumulates
             cost = sum(t.cost_s for t in batch)
             self._running_cost += cost
-        return batch
+        return batch, cost
 
     def _work(self) -> None:
         if self._init_worker is not None:
             self._init_worker()
-        while (batch := self._take()) is not None:
-            cost = sum(t.cost_s for t in batch)
+        while (taken := self._take()) is not None:
+            batch, cost = taken
             try:
                 self._run(batch)
             finally:

@@ -67,6 +67,12 @@ class _Candidates:
     rows: np.ndarray  # FAISS rows, best first
     dots: np.ndarray  # their dot products
 
+    @classmethod
+    def of(cls, dots: np.ndarray, rows: np.ndarray) -> _Candidates:
+        """One query's FAISS result row, without the -1 padding past the index's end."""
+        keep = rows >= 0
+        return cls(rows[keep], dots[keep])
+
 
 @dataclass
 class Query:
@@ -268,8 +274,7 @@ class SearchPipeline:
     def _top(self, vec: np.ndarray, index: Any, m: int) -> _Candidates:
         # nprobe / efSearch go with this call only: the index is shared by every request
         dots, rows = ann.search(index, vec, m, self.search_knobs)
-        keep = rows[0] >= 0
-        return _Candidates(rows[0][keep], dots[0][keep])
+        return _Candidates.of(dots[0], rows[0])
 
     @staticmethod
     def _order(cand: _Candidates, scores: np.ndarray | None, plan: RerankPlan,
@@ -403,9 +408,8 @@ class SearchPipeline:
             dots, rows = ann.search(index, np.stack([vecs[i] for i in members]), m,
                                     self.search_knobs)
             for j, i in enumerate(members):
-                keep = rows[j][: work[i].query.m] >= 0
-                work[i].cand = _Candidates(rows[j][: work[i].query.m][keep],
-                                           dots[j][: work[i].query.m][keep])
+                m_i = work[i].query.m
+                work[i].cand = _Candidates.of(dots[j][:m_i], rows[j][:m_i])
 
     def _affordable(self, chunk: list[_Work]) -> float:
         """The share (0..1) of the chunk's candidates that can be re-ranked before the
@@ -506,16 +510,15 @@ class SearchPipeline:
     def _ranked(self, w: _Work, scores: np.ndarray | None) -> Answer:
         q = w.query
         ranked = self._order(w.cand, scores, q.plan, q.top_k)
-        t0 = time.monotonic()
-        if q.kind == "text":
-            rows = q.index.store.images([r for r, _, _, _ in ranked])
-            meta = [(r.id, {**r.meta, "image": r.path}) for r in rows]
-        else:
-            assert w.texts is not None
-            by_row = dict(zip(w.cand.rows.tolist(), w.texts, strict=True))
-            meta = [(by_row[r].id, {**by_row[r].meta, "text": by_row[r].text,
-                                    "image_id": by_row[r].image_id}) for r, _, _, _ in ranked]
-        w.timings["lookup"] = round(w.timings.get("lookup", 0.0) + _ms(time.monotonic() - t0), 3)
+        with _clock([w], "lookup"):
+            if q.kind == "text":
+                rows = q.index.store.images([r for r, _, _, _ in ranked])
+                meta = [(r.id, {**r.meta, "image": r.path}) for r in rows]
+            else:
+                assert w.texts is not None
+                by_row = dict(zip(w.cand.rows.tolist(), w.texts, strict=True))
+                meta = [(by_row[r].id, {**by_row[r].meta, "text": by_row[r].text,
+                                        "image_id": by_row[r].image_id}) for r, _, _, _ in ranked]
         used = None if scores is None else len(scores)
         return Answer(ranked, meta, w.timings, used,
                       degraded=used is not None and used < len(w.cand.rows))
