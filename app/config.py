@@ -45,6 +45,24 @@ class Settings(BaseSettings):
 
     max_image_bytes: int = Field(10 * 1024 * 1024, ge=1)
     max_image_pixels: int = Field(25_000_000, ge=1)
+    max_body_bytes: int = Field(
+        64 * 1024, ge=1024, description="request body limit for every route but "
+        "/search/image (whose limit follows DUET_MAX_IMAGE_BYTES), counted while it streams in")
+    decode_pixels_in_flight: int = Field(
+        50_000_000, ge=1, description="pixels of uploaded images decoded at once, across "
+        "requests (bounds decoding memory; at least DUET_MAX_IMAGE_PIXELS)")
+
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="a connection's request headers must arrive within this (408)")
+    http_body_timeout_s: float = Field(
+        30.0, gt=0, description="a request's body must arrive within this after its headers")
+    http_max_header_bytes: int = Field(
+        16 * 1024, ge=1024, description="request line plus headers, at most (431)")
+    http_keep_alive_s: float = Field(5.0, gt=0, description="idle keep-alive connections close")
+    http_max_inflight: int = Field(
+        512, ge=1, description="requests in flight before new ones get 429 ahead of any "
+        "parsing (health, readiness and metrics exempt)")
+    http_backlog: int = Field(2048, ge=1, description="the listening socket's accept backlog")
 
     rerank_fusion_lambda: float = Field(
         DEFAULT_FUSION_LAMBDA, ge=0.0, le=1.0,

@@ -17,6 +17,8 @@ from app.cache import CacheBackend, LRUCache, RedisCache, ResilientCache
 from app.config import Settings
 from app.engine import available_cores
 from app.errors import install_handlers
+from app.imaging import ImageDecoder
+from app.limits import BodyLimit
 from app.metrics import Metrics
 from app.pipeline import SearchPipeline
 from app.reload import IndexReloader
@@ -96,10 +98,15 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
                 with contextlib.suppress(asyncio.CancelledError):
                     await poller
             await pipeline.stop()
+            app.state.decoder.close()
 
     app = FastAPI(title="duet", version="0.1.0", lifespan=lifespan,
                   summary="Image-text retrieval: dot-product top-M, cross-encoder re-rank")
     app.state.settings = settings
+    app.state.decoder = ImageDecoder(settings.max_image_bytes, settings.max_image_pixels,
+                                     settings.decode_pixels_in_flight)
+    # base64 and multipart framing add about a third to an image
+    image_limit = settings.max_image_bytes * 4 // 3 + 65536
     app.state.metrics = metrics
     app.state.pipeline = None
     app.state.reloader = None
@@ -108,6 +115,8 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
     app.include_router(health.router)
     app.include_router(admin.router)
 
+    app.add_middleware(BodyLimit, limit_for=lambda path: image_limit if path ==
+                       "/search/image" else settings.max_body_bytes)
     app.add_middleware(_ObserveRequests, metrics=metrics)
     return app
 

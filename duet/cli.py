@@ -45,6 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from app.config import Settings
+    from app.limits import uvicorn_options
     from app.main import create_app, load_resources
     from duet.indexio import IndexLoadError
     from models.builtin import ModelLoadError
@@ -67,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("serving on http://%s:%d (index %s, model on %s)", settings.host, settings.port,
              resources.index.version, getattr(resources.model, "device", "cpu"))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False)
+                access_log=False, **uvicorn_options(settings))
     return 0
 
 

@@ -44,3 +44,20 @@ def test_pillow_bomb_guard_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000)
     with pytest.raises(ImageTooLarge, match="decompression bomb"):
         decode_image(_png((100, 100)), max_bytes=100_000, max_pixels=10**9)
+
+
+def test_exif_orientation_is_applied() -> None:
+    """A phone photo stored sideways with Orientation = 6 (rotate 90° clockwise) is decoded
+    upright, as every viewer shows it."""
+    img = Image.new("RGB", (40, 20), (255, 0, 0))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", exif=exif)
+    assert decode_image(buf.getvalue(), max_bytes=100_000, max_pixels=10_000).size == (20, 40)
+
+
+def test_large_images_are_kept_reduced() -> None:
+    """A 4,096 x 2,048 upload waits for the model as 1,024 x 512 (an integer box reduction)."""
+    img = decode_image(_png((4096, 2048)), max_bytes=10**7, max_pixels=10**8)
+    assert img.size == (1024, 512) and img.mode == "RGB"

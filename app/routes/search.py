@@ -17,13 +17,11 @@ from starlette.datastructures import UploadFile
 from app.deps import PipelineDep, SettingsDep
 from app.errors import (
     ClientGone,
-    ImageTooLarge,
     InvalidImage,
     UnsupportedMediaType,
     ValidationFailed,
     describe_errors,
 )
-from app.imaging import decode_image
 from app.schemas import (
     FUSIONS,
     RERANKERS,
@@ -106,12 +104,7 @@ def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOption
 async def search_image(request: Request, pipeline: PipelineDep,
                        settings: SettingsDep) -> JSONResponse:
     """An image finds captions: multipart field `image`, or JSON `image_b64`; same options."""
-    max_bytes = settings.max_image_bytes
-    declared = request.headers.get("content-length")
-    # base64 and multipart framing add about a third; anything far beyond is refused unread
-    if declared and declared.isdigit() and int(declared) > max_bytes * 4 // 3 + 65536:
-        raise ImageTooLarge(f"request body is {declared} bytes; images are limited to "
-                            f"{max_bytes} bytes (DUET_MAX_IMAGE_BYTES)")
+    max_bytes = settings.max_image_bytes  # the body itself is bounded by app.limits.BodyLimit
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("multipart/form-data"):
         form = await request.form(max_files=1, max_fields=16)
@@ -141,7 +134,6 @@ async def search_image(request: Request, pipeline: PipelineDep,
         raise UnsupportedMediaType(
             f"content-type {ctype or '(none)'} is not accepted; send multipart/form-data with "
             'a file field "image", or application/json with "image_b64"')
-    # decoding a large upload takes a while: keep it off the event loop too
-    image = await asyncio.to_thread(decode_image, data, max_bytes, settings.max_image_pixels)
+    image = await request.app.state.decoder.decode(data)
     return _json(await _unless_gone(request, pipeline.search_image(data, image, opts)))
 

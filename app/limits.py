@@ -1,0 +1,210 @@
+"""Limits that hold before the application sees a request: bodies counted while they stream
+in, and an HTTP protocol that closes slow or oversized clients.
+
+uvicorn on its own waits forever for a client's headers and body and accepts headers of any
+size; a 300 MB chunked body was buffered before any handler could refuse it. Here:
+- `BodyLimit` (ASGI middleware) counts the body as it arrives, chunked or not, and answers
+  413 the moment a route's limit is passed: nothing beyond the limit is read, buffered or
+  spooled to disk. A declared Content-Length above the limit is refused unread.
+- `guarded_protocol` makes uvicorn's httptools protocol close a connection whose request
+  headers are not complete within `header_timeout_s` (408), whose body has not arrived within
+  `body_timeout_s`, or whose request line and headers pass `max_header_bytes` (431).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app.errors import error_body
+
+# answered even when the in-flight cap is reached: probes and scrapes must see a busy server
+_ALWAYS = (b"/healthz", b"/readyz", b"/metrics")
+
+
+class _TooLarge(Exception):
+    """Raised into the application's body read once the limit is passed."""
+
+
+def _json_response(status: int, code: str, message: str) -> tuple[Message, Message]:
+    body = json.dumps(error_body(code, message)).encode()
+    start: Message = {"type": "http.response.start", "status": status,
+                      "headers": [(b"content-type", b"application/json"),
+                                  (b"content-length", str(len(body)).encode()),
+                                  (b"connection", b"close")]}
+    return start, {"type": "http.response.body", "body": body}
+
+
+class BodyLimit:
+    """413 for a body over `limit_for(path)` bytes, counted while it streams in."""
+
+    def __init__(self, app: ASGIApp, limit_for: Callable[[str], int]) -> None:
+        self.app = app
+        self.limit_for = limit_for
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit_for(scope["path"])
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        message = (f"request body is larger than {limit} bytes, the limit for {scope['path']}"
+                   " (images: DUET_MAX_IMAGE_BYTES; other routes: DUET_MAX_BODY_BYTES)")
+        if declared.isdigit() and int(declared) > limit:
+            for m in _json_response(413, "payload_too_large", message):
+                await send(m)
+            return
+        seen = 0
+        over = False
+        started = False
+
+        async def counted() -> Message:
+            nonlocal seen, over
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    over = True
+                    raise _TooLarge
+            return msg
+
+        async def guarded_send(msg: Message) -> None:
+            nonlocal started
+            if over:  # whatever the app made of the interrupted read, the caller gets a 413
+                return
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, counted, guarded_send)
+        except _TooLarge:
+            pass
+        except Exception:
+            if not over:
+                raise
+        if over and not started:
+            for m in _json_response(413, "payload_too_large", message):
+                await send(m)
+
+
+async def _busy(scope: Scope, receive: Receive, send: Send) -> None:
+    """What a request past the in-flight cap gets, before any routing or body parsing."""
+    start, body = _json_response(429, "overloaded", "too many requests in flight; retry later "
+                                 "(DUET_HTTP_MAX_INFLIGHT)")
+    start["headers"].append((b"retry-after", b"1"))
+    await send(start)
+    await send(body)
+
+
+def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_header_bytes: int,
+                     max_inflight: int) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with a header deadline, a body deadline, a header cap and
+    a cap on requests in flight (429 before the app; health, readiness and metrics exempt)."""
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        _timer: asyncio.TimerHandle | None = None
+        _header_bytes = 0
+
+        def _arm(self, seconds: float, why: str) -> None:
+            self._disarm()
+            self._timer = self.loop.call_later(seconds, self._expire, why)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _expire(self, why: str) -> None:
+            self._timer = None
+            if self.transport.is_closing():
+                return
+            self.logger.info("closing a slow client %s (%s not received in time)",
+                             self.client, why)
+            if why == "headers":
+                self._refuse(408, "request_timeout",
+                             f"request headers not received within {header_timeout_s:g} s "
+                             "(DUET_HTTP_HEADER_TIMEOUT_S)")
+            else:
+                self.transport.close()  # the app's receive() then sees http.disconnect
+
+        def _refuse(self, status: int, code: str, message: str) -> None:
+            body = json.dumps(error_body(code, message)).encode()
+            reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+            self.transport.write(
+                b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n" % (status, reason, len(body)) + body)
+            self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm(header_timeout_s, "headers")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if not self.transport.is_closing():  # refused: the rest is not parsed
+                super().data_received(data)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._header_bytes = 0
+            if self._timer is None:  # a keep-alive connection's next request
+                self._arm(header_timeout_s, "headers")
+
+        def _count(self, n: int) -> None:
+            self._header_bytes += n
+            if self._header_bytes > max_header_bytes and not self.transport.is_closing():
+                self._disarm()
+                self._refuse(431, "headers_too_large",
+                             f"request line and headers exceed {max_header_bytes} bytes "
+                             "(DUET_HTTP_MAX_HEADER_BYTES)")
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            if self.transport.is_closing():
+                return
+            self._arm(body_timeout_s, "body")
+            if len(self.tasks) >= max_inflight and not self.url.startswith(_ALWAYS):
+                app, self.app = self.app, _busy
+                try:
+                    super().on_headers_complete()
+                finally:
+                    self.app = app
+            else:
+                super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if not self.transport.is_closing():
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            if not self.transport.is_closing():
+                super().on_message_complete()
+
+    return GuardedHttpToolsProtocol
+
+
+def uvicorn_options(settings: Any) -> dict[str, Any]:
+    """The uvicorn.run keywords that carry duet's HTTP limits."""
+    return {
+        "http": guarded_protocol(settings.http_header_timeout_s, settings.http_body_timeout_s,
+                                 settings.http_max_header_bytes, settings.http_max_inflight),
+        "timeout_keep_alive": settings.http_keep_alive_s,
+        "backlog": settings.http_backlog,
+    }
