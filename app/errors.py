@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("duet.app")
@@ -102,6 +103,14 @@ class DeadlineExceeded(DuetError):
     code = "deadline_exceeded"
 
 
+class PayloadTooLarge(DuetError):
+    """A request body over its route's limit (app.limits.BodyLimit answers before routing;
+    the class is here so the error table and the OpenAPI document name it)."""
+
+    status = 413
+    code = "payload_too_large"
+
+
 def error_body(code: str, message: str, **extra: object) -> dict[str, object]:
     return {"error": {"code": code, "message": message, **extra}}
 
@@ -114,6 +123,40 @@ def describe_errors(errors: Sequence[Mapping[str, object]]) -> str:
         msg = str(e.get("msg")).removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx answer: {"error": {"code", "message", ...}}."""
+
+    error: ErrorBody
+
+
+_WHY = {
+    400: "the upload is not a readable image",
+    401: "missing or wrong admin token",
+    403: "the admin endpoint is disabled (no DUET_ADMIN_TOKEN)",
+    408: "request headers not received in time (DUET_HTTP_HEADER_TIMEOUT_S)",
+    409: "the index version was refused; the old one keeps serving",
+    413: "body or image over its limit (DUET_MAX_BODY_BYTES, DUET_MAX_IMAGE_BYTES, "
+         "DUET_MAX_IMAGE_PIXELS)",
+    415: "content-type other than multipart/form-data or application/json",
+    422: "the body or its options are invalid, or the query has no readable words",
+    429: "overloaded: retry after Retry-After seconds",
+    431: "request headers too large (DUET_HTTP_MAX_HEADER_BYTES)",
+    499: "the client closed the connection first (nobody reads it)",
+    503: "not ready yet, shutting down, or the deadline passed while queued (Retry-After)",
+}
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` for a route: each status it can answer besides 200, with the error body's
+    schema (the OpenAPI document then lists every real status code)."""
+    return {s: {"model": ErrorResponse, "description": _WHY[s]} for s in statuses}
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -132,6 +175,10 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's word for a body that is not UTF-8: the same 422 as malformed JSON
+            return JSONResponse(error_body("validation_error", "body is not valid JSON (it "
+                                           "must be UTF-8 encoded)"), status_code=422)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))

@@ -21,7 +21,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.errors import error_body
+from app.errors import PayloadTooLarge, error_body
 
 # answered even when the in-flight cap is reached: probes and scrapes must see a busy server
 _ALWAYS = (b"/healthz", b"/readyz", b"/metrics")
@@ -56,7 +56,7 @@ class BodyLimit:
         message = (f"request body is larger than {limit} bytes, the limit for {scope['path']}"
                    " (images: DUET_MAX_IMAGE_BYTES; other routes: DUET_MAX_BODY_BYTES)")
         if declared.isdigit() and int(declared) > limit:
-            for m in _json_response(413, "payload_too_large", message):
+            for m in _json_response(PayloadTooLarge.status, PayloadTooLarge.code, message):
                 await send(m)
             return
         seen = 0
@@ -89,7 +89,7 @@ class BodyLimit:
             if not over:
                 raise
         if over and not started:
-            for m in _json_response(413, "payload_too_large", message):
+            for m in _json_response(PayloadTooLarge.status, PayloadTooLarge.code, message):
                 await send(m)
 
 

@@ -21,7 +21,7 @@ from app.imaging import ImageDecoder
 from app.limits import BodyLimit
 from app.metrics import Metrics
 from app.pipeline import SearchPipeline
-from app.reload import IndexReloader
+from app.reload import IndexReloader, load_checked
 from app.routes import admin, health, search
 from duet.indexio import IndexVersion, resolve_current
 from models.loading import load_models
@@ -42,9 +42,7 @@ def load_resources(settings: Settings) -> Resources:
     """Load the models (DUET_ENCODER, DUET_RERANKER), then the current index; refuse an index
     built by other models."""
     model = load_models(settings.encoder, settings.reranker, settings.model_dir, settings.device)
-    index = IndexVersion.open(resolve_current(settings.index_dir),
-                              expect_fingerprint=model.fingerprint,
-                              device=str(getattr(model, "device", "cpu")))
+    index = load_checked(resolve_current(settings.index_dir), model)
     log.info("loaded model %s (re-rankers %s, default %s) and index %s (%d images, %d texts)",
              model.fingerprint, ", ".join(model.menu.available), model.menu.default,
              index.version, index.image_index.ntotal, index.text_index.ntotal)

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import time
+import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,7 +40,6 @@ from models.han import HANReranker
 from models.late import DEFAULT_THETA, text_image_late_scores
 from models.loading import reranker_menu
 from models.protocols import JointEncoder, TokenEncoder
-from models.tokenizer import normalise
 
 log = logging.getLogger("duet.pipeline")
 
@@ -190,6 +190,19 @@ class SearchPipeline:
         words = getattr(self.model, "unknown_words", None)
         return list(words(text)) if text is not None and callable(words) else []
 
+    def _identity(self, text: str) -> str:
+        """The cache's key for a text query: what the model reads of it (the builtin word
+        tokenizer: `normalise(text)`), else the text exactly; 422 when nothing is readable."""
+        identity = getattr(self.model, "query_identity", None)
+        key = identity(text) if callable(identity) else text
+        if not any(ch.isalnum() or unicodedata.category(ch).startswith(("S", "P"))
+                   for ch in key):
+            raise ValidationFailed(
+                "query: has no words the model can read (only spaces, control or invisible "
+                "characters" + (", or characters outside a-z and 0-9 for the builtin model"
+                               if key != text else "") + ")")
+        return key
+
     def _warm_up(self) -> None:
         index = self.index
         try:
@@ -304,7 +317,7 @@ class SearchPipeline:
     async def search_text(self, query: str, opts: SearchOptions) -> SearchResponse:
         """A sentence finds images."""
         with self.indexes.lease() as index:  # one version for the whole request
-            return await self._search(index, "text", query, None, normalise(query), opts)
+            return await self._search(index, "text", query, None, self._identity(query), opts)
 
     async def search_image(self, data: bytes, image: Image.Image,
                            opts: SearchOptions) -> SearchResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,10 +81,12 @@ def smoke_test(index: IndexVersion, model: JointEncoder) -> None:
 
 
 def load_checked(path: Path, model: JointEncoder) -> IndexVersion:
-    """Open a version (fingerprint and counts are checked there), then smoke-test it."""
+    """Open a version (fingerprint and counts are checked there), prove its files whole
+    (`IndexVersion.verify`), then smoke-test it."""
     index = IndexVersion.open(path, expect_fingerprint=model.fingerprint,
                               device=str(getattr(model, "device", "cpu")))
     try:
+        index.verify()
         smoke_test(index, model)
     except Exception as exc:
         index.close()
@@ -168,7 +171,21 @@ class IndexReloader:
                 log.exception("index poll failed")
 
     def status(self) -> dict[str, Any]:
-        """For /readyz: poll interval, the last swap and the last refusal."""
+        """For /readyz (unauthenticated): poll interval, the last swap and the last refusal,
+        without the host's file paths (/admin/reload and the log have them in full)."""
         return {"poll_s": self.poll_s,
-                "last_swap": self.last_swap.as_json() if self.last_swap else None,
-                "last_refused": self.last_refused.as_json() if self.last_refused else None}
+                "last_swap": self._public(self.last_swap),
+                "last_refused": self._public(self.last_refused)}
+
+    def _public(self, outcome: Outcome | None) -> dict[str, Any] | None:
+        if outcome is None:
+            return None
+        shown = outcome.as_json()
+        shown.pop("path", None)
+        if outcome.reason is not None:
+            reason = outcome.reason.replace(str(self._index_dir.resolve()), "INDEX_DIR")
+            reason = reason.replace(str(self._index_dir), "INDEX_DIR")
+            # any other absolute path (a library's source file in an error) -> its last part
+            shown["reason"] = re.sub(r"(?<![\w.])/(?:[^\s/:'\"]+/)+([^\s/:'\"]+)", r"\1",
+                                     reason)
+        return shown

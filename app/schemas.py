@@ -94,6 +94,10 @@ class SearchOptions(BaseModel):
 
 
 class TextSearchRequest(SearchOptions):
+    # JSON bodies are typed: `"top_k": "5"` and `"top_k": true` are refused, not coerced
+    # (multipart form fields arrive as text and go through SearchOptions, which converts)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     query: str = Field(..., min_length=1, max_length=MAX_QUERY_CHARS,
                        description="a sentence describing the image")
 
@@ -105,6 +109,8 @@ class TextSearchRequest(SearchOptions):
 
 
 class ImageSearchJSON(SearchOptions):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     image_b64: str = Field(..., min_length=1, description="the image file, base64-encoded")
 
 

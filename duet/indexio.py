@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sqlite3
@@ -43,6 +44,14 @@ class IndexLoadError(RuntimeError):
 
 class ModelMismatchError(IndexLoadError):
     """The index was built by a different model than the one loaded."""
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def resolve_current(index_dir: Path) -> Path:
@@ -154,6 +163,25 @@ class ItemStore:
                          rows)
         return [TextRow(got[r][0], got[r][1], got[r][2], json.loads(got[r][3])) for r in rows]
 
+    def check(self, images: int, texts: int) -> None:
+        """IndexLoadError unless SQLite finds the file sound and each table holds exactly rows
+        0 .. n-1 (one per FAISS row)."""
+        with self._lock:
+            try:
+                problems = [r[0] for r in self._con.execute("PRAGMA quick_check").fetchall()]
+                spans = {t: self._con.execute(f"SELECT COUNT(*), MIN(row), MAX(row) FROM {t}")
+                         .fetchone() for t in ("images", "texts")}
+            except sqlite3.Error as exc:
+                raise IndexLoadError(f"{ITEMS} is unreadable: {exc}") from exc
+        if problems != ["ok"]:
+            raise IndexLoadError(f"{ITEMS} is damaged: {'; '.join(map(str, problems[:3]))}")
+        for table, n in (("images", images), ("texts", texts)):
+            want = (n, 0, n - 1) if n else (0, None, None)
+            if tuple(spans[table]) != want:
+                count, lo, hi = spans[table]
+                raise IndexLoadError(f"{ITEMS}: table {table} has {count} rows ({lo}..{hi}); "
+                                     f"the index has {n} (rows 0..{n - 1})")
+
     def close(self) -> None:
         self._con.close()
 
@@ -190,6 +218,29 @@ class IndexVersion:
         self.image_index = faiss.IndexFlat(self.image_index.d, self.image_index.metric_type)
         self.text_index = faiss.IndexFlat(self.text_index.d, self.text_index.metric_type)
         self.image_tokens = np.zeros((0, *self.image_tokens.shape[1:]), self.image_tokens.dtype)
+
+    def verify(self) -> None:
+        """Prove the version whole before it serves, or raise IndexLoadError saying what is
+        wrong: every file's sha256 against the manifest's `files`, the item store sound with
+        one row per FAISS row, and the stored vectors and tokens finite."""
+        for name, digest in self.manifest.get("files", {}).items():
+            try:
+                actual = file_sha256(self.path / name)
+            except OSError as exc:
+                raise IndexLoadError(f"index {self.path}: cannot read {name}: {exc}") from exc
+            if actual != digest:
+                raise IndexLoadError(f"index {self.path}: {name} differs from what the build "
+                                     f"wrote (sha256 {actual[:12]}..., {MANIFEST} says "
+                                     f"{digest[:12]}...); rebuild or restore it")
+        self.store.check(self.image_index.ntotal, self.text_index.ntotal)
+        arrays = [(IMAGE_TOKENS, self.image_tokens)]
+        arrays += [(name, np.load(self.path / name, mmap_mode="r"))
+                   for name in (IMAGE_VECTORS, TEXT_VECTORS) if (self.path / name).is_file()]
+        for name, arr in arrays:
+            for start in range(0, len(arr), 4096):
+                if not np.isfinite(arr[start:start + 4096]).all():
+                    raise IndexLoadError(f"index {self.path}: {name} holds NaN or infinite "
+                                         f"values (from row {start}); rebuild the version")
 
     @classmethod
     def open(cls, path: Path, expect_fingerprint: str | None = None,

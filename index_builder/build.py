@@ -303,7 +303,7 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
                 "encoded_items": encoded, "encode_seconds": round(encode_seconds, 3),
                 "items_per_s": rate,
             },
-            "files": {name: _sha256(tmp / name) for name in IDENTICAL_FILES},
+            "files": {name: indexio.file_sha256(tmp / name) for name in IDENTICAL_FILES},
             "bytes_per_item": _bytes_per_item(tmp, len(image_rows), len(text_rows)),
         }
         if base is not None:
@@ -566,14 +566,6 @@ def _write_text(path: Path, text: str) -> None:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _bytes_per_item(directory: Path, images: int, texts: int) -> dict[str, float]:

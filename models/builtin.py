@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from models.device import resolve_device
 from models.inference import CrossEncoderRuntime, Precision
 from models.joint import JointConfig, JointModel
-from models.tokenizer import WordTokenizer, unique_texts
+from models.tokenizer import WordTokenizer, normalise, unique_texts
 from models.trainconfig import DEFAULT_WEIGHTS
 
 WEIGHTS_FILE = "model.safetensors"
@@ -98,6 +98,12 @@ class BuiltinModel:
     def unknown_words(self, text: str) -> list[str]:
         """The words of `text` outside the vocabulary (each read as [UNK])."""
         return self.tokenizer.unknown_words(text)
+
+    @staticmethod
+    def query_identity(text: str) -> str:
+        """What this model reads of a text: its word tokenizer sees only `normalise(text)`, so
+        texts equal after it are encoded and re-ranked identically (the cache's key)."""
+        return normalise(text)
 
     # -- bi-encoder -----------------------------------------------------------
     @torch.inference_mode()

@@ -122,6 +122,12 @@ class Models:
         words = getattr(self.encoder, "unknown_words", None)
         return list(words(text)) if callable(words) else []
 
+    def query_identity(self, text: str) -> str:
+        """What the cache keys a text query by: `normalise(text)` when every model that reads
+        the text is the builtin one (its word tokenizer sees nothing else), else the text
+        exactly as given (a sub-word tokenizer tells "c++" from "c#" and reads any script)."""
+        return self.joint.query_identity(text) if self.joint is not None else text
+
     def encode_images(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
         """(encoder vectors (n, dim) float32, the re-ranker's image tokens float16)."""
         if self.joint is not None:

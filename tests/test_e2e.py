@@ -10,6 +10,7 @@ import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -235,6 +236,30 @@ def test_other_bad_image_requests(service: Service) -> None:
         assert r.status_code == 422 and "nested too deeply" in r.json()["error"]["message"]
         assert c.get("/healthz").status_code == 200  # same keep-alive connection, still served
         assert c.get("/nope").json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize(("body", "where"), [
+    ({"query": "a red circle", "top_k": True}, "top_k"),  # JSON types are not coerced
+    ({"query": "a red circle", "top_k": "5"}, "top_k"),
+    ({"query": "a red circle", "candidates": 50.0}, "candidates"),
+    ({"query": "\x00"}, "no words"),  # nothing the model reads
+    ({"query": "\u200b\u200b\u200b"}, "no words"),
+    ({"query": "\U0001f431" * 100}, "no words"),  # the builtin model reads a-z and 0-9 only
+    ({"query": "!!! ???"}, "no words"),
+])
+def test_text_queries_refused_with_422(service: Service, body: dict[str, Any],
+                                       where: str) -> None:
+    with service.client() as c:
+        r = c.post("/search/text", json=body)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == "validation_error" and where in r.json()["error"]["message"]
+
+
+def test_bodies_that_are_not_json_get_the_same_422(service: Service) -> None:
+    with service.client() as c:
+        for body in (b'{"query": "a red \xff circle"}', b'{"query": '):  # not UTF-8; cut short
+            r = c.post("/search/text", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
 
 
 def test_health_and_ready(service: Service) -> None:

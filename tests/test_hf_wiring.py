@@ -331,6 +331,19 @@ def test_menus_and_fingerprints_of_the_combinations(ckpt: dict[str, Path]) -> No
         load_models(str(ckpt["clip"]), "late", labels=("--encoder", "--reranker"))
 
 
+def test_cache_identity_is_what_the_models_read(ckpt: dict[str, Path]) -> None:
+    """The cache keys a query by what every model reading it sees (issue 15): the builtin
+    word tokenizer reads only a-z and digits, a sub-word tokenizer reads the text as given, so
+    "c++" and "c#", or two Japanese queries, must not share an entry there."""
+    builtin = load_models("builtin", "builtin")
+    assert builtin.query_identity("  A Red, circle! ") == "a red circle"
+    assert builtin.query_identity("c++") == builtin.query_identity("c#") == "c"
+    for models in (load_models(str(ckpt["clip"]), "builtin"),
+                   load_models("builtin", str(ckpt["blip"]))):
+        for text in ("c++", "c#", "日本の猫", "猫", " a red circle"):
+            assert models.query_identity(text) == text
+
+
 # -- reload (last: it re-points the served index directory) -------------------------------------
 def test_reload_refuses_a_version_built_with_another_encoder(
         service: Service, clip_index: Path, corpus: Path, ckpt: dict[str, Path]) -> None:

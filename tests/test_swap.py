@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
-from duet.indexio import ITEMS, MANIFEST, point_current, resolve_current
+from duet.indexio import IMAGE_TOKENS, ITEMS, MANIFEST, file_sha256, point_current, resolve_current
 from index_builder.build import build
 from models.builtin import BuiltinModel
 from models.trainconfig import HELD_OUT_SEED_BASE
@@ -156,12 +157,56 @@ def _garble_items(d: Path) -> None:
     (d / ITEMS).write_bytes(b"this is not a database " * 200)
 
 
+def _rehashed(damage: Callable[[Path], None], name: str) -> Callable[[Path], None]:
+    """`damage`, then the manifest's sha256 of `name` made to match: a version whose hashes
+    agree must still be refused by the deeper checks (rows, SQLite, finite values)."""
+    def edit(d: Path) -> None:
+        damage(d)
+        manifest = json.loads((d / MANIFEST).read_text())
+        manifest["files"][name] = file_sha256(d / name)
+        (d / MANIFEST).write_text(json.dumps(manifest))
+    return edit
+
+
+def _delete_half_the_image_rows(d: Path) -> None:
+    con = sqlite3.connect(d / ITEMS)
+    con.execute("DELETE FROM images WHERE row % 2 = 1")
+    con.commit()
+    con.close()
+
+
+def _zero_pages(d: Path) -> None:
+    """Eight 4 KiB pages of items.sqlite overwritten with zeros, the header kept."""
+    data = bytearray((d / ITEMS).read_bytes())
+    page = 4096
+    for k in range(1, 9):
+        start = min(k * page, len(data) - page)
+        data[start:start + page] = bytes(page)
+    (d / ITEMS).write_bytes(bytes(data))
+
+
+def _nan_tokens(d: Path) -> None:
+    tokens = np.load(d / IMAGE_TOKENS)
+    tokens[:] = np.nan
+    np.save(d / IMAGE_TOKENS, tokens)
+
+
+def _flip_a_byte(d: Path) -> None:
+    data = bytearray((d / IMAGE_TOKENS).read_bytes())
+    data[-1] ^= 0xFF
+    (d / IMAGE_TOKENS).write_bytes(bytes(data))
+
+
 BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
     ("truncated-faiss", _truncate_faiss, "incomplete or corrupt"),
     ("other-model", _edit_manifest(model={"name": "x", "fingerprint": "duet-joint:0000"}),
      "was built by model"),
     ("counts", _edit_manifest(counts={"images": 41, "texts": 200}), "counts"),
-    ("garbled-items", _garble_items, "failed a test search"),
+    ("garbled-items", _garble_items, "differs from what the build wrote"),
+    ("flipped-byte", _flip_a_byte, "image_tokens.npy differs from what the build wrote"),
+    ("half-the-rows", _rehashed(_delete_half_the_image_rows, ITEMS), "table images has 20 rows"),
+    ("zeroed-pages", _rehashed(_zero_pages, ITEMS), "items.sqlite is"),
+    ("nan-tokens", _rehashed(_nan_tokens, IMAGE_TOKENS), "NaN"),
 ]
 
 
@@ -192,6 +237,8 @@ def test_broken_versions_are_refused_while_the_old_one_serves(index_dir: Path,
                 assert r.status_code == 200 and r.json()["index_version"] == version
                 last = c.get("/readyz").json()["reload"]["last_refused"]
                 assert reason in last["reason"] and last["at"], last
+                # /readyz is unauthenticated: no host paths (/admin/reload has them)
+                assert "path" not in last and str(tmp_path) not in last["reason"], last
                 r = c.post("/admin/reload", headers=AUTH)  # an explicit reload retries
                 refused += 1
                 assert r.status_code == 409, r.text

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
 from app.deps import SettingsDep
-from app.errors import AdminDisabled, NotReady, Unauthorized, error_body
+from app.errors import AdminDisabled, NotReady, Unauthorized, documented, error_body
 from app.reload import IndexReloader
 
 router = APIRouter(tags=["ops"])
@@ -26,7 +26,7 @@ def _check_token(settings: SettingsDep, authorization: str | None) -> None:
                            "<DUET_ADMIN_TOKEN>'")
 
 
-@router.post("/admin/reload")
+@router.post("/admin/reload", responses=documented(401, 403, 409, 503))
 async def reload_index(request: Request, settings: SettingsDep,
                        authorization: str | None = Header(None)) -> JSONResponse:
     """Load INDEX_DIR/current, check it and swap it in (also retries a refused version).

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.errors import error_body
+from app.errors import documented, error_body
 
 router = APIRouter(tags=["ops"])
 
@@ -17,7 +17,7 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses=documented(503))
 async def readyz(request: Request) -> JSONResponse:
     """Model and index are loaded and search can be served."""
     pipeline = getattr(request.app.state, "pipeline", None)
@@ -37,7 +37,9 @@ async def readyz(request: Request) -> JSONResponse:
     })
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses={
+    200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+          "description": "Prometheus text exposition format"}})
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition."""
     return Response(generate_latest(request.app.state.metrics.registry),

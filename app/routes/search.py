@@ -21,6 +21,7 @@ from app.errors import (
     UnsupportedMediaType,
     ValidationFailed,
     describe_errors,
+    documented,
 )
 from app.schemas import (
     FUSIONS,
@@ -85,7 +86,8 @@ def _json(resp: SearchResponse) -> JSONResponse:
     return JSONResponse(resp.model_dump(mode="json"))
 
 
-@router.post("/search/text", response_model=SearchResponse)
+@router.post("/search/text", response_model=SearchResponse,
+             responses=documented(413, 422, 429, 499, 503))
 async def search_text(body: TextSearchRequest, request: Request,
                       pipeline: PipelineDep) -> JSONResponse:
     """A sentence finds images."""
@@ -100,7 +102,8 @@ def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOption
         raise ValidationFailed(describe_errors(exc.errors())) from exc
 
 
-@router.post("/search/image", response_model=SearchResponse, openapi_extra=_IMAGE_BODY_DOC)
+@router.post("/search/image", response_model=SearchResponse, openapi_extra=_IMAGE_BODY_DOC,
+             responses=documented(400, 413, 415, 422, 429, 499, 503))
 async def search_image(request: Request, pipeline: PipelineDep,
                        settings: SettingsDep) -> JSONResponse:
     """An image finds captions: multipart field `image`, or JSON `image_b64`; same options."""
