@@ -45,13 +45,13 @@ class RedisServer:
             self.proc.wait(timeout=10)
 
 
-def start_redis(tmp: Path) -> RedisServer:
+def start_redis(tmp: Path, port: int | None = None) -> RedisServer:
     binary = shutil.which("redis-server")
     if binary is None:
         if os.environ.get("CI") == "true":
             pytest.fail("redis-server is not installed; .ci/run installs it with apt-get")
         pytest.skip("redis-server not installed (apt-get install redis-server)")
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import base64
+import collections
 import io
+import itertools
 import json
 import os
 import re
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +295,42 @@ def test_redis_killed_mid_test_requests_still_succeed(
         redis.stop()
         stop_service(svc)
     assert "serving without the cache" in (tmp_path / "serve.log").read_text()
+
+
+def test_redis_killed_and_restarted_under_load(index_dir: Path, tmp_path: Path) -> None:
+    """Four clients search without pause while Redis is SIGKILLed and, 1.5 s later, started
+    again on the same port: every request is answered 200, and caching comes back."""
+    redis = start_redis(tmp_path)
+    svc = start_service(index_dir, tmp_path / "serve.log", DUET_REDIS_URL=redis.url)
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def client(k: int) -> None:
+        with svc.client() as c:
+            for i in itertools.count():
+                if stop.is_set():
+                    return
+                q = {"query": "a small red circle", "top_k": 1 + (k * 7 + i) % 20}
+                codes.append(c.post("/search/text", json=q).status_code)
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            for k in range(4):
+                pool.submit(client, k)
+            time.sleep(1.5)
+            redis.stop()  # SIGKILL
+            time.sleep(1.5)
+            redis = start_redis(tmp_path, port=redis.port)
+            time.sleep(2.0)
+            stop.set()
+        with svc.client() as c:
+            q = {"query": "a large blue square", "top_k": 2}
+            c.post("/search/text", json=q)
+            assert c.post("/search/text", json=q).json()["cached"] is True  # Redis is back
+    finally:
+        redis.stop()
+        stop_service(svc)
+    assert len(codes) > 20 and set(codes) == {200}, collections.Counter(codes)
 
 
 def test_index_from_another_model_is_refused(corpus: Path, tmp_path: Path) -> None:
