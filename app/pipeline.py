@@ -16,6 +16,8 @@ import itertools
 import json
 import logging
 import math
+import os
+import threading
 import time
 import unicodedata
 from collections.abc import Callable, Iterator, Sequence
@@ -147,7 +149,7 @@ class SearchPipeline:
         self.engine: Engine[Query, Answer] = Engine(
             self._run_batch, workers=workers, max_batch=max_batch, max_queue=max_queue,
             timeout_s=timeout_s, on_shed=lambda why: metrics.shed.labels(reason=why).inc(),
-            on_batch=metrics.engine_batch_size.observe)
+            on_batch=metrics.engine_batch_size.observe, init_worker=self._init_worker)
         self._publish(index)
         metrics.queue_depth.set_function(lambda: self.engine.depth)
         metrics.queue_capacity.set(max_queue)
@@ -172,6 +174,11 @@ class SearchPipeline:
         if old.version != new.version:
             self.metrics.index_info.remove(old.version)
         return old
+
+    def _init_worker(self) -> None:
+        nice = int(os.environ.get("DUET_WORKER_NICE", "0"))
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
     async def start(self) -> None:
         """Cap torch's threads, time one query and a few pairs (the first estimates of the

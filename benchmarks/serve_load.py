@@ -73,6 +73,48 @@ class Queries:
         return next(self._it)
 
 
+class Conn:
+    """A minimal HTTP/1.1 keep-alive client over one asyncio connection: the load generator
+    shares the machine with the servers, and httpx spends several times the CPU per request
+    of writing the request and reading Content-Length bytes back by hand."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+        self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def request(self, method: str, path: str, body: bytes = b""
+                      ) -> tuple[int, dict[str, str], bytes]:
+        for attempt in (0, 1):  # once more on a connection the server closed meanwhile
+            if self._io is None:
+                self._io = await asyncio.open_connection(self.host, self.port)
+            reader, writer = self._io
+            try:
+                writer.write(f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
+                             f"Content-Type: application/json\r\nContent-Length: {len(body)}"
+                             "\r\n\r\n".encode() + body)
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (ConnectionError, asyncio.IncompleteReadError):
+                self.close()
+                if attempt:
+                    raise
+                continue
+            lines = head.decode("latin-1").split("\r\n")
+            status = int(lines[0].split(" ", 2)[1])
+            headers = {k.strip().lower(): v.strip() for k, _, v in
+                       (line.partition(":") for line in lines[1:] if line)}
+            data = await reader.readexactly(int(headers.get("content-length", "0")))
+            if headers.get("connection", "").lower() == "close":
+                self.close()
+            return status, headers, data
+        raise ConnectionError("unreachable")
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io[1].close()
+            self._io = None
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -108,37 +150,37 @@ def server(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterato
 async def closed_loop(url: str, clients: int, seconds: float, rerank: bool, candidates: int,
                       queries: Queries, cell: Cell, warmup: float = 1.0) -> None:
     """`clients` loops each sending one request at a time for `seconds` (after `warmup`)."""
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        t_start = time.perf_counter() + warmup
-        t_end = t_start + seconds
+    t_start = time.perf_counter() + warmup
+    t_end = t_start + seconds
 
-        async def one() -> None:
-            while (now := time.perf_counter()) < t_end:
-                body = {"query": queries.next(), "top_k": 10, "candidates": candidates,
-                        "rerank": rerank}
-                try:
-                    r = await client.post("/search/text", json=body)
-                except httpx.TransportError:
-                    if now >= t_start:
-                        cell.errors += 1
-                    continue
-                done = time.perf_counter()
-                if now < t_start:
-                    continue
-                if r.status_code == 429:
-                    cell.refused += 1
-                    # a well-behaved client waits as told (at most 1 s here) before retrying
-                    await asyncio.sleep(min(1.0, float(r.headers.get("retry-after", "1"))))
-                elif r.status_code != 200:
+    async def one() -> None:
+        conn = Conn(url)
+        while (now := time.perf_counter()) < t_end:
+            body = json.dumps({"query": queries.next(), "top_k": 10, "candidates": candidates,
+                               "rerank": rerank}).encode()
+            try:
+                status, headers, data = await conn.request("POST", "/search/text", body)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                if now >= t_start:
                     cell.errors += 1
-                elif r.json().get("degraded"):
-                    cell.degraded += 1
-                else:
-                    cell.latencies.append(done - now)
+                continue
+            done = time.perf_counter()
+            if now < t_start:
+                continue
+            if status == 429:
+                cell.refused += 1
+                # a well-behaved client waits as told (at most 1 s here) before retrying
+                await asyncio.sleep(min(1.0, float(headers.get("retry-after", "1"))))
+            elif status != 200:
+                cell.errors += 1
+            elif b'"degraded":true' in data:
+                cell.degraded += 1
+            else:
+                cell.latencies.append(done - now)
+        conn.close()
 
-        await asyncio.gather(*(one() for _ in range(clients)))
-        cell.seconds += seconds
+    await asyncio.gather(*(one() for _ in range(clients)))
+    cell.seconds += seconds
 
 
 async def overload(url: str, clients: int, seconds: float, candidates: int,
@@ -148,34 +190,37 @@ async def overload(url: str, clients: int, seconds: float, candidates: int,
     cell = Cell()
     health: list[float] = []
     retry_after: list[int] = []
-    limits = httpx.Limits(max_connections=clients + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        t_end = time.perf_counter() + seconds
+    t_end = time.perf_counter() + seconds
 
-        async def one() -> None:
-            while time.perf_counter() < t_end:
-                t0 = time.perf_counter()
-                r = await client.post("/search/text", json={
-                    "query": queries.next(), "top_k": 10, "candidates": candidates})
-                if r.status_code == 429:
-                    cell.refused += 1
-                    retry_after.append(int(r.headers.get("retry-after", "0")))
-                    await asyncio.sleep(min(1.0, float(r.headers.get("retry-after", "1"))))
-                elif r.status_code >= 500:
-                    cell.errors += 1
-                elif r.json().get("degraded"):
-                    cell.degraded += 1
-                else:
-                    cell.latencies.append(time.perf_counter() - t0)
+    async def one() -> None:
+        conn = Conn(url)
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            body = json.dumps({"query": queries.next(), "top_k": 10,
+                               "candidates": candidates}).encode()
+            status, headers, data = await conn.request("POST", "/search/text", body)
+            if status == 429:
+                cell.refused += 1
+                retry_after.append(int(headers.get("retry-after", "0")))
+                await asyncio.sleep(min(1.0, float(headers.get("retry-after", "1"))))
+            elif status >= 500:
+                cell.errors += 1
+            elif b'"degraded":true' in data:
+                cell.degraded += 1
+            else:
+                cell.latencies.append(time.perf_counter() - t0)
+        conn.close()
 
-        async def probe() -> None:
-            while time.perf_counter() < t_end:
-                t0 = time.perf_counter()
-                r = await client.get("/healthz")
-                health.append(time.perf_counter() - t0 if r.status_code == 200 else float("inf"))
-                await asyncio.sleep(0.25)
+    async def probe() -> None:
+        conn = Conn(url)
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            status, _, _ = await conn.request("GET", "/healthz")
+            health.append(time.perf_counter() - t0 if status == 200 else float("inf"))
+            await asyncio.sleep(0.25)
+        conn.close()
 
-        await asyncio.gather(probe(), *(one() for _ in range(clients)))
+    await asyncio.gather(probe(), *(one() for _ in range(clients)))
     cell.seconds = seconds
     return {"clients": clients, "answered": len(cell.latencies), "degraded": cell.degraded,
             "refused_429": cell.refused, "errors_5xx": cell.errors,
