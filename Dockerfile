@@ -41,6 +41,7 @@ RUN python3 -c "import os, tomllib; deps = tomllib.load(open('pyproject.toml', '
 COPY app ./app
 COPY duet ./duet
 COPY index_builder ./index_builder
+COPY store ./store
 COPY models ./models
 # --no-deps: the dependencies are in place (faiss-gpu stands in for faiss-cpu on GPU images)
 # smoke test: torch, faiss and the shipped weights load

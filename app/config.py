@@ -8,9 +8,9 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from duet import ann
 from models.fusion import DEFAULT_FUSION_LAMBDA
 from models.late import DEFAULT_THETA
+from store import ann
 
 
 class Settings(BaseSettings):

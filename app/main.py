@@ -23,9 +23,9 @@ from app.metrics import Metrics
 from app.pipeline import SearchPipeline
 from app.reload import IndexReloader, load_checked
 from app.routes import admin, health, search
-from duet.indexio import IndexVersion, resolve_current
 from models.loading import load_models
 from models.protocols import JointEncoder
+from store.indexio import IndexVersion, resolve_current
 
 log = logging.getLogger("duet.app")
 

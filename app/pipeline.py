@@ -35,13 +35,13 @@ from app.errors import RerankerUnavailable, ValidationFailed
 from app.metrics import Metrics
 from app.schemas import RERANKERS, Hit, SearchOptions, SearchResponse
 from app.versions import ServedIndex
-from duet import ann
-from duet.indexio import IndexVersion
 from models.fusion import add_scores, norm_add_scores, sigmoid
 from models.han import HANReranker
 from models.late import DEFAULT_THETA, text_image_late_scores
 from models.loading import reranker_menu
 from models.protocols import JointEncoder, TokenEncoder
+from store import ann
+from store.indexio import IndexVersion
 
 log = logging.getLogger("duet.pipeline")
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from app.metrics import Metrics
 from app.pipeline import SearchPipeline
-from duet.indexio import CURRENT, IndexLoadError, IndexVersion, resolve_current
 from models.protocols import JointEncoder
+from store.indexio import CURRENT, IndexLoadError, IndexVersion, resolve_current
 
 log = logging.getLogger("duet.reload")
 

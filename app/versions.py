@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from duet.indexio import IndexVersion
+from store.indexio import IndexVersion
 
 log = logging.getLogger("duet.versions")
 

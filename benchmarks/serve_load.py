@@ -236,8 +236,8 @@ def pairs_per_second(index_dir: Path, device: str, candidates: int,
     and duet's serving runtime (the same logits)."""
     import torch
 
-    from duet.indexio import IndexVersion, resolve_current
     from models.builtin import BuiltinModel
+    from store.indexio import IndexVersion, resolve_current
 
     model = BuiltinModel.load(device=device)
     index = IndexVersion.open(resolve_current(index_dir))

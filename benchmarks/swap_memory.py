@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from duet.indexio import MANIFEST, point_current, resolve_current
 from models import world
+from store.indexio import MANIFEST, point_current, resolve_current
 
 REPO = Path(__file__).resolve().parent.parent
 FIELDS = ("VmRSS", "RssAnon", "RssFile")

@@ -47,9 +47,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.config import Settings
     from app.limits import uvicorn_options
     from app.main import create_app, load_resources
-    from duet.indexio import IndexLoadError
     from models.builtin import ModelLoadError
     from models.device import DeviceError
+    from store.indexio import IndexLoadError
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
                                    ("index_dir", args.index_dir)) if v is not None}
@@ -152,12 +152,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         late_scorer,
         load_pool,
     )
-    from duet.indexio import IndexLoadError
     from models.builtin import ModelLoadError
     from models.device import DeviceError
     from models.loading import check_choices, load_models
     from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE
     from models.world import partial_queries
+    from store.indexio import IndexLoadError
 
     _setup_logging("warning")
     if args.partial < 0:
@@ -231,7 +231,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _index_corpus(index: Path) -> dict[str, object] | None:
     """What `duet eval` evaluated: the corpus file an index was built from and its split."""
-    from duet.indexio import read_manifest, version_dir
+    from store.indexio import read_manifest, version_dir
 
     manifest = read_manifest(version_dir(index))
     corpus = manifest.get("corpus")

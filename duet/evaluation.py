@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from duet.indexio import IndexVersion, version_dir
 from models import evaluate, world
 from models.evaluate import KS, fit_matrix, precision, reorder
 from models.fusion import DEFAULT_FUSION_LAMBDA, fuse, norm_fuse
 from models.han import HANReranker
 from models.late import text_image_late_scores
 from models.protocols import BiEncoder, PairReranker, TokenEncoder
+from store.indexio import IndexVersion, version_dir
 
 M_SWEEP = (10, 20, 50, 100)
 LAMBDAS = (0.1, 0.5, 0.9)

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from duet import ann, indexio
 from index_builder.corpus import CorpusError, CorpusItem, CorpusSelection, read_corpus
 from index_builder.encode import (
     Encoder,
@@ -56,6 +55,7 @@ from index_builder.encode import (
 from models.builtin import BuiltinModel
 from models.device import resolve_device
 from models.loading import Models, manifest_model
+from store import ann, indexio
 
 log = logging.getLogger("duet.build")
 

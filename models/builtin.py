@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from models.device import resolve_device
 from models.inference import CrossEncoderRuntime, Precision
 from models.joint import JointConfig, JointModel
+from models.shipped import DEFAULT_WEIGHTS
 from models.tokenizer import WordTokenizer, normalise, unique_texts
-from models.trainconfig import DEFAULT_WEIGHTS
 
 WEIGHTS_FILE = "model.safetensors"
 NAME = "duet-joint"

@@ -29,7 +29,7 @@ from models import hf
 from models.builtin import BuiltinModel, ModelLoadError
 from models.han import HANReranker
 from models.protocols import BiEncoder, PairReranker, TokenEncoder
-from models.trainconfig import DEFAULT_WEIGHTS
+from models.shipped import DEFAULT_WEIGHTS
 
 BUILTIN = "builtin"
 RERANKER_NAMES = ("builtin", "late", "han", "none")

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 
-from models.trainconfig import DEFAULT_WEIGHTS
-from models.world import caption_words
+from models.shipped import DEFAULT_WEIGHTS, caption_words
 
 PAD, UNK, CLS = "[PAD]", "[UNK]", "[CLS]"
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights"
+from models.shipped import DEFAULT_WEIGHTS
+
+__all__ = ["DEFAULT_WEIGHTS", "HELD_OUT_SEED_BASE", "PARTIAL_SEED", "TrainConfig"]
 
 # World seeds at or above this are never used for training; tests draw their splits there.
 HELD_OUT_SEED_BASE = 1_000_000

@@ -12,13 +12,14 @@ from __future__ import annotations
 import io
 import json
 import random
-import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from PIL import Image, ImageDraw
+
+from models.shipped import caption_words
 
 IMAGE_SIZE = 64
 
@@ -159,16 +160,6 @@ def captions(rng: random.Random, s: Scene, n: int) -> list[str]:
     variants = _caption_variants(rng, s)
     rng.shuffle(variants)
     return variants[:n]
-
-
-_WORD = re.compile(r"[a-z]+|\d+")
-
-
-def caption_words(text: str) -> list[str]:
-    """The words of a text as duet's tokenizer reads them: lower-cased letters or digits, the
-    rest dropped (`models.tokenizer` uses this too, so word indices here are token positions
-    there, after its [CLS])."""
-    return _WORD.findall(text.lower())
 
 
 def grounding(caption: str, scene: Scene) -> list[tuple[int, str]]:

@@ -13,7 +13,7 @@ import pytest
 from app.config import Settings
 from app.main import create_app
 from benchmarks.baseline_server import make_app
-from duet.indexio import resolve_current
+from store.indexio import resolve_current
 from tests.conftest import REPO
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from duet import indexio
 from index_builder.build import build
 from index_builder.corpus import CorpusError
 from models.builtin import BuiltinModel
+from store import indexio
 from tests.conftest import DUET, REPO
 
 

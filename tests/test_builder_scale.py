@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from duet import ann, indexio
 from index_builder.build import IDENTICAL_FILES, BuildError, build
 from index_builder.corpus import CorpusError
 from index_builder.encode import autocast_dtype
 from models.builtin import BuiltinModel
 from models.device import DeviceError, resolve_device
+from store import ann, indexio
 from tests.conftest import DUET, REPO
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -55,7 +55,7 @@ def _same_files(a: Path, b: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
-# -- duet.ann ------------------------------------------------------------------------------
+# -- store.ann ------------------------------------------------------------------------------
 
 
 def test_default_factory_follows_faiss_guidance() -> None:

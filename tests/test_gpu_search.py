@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from duet import ann
+from store import ann
 
 
 def _unit(n: int, d: int, seed: int) -> np.ndarray:

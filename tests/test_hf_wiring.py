@@ -23,7 +23,6 @@ from PIL import Image
 
 from app.config import Settings
 from app.main import Resources, create_app
-from duet import indexio
 from duet.cli import main
 from models.builtin import BuiltinModel
 from models.fusion import DEFAULT_FUSION_LAMBDA, sigmoid
@@ -31,6 +30,7 @@ from models.hf import HFBlipReranker, HFDualEncoder
 from models.loading import ChoiceError, Models, load_models, reranker_menu
 from models.trainconfig import DEFAULT_WEIGHTS
 from models.world import write_corpus
+from store import indexio
 from tests.conftest import DUET, REPO, Service, start_service, stop_service
 from tests.hf_checkpoints import make_blip, make_clip, make_siglip
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from duet import indexio
 from index_builder.build import _shard_key, build
 from index_builder.corpus import CorpusError, CorpusFileError, CorpusSelection, read_corpus
 from index_builder.encode import PlanItem
@@ -18,6 +17,7 @@ from models.builtin import BuiltinModel
 from models.device import resolve_device
 from models.trainconfig import HELD_OUT_SEED_BASE
 from models.world import write_corpus
+from store import indexio
 from tests.conftest import DUET, REPO
 
 # image i of the generated corpus -> its Karpathy split

@@ -20,12 +20,12 @@ from PIL import Image
 
 from app.config import Settings
 from app.main import Resources, create_app
-from duet.indexio import IndexVersion, resolve_current
 from models.builtin import BuiltinModel
 from models.fusion import DEFAULT_FUSION_LAMBDA, norm_add_scores, norm_fuse, sigmoid
 from models.han import HANReranker
 from models.late import DEFAULT_THETA, late_scores
 from models.trainconfig import DEFAULT_WEIGHTS
+from store.indexio import IndexVersion, resolve_current
 from tests.conftest import Service, start_service, stop_service
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 from app.config import Settings
 from app.main import create_app
 from app.versions import ServedIndex
-from duet.indexio import IndexVersion, resolve_current
+from store.indexio import IndexVersion, resolve_current
 
 TOKEN = "reload-test-token"
 

@@ -12,8 +12,8 @@ from prometheus_client import generate_latest
 
 from app.config import Settings
 from app.main import Resources, create_app
-from duet.indexio import IndexVersion, resolve_current
 from models.builtin import BuiltinModel
+from store.indexio import IndexVersion, resolve_current
 
 
 async def test_concurrent_requests_share_rerank_batches(index_dir: Path) -> None:

@@ -22,11 +22,11 @@ import httpx
 import numpy as np
 import pytest
 
-from duet.indexio import IMAGE_TOKENS, ITEMS, MANIFEST, file_sha256, point_current, resolve_current
 from index_builder.build import build
 from models.builtin import BuiltinModel
 from models.trainconfig import HELD_OUT_SEED_BASE
 from models.world import write_corpus
+from store.indexio import IMAGE_TOKENS, ITEMS, MANIFEST, file_sha256, point_current, resolve_current
 from tests.conftest import start_service, stop_service
 from tests.test_e2e import _metric
 

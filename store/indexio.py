@@ -25,7 +25,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from duet import ann
+from store import ann
 
 MANIFEST = "manifest.json"
 IMAGE_INDEX = "image.faiss"

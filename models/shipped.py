@@ -1,0 +1,19 @@
+"""The builtin model as serving knows it: where its shipped weights live and how its word
+tokenizer reads a text. Torch-free, and free of training code: serving, training and the
+CLI all import it (training and the world generator from here, never the other way)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights"
+
+_WORD = re.compile(r"[a-z]+|\d+")
+
+
+def caption_words(text: str) -> list[str]:
+    """The words of a text as duet's tokenizer reads them: lower-cased letters or digits, the
+    rest dropped (the world generator uses this too, so word indices there are token
+    positions in `models.tokenizer`, after its [CLS])."""
+    return _WORD.findall(text.lower())
