@@ -22,10 +22,12 @@ class DuetError(Exception):
     code = "bad_request"
     headers: ClassVar[dict[str, str] | None] = None
 
-    def __init__(self, message: str, *, retry_after: int | None = None) -> None:
+    def __init__(self, message: str, *, retry_after: int | None = None,
+                 **extra: object) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
+        self.extra = extra  # more fields of the error body (e.g. the refused version)
 
     def response_headers(self) -> dict[str, str] | None:
         """The class's headers plus Retry-After (seconds) when the error carries one."""
@@ -75,6 +77,13 @@ class Unauthorized(DuetError):
 class AdminDisabled(DuetError):
     status = 403
     code = "admin_disabled"
+
+
+class IndexRefused(DuetError):
+    """/admin/reload found the new version broken; the old one keeps serving."""
+
+    status = 409
+    code = "index_refused"
 
 
 class NotReady(DuetError):
@@ -164,7 +173,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(DuetError)
     async def _duet(_: Request, exc: DuetError) -> JSONResponse:
-        return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status,
+        return JSONResponse(error_body(exc.code, exc.message, **exc.extra), status_code=exc.status,
                             headers=exc.response_headers())
 
     @app.exception_handler(RequestValidationError)

@@ -47,9 +47,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.config import Settings
     from app.limits import uvicorn_options
     from app.main import create_app, load_resources
-    from models.builtin import ModelLoadError
-    from models.device import DeviceError
-    from store.indexio import IndexLoadError
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
                                    ("index_dir", args.index_dir)) if v is not None}
@@ -60,10 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         for e in exc.errors())
         return _fail(f"invalid setting(s): {bad} (see .env.example for every setting)")
     _setup_logging(settings.log_level)
-    try:
-        resources = load_resources(settings)
-    except (IndexLoadError, ModelLoadError, DeviceError) as exc:
-        return _fail(str(exc))
+    resources = load_resources(settings)
     app = create_app(settings, resources)
     log.info("serving on http://%s:%d (index %s, model on %s)", settings.host, settings.port,
              resources.index.version, getattr(resources.model, "device", "cpu"))
@@ -73,10 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from index_builder.build import BuildError, build
-    from index_builder.corpus import CorpusError, CorpusFileError
-    from models.builtin import ModelLoadError
-    from models.device import DeviceError
+    from index_builder.build import build
     from models.loading import load_models
 
     _setup_logging()
@@ -93,22 +84,16 @@ def cmd_build(args: argparse.Namespace) -> int:
     if corpus is None and (args.split is not None or args.images_root is not None):
         return _fail("--split and --images-root select from a --corpus or --append file")
     encoder, reranker, labels = _model_choices(args)
-    try:
-        model = load_models(encoder, reranker, args.model_dir, args.device, labels=labels)
-        log.info("encoder %s, image tokens for %s (%s, shape %s)", model.encoder_part.fingerprint,
-                 model.token_part.fingerprint, model.name, model.token_shape)
-        report = build(Path(corpus) if corpus else None, Path(args.out), model,
-                       batch_size=args.batch_size, skip_bad=args.skip_bad,
-                       progress=not args.no_progress, factory=args.factory or None,
-                       shard_size=args.shard_size, workers=args.workers, device=args.device,
-                       engine=args.engine, append=args.append is not None,
-                       delete=args.delete, ray_actors=args.ray_actors, split=args.split,
-                       images_root=args.images_root)
-    except CorpusError as exc:
-        return _fail(f"{exc}\n  fix or remove that entry, or pass --skip-bad to skip bad "
-                     "entries")
-    except (ModelLoadError, BuildError, DeviceError, CorpusFileError) as exc:
-        return _fail(str(exc))
+    model = load_models(encoder, reranker, args.model_dir, args.device, labels=labels)
+    log.info("encoder %s, image tokens for %s (%s, shape %s)", model.encoder_part.fingerprint,
+             model.token_part.fingerprint, model.name, model.token_shape)
+    report = build(Path(corpus) if corpus else None, Path(args.out), model,
+                   batch_size=args.batch_size, skip_bad=args.skip_bad,
+                   progress=not args.no_progress, factory=args.factory or None,
+                   shard_size=args.shard_size, workers=args.workers, device=args.device,
+                   engine=args.engine, append=args.append is not None,
+                   delete=args.delete, ray_actors=args.ray_actors, split=args.split,
+                   images_root=args.images_root)
     m = report.manifest
     print(f"built {report.path} ({report.images} images, {report.texts} texts, "
           f"{m['index_type']}) in {report.seconds:.1f}s; "
@@ -142,7 +127,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from duet.evaluation import (
         M_SWEEP,
-        EvalError,
         TextTokens,
         TokenScorer,
         evaluate_index,
@@ -152,12 +136,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         late_scorer,
         load_pool,
     )
-    from models.builtin import ModelLoadError
-    from models.device import DeviceError
     from models.loading import check_choices, load_models
     from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE
     from models.world import partial_queries
-    from store.indexio import IndexLoadError
 
     _setup_logging("warning")
     if args.partial < 0:
@@ -177,51 +158,48 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.modes and set(modes) != {"dot"}:
             return _fail(f"{labels[1]}=none: only --modes dot runs without a re-ranker")
         modes = ["dot"]
-    try:
-        check_choices(encoder, reranker, labels=labels)  # before the index: a typo fails fast
-        corpus = _index_corpus(Path(args.index))  # before the model: a wrong index fails fast
-        if args.split is not None and (corpus or {}).get("split") != args.split:
-            built = (f"split {corpus['split']!r} of {corpus['path']}" if corpus and
-                     corpus.get("split") else f"{(corpus or {}).get('path', 'no corpus file')} "
-                     "(no Karpathy split)")
-            return _fail(f"--split {args.split}: index {args.index} was built from {built}; "
-                         f"build that split into its own index first: duet build --corpus "
-                         f"dataset_....json --split {args.split} --out DIR, then duet eval "
-                         "--index DIR")
-        model = load_models(encoder, reranker, args.model_dir, args.device, labels=labels)
-        scorers: dict[str, TokenScorer] = {}
-        for name in ("late", "han"):
-            if name not in modes:
-                continue
-            head = model.han if name == "han" else None  # load_models loads a saved head
-            if model.joint is None or (name == "han" and head is None):
-                why = (f"{args.model_dir or DEFAULT_WEIGHTS} has no trained HAN head "
-                       "(han.safetensors); `duet train` makes one" if model.joint is not None
-                       else "it reads duet's own model's tokens (--encoder builtin)")
-                if args.modes:
-                    return _fail(f"mode {name}: {why}")
-                modes.remove(name)
-                continue
-            scorers[name] = late_scorer(args.theta) if head is None else han_scorer(head)
-        version, pool = load_pool(Path(args.index), model.fingerprint, args.distractors)
-        say = (lambda _: None) if args.json else (lambda m: print(m, file=sys.stderr))
-        if scorers:
-            say(f"token features of {len(pool.texts)} texts for {', '.join(scorers)}")
-        result = evaluate_index(
-            pool, model if model.cross is not None else None, candidates=args.candidates,
-            modes=modes, m_sweep=M_SWEEP if args.m_sweep else (),
-            fusion_sweep=args.fusion_sweep, ce_full_queries=args.ce_full_queries, progress=say,
-            token_scorers=scorers,
-            text_tokens=TextTokens.of(model.joint, pool.texts) if model.joint and scorers
-            else None)
-        if args.partial:
-            say(f"{args.partial} partial queries (seed {args.partial_seed})")
-            result["partial"] = {"seed": args.partial_seed, **evaluate_partial(
-                pool, model, model if model.cross is not None else None,
-                partial_queries(args.partial, args.partial_seed), candidates=args.candidates,
-                modes=modes, token_scorers=scorers, token_encoder=model.joint)}
-    except (IndexLoadError, ModelLoadError, EvalError, DeviceError) as exc:
-        return _fail(str(exc))
+    check_choices(encoder, reranker, labels=labels)  # before the index: a typo fails fast
+    corpus = _index_corpus(Path(args.index))  # before the model: a wrong index fails fast
+    if args.split is not None and (corpus or {}).get("split") != args.split:
+        built = (f"split {corpus['split']!r} of {corpus['path']}" if corpus and
+                 corpus.get("split") else f"{(corpus or {}).get('path', 'no corpus file')} "
+                 "(no Karpathy split)")
+        return _fail(f"--split {args.split}: index {args.index} was built from {built}; "
+                     f"build that split into its own index first: duet build --corpus "
+                     f"dataset_....json --split {args.split} --out DIR, then duet eval "
+                     "--index DIR")
+    model = load_models(encoder, reranker, args.model_dir, args.device, labels=labels)
+    scorers: dict[str, TokenScorer] = {}
+    for name in ("late", "han"):
+        if name not in modes:
+            continue
+        head = model.han if name == "han" else None  # load_models loads a saved head
+        if model.joint is None or (name == "han" and head is None):
+            why = (f"{args.model_dir or DEFAULT_WEIGHTS} has no trained HAN head "
+                   "(han.safetensors); `duet train` makes one" if model.joint is not None
+                   else "it reads duet's own model's tokens (--encoder builtin)")
+            if args.modes:
+                return _fail(f"mode {name}: {why}")
+            modes.remove(name)
+            continue
+        scorers[name] = late_scorer(args.theta) if head is None else han_scorer(head)
+    version, pool = load_pool(Path(args.index), model.fingerprint, args.distractors)
+    say = (lambda _: None) if args.json else (lambda m: print(m, file=sys.stderr))
+    if scorers:
+        say(f"token features of {len(pool.texts)} texts for {', '.join(scorers)}")
+    result = evaluate_index(
+        pool, model if model.cross is not None else None, candidates=args.candidates,
+        modes=modes, m_sweep=M_SWEEP if args.m_sweep else (),
+        fusion_sweep=args.fusion_sweep, ce_full_queries=args.ce_full_queries, progress=say,
+        token_scorers=scorers,
+        text_tokens=TextTokens.of(model.joint, pool.texts) if model.joint and scorers
+        else None)
+    if args.partial:
+        say(f"{args.partial} partial queries (seed {args.partial_seed})")
+        result["partial"] = {"seed": args.partial_seed, **evaluate_partial(
+            pool, model, model if model.cross is not None else None,
+            partial_queries(args.partial, args.partial_seed), candidates=args.candidates,
+            modes=modes, token_scorers=scorers, token_encoder=model.joint)}
     result["index_version"] = version
     result["corpus"] = corpus
     result["models"] = model.parts()
@@ -245,8 +223,6 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
     import fcntl
 
     from index_builder.build import build
-    from models.builtin import ModelLoadError
-    from models.device import DeviceError
     from models.loading import load_models
     from models.world import write_corpus
 
@@ -263,11 +239,9 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
         corpus = Path(args.corpus_out) if args.corpus_out else out.parent / "demo-corpus"
         print(f"no index in {out}: generating {args.images} demo images in {corpus} and building")
         manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
-        try:  # the models the service will serve (DUET_ENCODER, DUET_RERANKER)
-            model = load_models(encoder, reranker, _env_model_dir(),
-                                os.environ.get("DUET_DEVICE") or "auto", labels=labels)
-        except (ModelLoadError, DeviceError) as exc:
-            return _fail(str(exc))
+        # the models the service will serve (DUET_ENCODER, DUET_RERANKER)
+        model = load_models(encoder, reranker, _env_model_dir(),
+                            os.environ.get("DUET_DEVICE") or "auto", labels=labels)
         report = build(manifest, out, model, progress=not args.no_progress)
     print(f"built {report.path} ({report.images} images, {report.texts} texts) in "
           f"{report.seconds:.1f}s")
@@ -522,8 +496,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; every failure a user can fix (`models.errors.UserError`: a wrong
+    path, setting, choice or file) is caught here, once: its message, exit status 2."""
+    from models.errors import UserError
+
     args = parser().parse_args(argv)
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except UserError as exc:
+        return _fail(f"{exc}\n  {exc.hint}" if exc.hint else str(exc))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from models import evaluate, world
+from models.errors import UserError
 from models.evaluate import KS, fit_matrix, precision, reorder
 from models.fusion import DEFAULT_FUSION_LAMBDA, fuse, norm_fuse
 from models.han import HANReranker
@@ -44,7 +45,7 @@ CE_FULL_MAX_POOL = 1000
 PAIR_BATCH = 512
 
 
-class EvalError(ValueError):
+class EvalError(UserError, ValueError):
     """The index cannot be evaluated as asked (no ground truth, pool too large, ...)."""
 
 

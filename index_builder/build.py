@@ -54,6 +54,7 @@ from index_builder.encode import (
 )
 from models.builtin import BuiltinModel
 from models.device import resolve_device
+from models.errors import UserError
 from models.loading import Models, manifest_model
 from store import ann, indexio
 
@@ -69,7 +70,7 @@ IDENTICAL_FILES = (indexio.IMAGE_INDEX, indexio.TEXT_INDEX, indexio.IMAGE_TOKENS
                    indexio.ITEMS, indexio.IMAGE_VECTORS, indexio.TEXT_VECTORS)
 
 
-class BuildError(ValueError):
+class BuildError(UserError, ValueError):
     """A build that cannot start or finish as asked (bad factory, duplicate ids, ...)."""
 
 

@@ -9,15 +9,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.errors import UserError
+
 KARPATHY_SPLITS = ("train", "restval", "val", "test")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """A manifest line / Karpathy image entry is malformed or names an unreadable image.
 
     `line` is the manifest line (1-based) or the index into a Karpathy file's "images" list;
     `where` is how the message names it (`7`, `images[3] (1000092795.jpg)`).
     """
+
+    hint = "fix or remove that entry, or pass --skip-bad to skip bad entries"
 
     def __init__(self, manifest: Path, line: int, message: str, where: str | None = None) -> None:
         super().__init__(f"{manifest}:{where or line}: {message}")
@@ -26,7 +30,7 @@ class CorpusError(ValueError):
         self.reason = message
 
 
-class CorpusFileError(ValueError):
+class CorpusFileError(UserError, ValueError):
     """The corpus file as a whole cannot be used (not JSON, wrong shape, no such split)."""
 
 

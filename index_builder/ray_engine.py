@@ -36,11 +36,12 @@ from index_builder.encode import (
     write_atomic,
 )
 from models.builtin import BuiltinModel
+from models.errors import UserError
 
 log = logging.getLogger("duet.build.ray")
 
 
-class RayUnavailableError(RuntimeError):
+class RayUnavailableError(UserError, RuntimeError):
     """Ray is not installed."""
 
 

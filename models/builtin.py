@@ -14,6 +14,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from models.device import resolve_device
+from models.errors import UserError
 from models.inference import CrossEncoderRuntime, Precision
 from models.joint import JointConfig, JointModel
 from models.shipped import DEFAULT_WEIGHTS
@@ -23,7 +24,7 @@ WEIGHTS_FILE = "model.safetensors"
 NAME = "duet-joint"
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UserError, RuntimeError):
     """The model directory is missing a file or holds something unreadable."""
 
 

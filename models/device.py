@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from models.errors import UserError
+
 DEVICES = ("auto", "cpu", "cuda")
 
 
-class DeviceError(ValueError):
+class DeviceError(UserError, ValueError):
     """A device was asked for that this machine does not have."""
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import faiss
 import numpy as np
 
+from models.errors import UserError
+
 _faiss: Any = faiss  # the SWIG module's stubs lack some SearchParameters classes
 
 DEFAULT_NPROBE = 16
@@ -30,7 +32,7 @@ POINTS_PER_CENTROID = 64  # FAISS wants 39..256 training points per centroid
 PQ_TRAIN_MIN = 256 * 39  # 256 PQ centroids per sub-quantizer, 39 points each
 
 
-class FactoryError(ValueError):
+class FactoryError(UserError, ValueError):
     """A factory string FAISS cannot build, or one this corpus is too small to train."""
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import faiss
 import numpy as np
 
+from models.errors import UserError
 from store import ann
 
 MANIFEST = "manifest.json"
@@ -38,7 +39,7 @@ CURRENT = "current"
 FORMAT_VERSION = 1
 
 
-class IndexLoadError(RuntimeError):
+class IndexLoadError(UserError, RuntimeError):
     """An index directory is missing, incomplete or unreadable."""
 
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
 from app.deps import SettingsDep
-from app.errors import AdminDisabled, NotReady, Unauthorized, documented, error_body
+from app.errors import AdminDisabled, IndexRefused, NotReady, Unauthorized, documented
 from app.reload import IndexReloader
 
 router = APIRouter(tags=["ops"])
@@ -40,8 +40,7 @@ async def reload_index(request: Request, settings: SettingsDep,
         raise NotReady("the model and index are still loading; retry in a moment")
     outcome = await reloader.reload(force=True)
     if outcome.result == "refused":
-        return JSONResponse(error_body(
-            "index_refused", f"index {outcome.path} was refused: {outcome.reason}",
-            version=outcome.version, path=outcome.path, at=outcome.at,
-            serving=reloader.serving), status_code=409)
+        raise IndexRefused(f"index {outcome.path} was refused: {outcome.reason}",
+                           version=outcome.version, path=outcome.path, at=outcome.at,
+                           serving=reloader.serving)
     return JSONResponse(outcome.as_json())

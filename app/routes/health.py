@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.errors import documented, error_body
+from app.errors import NotReady, documented
 
 router = APIRouter(tags=["ops"])
 
@@ -22,8 +22,7 @@ async def readyz(request: Request) -> JSONResponse:
     """Model and index are loaded and search can be served."""
     pipeline = getattr(request.app.state, "pipeline", None)
     if pipeline is None:
-        return JSONResponse(error_body("not_ready", "model and index are loading"),
-                            status_code=503)
+        raise NotReady("model and index are loading")
     index = pipeline.index
     reloader = getattr(request.app.state, "reloader", None)
     return JSONResponse({
