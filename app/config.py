@@ -14,7 +14,9 @@ from store import ann
 
 
 class Settings(BaseSettings):
-    """Every knob of `duet serve`; each field is DUET_<NAME> in the environment."""
+    """Every DUET_* knob of every command (serve, build, eval, demo-index, healthcheck), from
+    the environment or a .env file: one configuration path, so what `duet build` encodes
+    with is what `duet serve` then serves."""
 
     model_config = SettingsConfigDict(env_prefix="DUET_", env_file=".env", extra="ignore",
                                       env_ignore_empty=True,
@@ -87,6 +89,9 @@ class Settings(BaseSettings):
         None, ge=1, description="pairs per cross-encoder call, across requests; empty = 64 on "
         "the CPU (one request's candidates), 4096 on a GPU")
 
+    index_factory: str = Field(
+        "", description="duet build and demo-index only: the FAISS index-factory string; "
+        "empty = chosen by corpus size (Flat, IVF, HNSW)")
     index_nprobe: int = Field(ann.DEFAULT_NPROBE, ge=1,
                               description="IVF lists searched per query (per call)")
     index_ef_search: int = Field(ann.DEFAULT_EF_SEARCH, ge=1,

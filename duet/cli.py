@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from app.config import Settings
 
 EVAL_MODES = ("dot", "coop", "late", "han", "ce-full")
 
@@ -20,19 +23,31 @@ def _setup_logging(level: str = "info") -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _env_model_dir() -> Path | None:
-    """DUET_MODEL_DIR, the service's setting, so the builders encode with the model it serves."""
-    return Path(os.environ["DUET_MODEL_DIR"]) if os.environ.get("DUET_MODEL_DIR") else None
+def _settings(**overrides: Any) -> Settings:
+    """The one configuration of every command: DUET_* from the environment or .env
+    (`app.config.Settings`), a command's flags given as `overrides`."""
+    from pydantic import ValidationError
+
+    from app.config import Settings
+    from models.errors import UserError
+
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        bad = "; ".join(f"DUET_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}"
+                        for e in exc.errors())
+        raise UserError(f"invalid setting(s): {bad} (see .env.example for every setting)"
+                        ) from exc
 
 
-def _model_choices(args: argparse.Namespace) -> tuple[str, str, tuple[str, str]]:
+def _model_choices(args: argparse.Namespace, settings: Settings
+                   ) -> tuple[str, str, tuple[str, str]]:
     """(encoder, reranker, their labels for errors): --encoder / --reranker, else DUET_ENCODER /
-    DUET_RERANKER (the service's settings, so a build matches what is served), else builtin."""
+    DUET_RERANKER (the service's settings, so a build matches what is served)."""
     enc_flag, rr_flag = getattr(args, "encoder", None), getattr(args, "reranker", None)
-    encoder = enc_flag or os.environ.get("DUET_ENCODER") or "builtin"
-    reranker = rr_flag or os.environ.get("DUET_RERANKER") or "builtin"
-    return encoder, reranker, ("--encoder" if enc_flag else "DUET_ENCODER",
-                               "--reranker" if rr_flag else "DUET_RERANKER")
+    return (enc_flag or settings.encoder, rr_flag or settings.reranker,
+            ("--encoder" if enc_flag else "DUET_ENCODER",
+             "--reranker" if rr_flag else "DUET_RERANKER"))
 
 
 def _fail(message: str) -> int:
@@ -42,20 +57,11 @@ def _fail(message: str) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
-    from pydantic import ValidationError
 
-    from app.config import Settings
     from app.limits import uvicorn_options
     from app.main import create_app, load_resources
 
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
-                                   ("index_dir", args.index_dir)) if v is not None}
-    try:
-        settings = Settings(**overrides)
-    except ValidationError as exc:
-        bad = "; ".join(f"DUET_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}"
-                        for e in exc.errors())
-        return _fail(f"invalid setting(s): {bad} (see .env.example for every setting)")
+    settings = _settings(host=args.host, port=args.port, index_dir=args.index_dir)
     _setup_logging(settings.log_level)
     resources = load_resources(settings)
     app = create_app(settings, resources)
@@ -83,14 +89,16 @@ def cmd_build(args: argparse.Namespace) -> int:
         return _fail(f"corpus manifest {corpus} does not exist")
     if corpus is None and (args.split is not None or args.images_root is not None):
         return _fail("--split and --images-root select from a --corpus or --append file")
-    encoder, reranker, labels = _model_choices(args)
-    model = load_models(encoder, reranker, args.model_dir, args.device, labels=labels)
+    settings = _settings(model_dir=args.model_dir, device=args.device,
+                         index_factory=args.factory)
+    encoder, reranker, labels = _model_choices(args, settings)
+    model = load_models(encoder, reranker, settings.model_dir, settings.device, labels=labels)
     log.info("encoder %s, image tokens for %s (%s, shape %s)", model.encoder_part.fingerprint,
              model.token_part.fingerprint, model.name, model.token_shape)
     report = build(Path(corpus) if corpus else None, Path(args.out), model,
                    batch_size=args.batch_size, skip_bad=args.skip_bad,
-                   progress=not args.no_progress, factory=args.factory or None,
-                   shard_size=args.shard_size, workers=args.workers, device=args.device,
+                   progress=not args.no_progress, factory=settings.index_factory or None,
+                   shard_size=args.shard_size, workers=args.workers, device=settings.device,
                    engine=args.engine, append=args.append is not None,
                    delete=args.delete, ray_actors=args.ray_actors, split=args.split,
                    images_root=args.images_root)
@@ -149,7 +157,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in (args.modes or ",".join(EVAL_MODES)).split(",") if m.strip()]
     if unknown := set(modes) - set(EVAL_MODES):
         return _fail(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(EVAL_MODES)}")
-    encoder, reranker, labels = _model_choices(args)
+    settings = _settings(model_dir=args.model_dir, device=args.device)
+    encoder, reranker, labels = _model_choices(args, settings)
     if reranker == "late":
         return _fail(f"{labels[1]}=late: duet eval re-ranks with a cross-encoder (coop, "
                      "ce-full); late interaction is the mode `late` (--modes dot,late) with "
@@ -168,14 +177,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
                      f"build that split into its own index first: duet build --corpus "
                      f"dataset_....json --split {args.split} --out DIR, then duet eval "
                      "--index DIR")
-    model = load_models(encoder, reranker, args.model_dir, args.device, labels=labels)
+    model = load_models(encoder, reranker, settings.model_dir, settings.device, labels=labels)
     scorers: dict[str, TokenScorer] = {}
     for name in ("late", "han"):
         if name not in modes:
             continue
         head = model.han if name == "han" else None  # load_models loads a saved head
         if model.joint is None or (name == "han" and head is None):
-            why = (f"{args.model_dir or DEFAULT_WEIGHTS} has no trained HAN head "
+            why = (f"{settings.model_dir or DEFAULT_WEIGHTS} has no trained HAN head "
                    "(han.safetensors); `duet train` makes one" if model.joint is not None
                    else "it reads duet's own model's tokens (--encoder builtin)")
             if args.modes:
@@ -227,7 +236,8 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
     from models.world import write_corpus
 
     _setup_logging()
-    encoder, reranker, labels = _model_choices(args)
+    settings = _settings()
+    encoder, reranker, labels = _model_choices(args, settings)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # several replicas may start at once on one shared volume (k8s init containers): one builds
@@ -240,9 +250,10 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
         print(f"no index in {out}: generating {args.images} demo images in {corpus} and building")
         manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
         # the models the service will serve (DUET_ENCODER, DUET_RERANKER)
-        model = load_models(encoder, reranker, _env_model_dir(),
-                            os.environ.get("DUET_DEVICE") or "auto", labels=labels)
-        report = build(manifest, out, model, progress=not args.no_progress)
+        model = load_models(encoder, reranker, settings.model_dir, settings.device,
+                            labels=labels)
+        report = build(manifest, out, model, progress=not args.no_progress,
+                       factory=settings.index_factory or None)
     print(f"built {report.path} ({report.images} images, {report.texts} texts) in "
           f"{report.seconds:.1f}s")
     return 0
@@ -253,7 +264,7 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    url = args.url or f"http://127.0.0.1:{os.environ.get('DUET_PORT', '8000')}/healthz"
+    url = args.url or f"http://127.0.0.1:{_settings().port}/healthz"
     try:
         with urllib.request.urlopen(url, timeout=args.timeout) as resp:
             ok = resp.status == 200
@@ -344,7 +355,7 @@ def parser() -> argparse.ArgumentParser:
                    "ROOT/<filename> (Flickr30k) or ROOT/<filepath>/<filename> (COCO: "
                    "ROOT/val2014/...) (default: the .json file's folder)")
     b.add_argument("--out", default="indexes", help="index directory (default: ./indexes)")
-    b.add_argument("--factory", default=os.environ.get("DUET_INDEX_FACTORY"),
+    b.add_argument("--factory", default=None,
                    help="FAISS index-factory string, inner product: Flat, IVF1024,Flat, "
                    "IVF4096_HNSW32,SQ8, IVF1024,PQ16, HNSW32, ... (DUET_INDEX_FACTORY; default: "
                    "by size, Flat up to 200k vectors, IVF above)")
@@ -354,8 +365,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=int, default=None,
                    help="image-decoding DataLoader workers (default: on a GPU cores - 1, at "
                    "most 8; on CPU cores / 4, at most 4; 0 = decode in the main process)")
-    b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="encode on (auto: CUDA with autocast when a GPU is present)")
+    b.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                   help="encode on (default: $DUET_DEVICE, else auto: CUDA with autocast when "
+                   "a GPU is present)")
     b.add_argument("--engine", choices=["local", "ray"], default="local",
                    help="local: this process; ray: a Ray Data actor pool (RAY_ADDRESS picks "
                    "the cluster; needs the [ray] extra)")
@@ -364,7 +376,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--skip-bad", action="store_true",
                    help="skip malformed lines and unreadable images, list them at the end "
                    "(default: stop at the first one)")
-    b.add_argument("--model-dir", type=Path, default=_env_model_dir(),
+    b.add_argument("--model-dir", type=Path, default=None,
                    help=f"model weights directory (default: $DUET_MODEL_DIR, else the shipped "
                    f"{DEFAULT_WEIGHTS})")
     _model_options(b, "encodes")
@@ -422,12 +434,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--ce-full-queries", type=int, default=100,
                    help="queries per direction that ce-full scores against the whole pool "
                    "(default 100)")
-    e.add_argument("--model-dir", type=Path, default=_env_model_dir(),
+    e.add_argument("--model-dir", type=Path, default=None,
                    help="model weights directory (default: $DUET_MODEL_DIR, else the shipped "
                    "weights)")
     _model_options(e, "scores")
-    e.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="run the models on (auto: CUDA when a GPU is present)")
+    e.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                   help="run the models on (default: $DUET_DEVICE, else auto: CUDA when a GPU "
+                   "is present)")
     e.set_defaults(fn=cmd_eval)
 
     i = sub.add_parser("demo-index", help="generate the demo corpus and build it, unless "

@@ -164,7 +164,7 @@ def test_every_setting_is_in_env_example_compose_and_k8s() -> None:
                if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
     secret_env = {e["name"] for e in api["env"] if "secretKeyRef" in e["valueFrom"]}
     assert secret_env == {"DUET_ADMIN_TOKEN"}  # a secret, not in the ConfigMap
-    assert set(SETTINGS) == set(configmap["data"]) - {"DUET_INDEX_FACTORY"} | secret_env
+    assert set(SETTINGS) == set(configmap["data"]) | secret_env
     # values the ConfigMap sets must be valid settings (an empty value = the default)
     Settings(**{k[5:].lower(): v for k, v in configmap["data"].items() if v})
 

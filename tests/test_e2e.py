@@ -364,6 +364,26 @@ def test_bad_setting_is_a_clear_error(index_dir: Path, env: dict[str, str], says
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("command", [
+    ["build", "--corpus", "CORPUS", "--out", "OUT"],
+    ["eval", "--index", "INDEX", "--modes", "dot"],
+    ["demo-index", "--out", "OUT", "--images", "2"],
+])
+def test_every_command_reads_the_same_dotenv(command: list[str], corpus: Path, index_dir: Path,
+                                             tmp_path: Path) -> None:
+    """One configuration path (issue 14): a .env in the working directory configures build,
+    eval and demo-index as it configures serve, so they cannot encode with other models than
+    the service serves. Here it names a model directory that does not exist."""
+    (tmp_path / ".env").write_text(f"DUET_MODEL_DIR={tmp_path / 'no-such-model'}\n")
+    args = [{"CORPUS": str(corpus), "OUT": str(tmp_path / "out"),
+             "INDEX": str(index_dir)}.get(a, a) for a in command]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DUET_")}
+    proc = subprocess.run([*DUET, *args], env={**env, "PYTHONPATH": str(REPO)}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "no-such-model" in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_refused(index_dir: Path) -> None:
     full = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(index_dir),
