@@ -8,7 +8,7 @@ INDEXES ?= indexes
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: install serve test lint demo-index clean
+.PHONY: install serve test test-fast lint demo-index clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ serve: demo-index
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# the inner loop: everything that needs no real service, index build or training
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

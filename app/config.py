@@ -83,6 +83,10 @@ class Settings(BaseSettings):
         2000.0, gt=0, description="deadline for a request's model work: refused with 429 when "
         "the queue ahead cannot finish in time, fewer candidates re-ranked when its own "
         "share does not fit (degraded), 503 if it passes while queued")
+    worker_nice: int = Field(
+        0, ge=0, le=19, description="niceness of the engine's worker threads (and torch's "
+        "threads they start): above 0 the event loop, which parses requests, answers 429s and "
+        "health checks, wins the CPU from model work when both want it")
     max_queue: int = Field(1024, ge=1, description="requests waiting for a worker before 429")
     max_batch: int = Field(64, ge=1, description="requests a worker takes in one batch")
     rerank_max_batch: int | None = Field(

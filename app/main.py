@@ -72,6 +72,7 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
             fusion_lambda=settings.rerank_fusion_lambda, theta=settings.rerank_theta,
             workers=settings.workers,
             torch_threads=settings.torch_threads or max(1, available_cores() // settings.workers),
+            worker_nice=settings.worker_nice,
             max_batch=settings.max_batch, max_queue=settings.max_queue,
             rerank_max_batch=settings.rerank_max_batch or (4096 if on_gpu else 64),
             timeout_s=settings.request_timeout_ms / 1000,

@@ -125,7 +125,8 @@ class SearchPipeline:
 
     def __init__(self, model: JointEncoder, index: IndexVersion, cache: ResilientCache,
                  metrics: Metrics, *, fusion_lambda: float, theta: float = DEFAULT_THETA,
-                 workers: int = 1, torch_threads: int | None = None, max_batch: int = 64,
+                 workers: int = 1, torch_threads: int | None = None, worker_nice: int = 0,
+                 max_batch: int = 64,
                  rerank_max_batch: int = 64, max_queue: int = 1024, timeout_s: float = 2.0,
                  index_nprobe: int = ann.DEFAULT_NPROBE,
                  index_ef_search: int = ann.DEFAULT_EF_SEARCH) -> None:
@@ -143,6 +144,7 @@ class SearchPipeline:
         self._unavailable = menu.why
         self._han_head: HANReranker | None = getattr(model, "han", None)
         self.torch_threads = torch_threads
+        self.worker_nice = worker_nice
         self.rerank_max_batch = rerank_max_batch
         # seconds per query (encode + search) and per re-ranked pair; measured from the start
         self.throughput = Throughput({"query": 0.002, "pair": 0.001})
@@ -176,9 +178,10 @@ class SearchPipeline:
         return old
 
     def _init_worker(self) -> None:
-        nice = int(os.environ.get("DUET_WORKER_NICE", "0"))
-        if nice:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        """In each worker thread before its first model call: its niceness (Linux applies
+        it per thread; the torch threads the worker starts inherit it)."""
+        if self.worker_nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.worker_nice)
 
     async def start(self) -> None:
         """Cap torch's threads, time one query and a few pairs (the first estimates of the

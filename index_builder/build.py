@@ -45,12 +45,10 @@ from index_builder.encode import (
     decode_rgb,
     decoded_batches,
     default_workers,
-    fsync_path,
     read_shard,
     shard_batches,
     shard_bytes,
     shard_path,
-    write_atomic,
 )
 from models.builtin import BuiltinModel
 from models.device import resolve_device
@@ -310,12 +308,13 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
         if base is not None:
             manifest["base"] = {"version": base.manifest.get("version"),
                                 "appended": len(kept), "deleted": len(deleted)}
-        _write_text(tmp / indexio.MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        indexio.write_atomic(tmp / indexio.MANIFEST,
+                             (json.dumps(manifest, indent=1) + "\n").encode())
         for f in tmp.iterdir():
-            fsync_path(f)
-        fsync_path(tmp)
+            indexio.fsync_path(f)
+        indexio.fsync_path(tmp)
         tmp.rename(out / version)
-        fsync_path(out)
+        indexio.fsync_path(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -346,7 +345,7 @@ def _encode_local(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
             for _ in bs:
                 shard.add(next(batches))
             arrays = shard.finish(model.dim, model.token_shape)
-            write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+            indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
             bar.update(b - a)
             on_shard(k, arrays)
 
@@ -370,7 +369,7 @@ def _encode_rgb(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
                 bar.update(len(positions))
                 done += len(positions)
             arrays = shard.finish(model.dim, model.token_shape)  # the captions
-            write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+            indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
             bar.update(b - a - done)
             log.info("shard %d: items %d-%d encoded in %.1fs", k, a, b - 1,
                      time.perf_counter() - t0)
@@ -560,13 +559,6 @@ def _write_npy(path: Path, chunks: Iterable[np.ndarray], shape: tuple[int, ...],
         raise RuntimeError(f"{path.name}: wrote {at} rows, expected {shape[0]}")
     arr.flush()
     del arr
-
-
-def _write_text(path: Path, text: str) -> None:
-    with path.open("w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _bytes_per_item(directory: Path, images: int, texts: int) -> dict[str, float]:

@@ -33,10 +33,10 @@ from index_builder.encode import (
     shard_batches,
     shard_bytes,
     shard_path,
-    write_atomic,
 )
 from models.builtin import BuiltinModel
 from models.errors import UserError
+from store import indexio
 
 log = logging.getLogger("duet.build.ray")
 
@@ -107,6 +107,6 @@ def encode_ray(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]], sh
         for row in ds.iter_rows():
             k = int(row["shard"])
             data = bytes(row["data"])
-            write_atomic(shard_path(shard_dir, k), data)
+            indexio.write_atomic(shard_path(shard_dir, k), data)
             bar.update(sizes[k])
             on_shard(k, read_shard_bytes(data, ("image_error",)))

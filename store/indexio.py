@@ -55,6 +55,26 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temp name, fsync, rename, fsync the directory: a file is whole or absent."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory, so a rename in it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def resolve_current(index_dir: Path) -> Path:
     """The version directory `DIR/current` points at."""
     link = Path(index_dir) / CURRENT

@@ -24,6 +24,23 @@ REPO = Path(__file__).resolve().parent.parent
 DUET = [sys.executable, "-m", "duet.cli"]
 
 
+# Fixtures that start real processes, build indexes or train: a test using one is `slow`,
+# and `make test-fast` (pytest -m "not slow") leaves it to `make test`.
+SLOW_FIXTURES = {"index_dir", "corpus", "service", "fuzzed_service", "redis_server", "ckpt",
+                 "clip_index"}
+# ... and so does every test of these modules (training, docker/k8s tooling, checkpoints)
+SLOW_MODULES = {"test_train", "test_deploy", "test_hf", "test_index_scale", "test_builder_scale",
+                "test_karpathy", "test_paper_tables"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = getattr(item, "module", None)
+        if (SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+                or getattr(module, "__name__", "").rpartition(".")[2] in SLOW_MODULES):
+            item.add_marker(pytest.mark.slow)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
