@@ -76,8 +76,12 @@ class RedisCache:
 
     def __init__(self, url: str, ttl_s: int, timeout_s: float) -> None:
         self._client = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry_on_timeout=False, decode_responses=True)
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry_on_timeout=False,
+            decode_responses=True,
+        )
         self._ttl = ttl_s
 
     async def get(self, key: str) -> str | None:
@@ -105,8 +109,13 @@ class ResilientCache:
         now = time.monotonic()
         if now - self._last_warning > 10.0:  # one line per 10 s, not one per request
             self._last_warning = now
-            log.warning("cache %s %s failed (%s: %s); serving without the cache",
-                        self.backend.name, op, type(exc).__name__, exc)
+            log.warning(
+                "cache %s %s failed (%s: %s); serving without the cache",
+                self.backend.name,
+                op,
+                type(exc).__name__,
+                exc,
+            )
 
     async def get(self, key: str) -> str | None:
         try:

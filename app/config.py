@@ -18,24 +18,35 @@ class Settings(BaseSettings):
     the environment or a .env file: one configuration path, so what `duet build` encodes
     with is what `duet serve` then serves."""
 
-    model_config = SettingsConfigDict(env_prefix="DUET_", env_file=".env", extra="ignore",
-                                      env_ignore_empty=True,
-                                      protected_namespaces=())
+    model_config = SettingsConfigDict(
+        env_prefix="DUET_",
+        env_file=".env",
+        extra="ignore",
+        env_ignore_empty=True,
+        protected_namespaces=(),
+    )
 
     index_dir: Path = Field(Path("indexes"), description="serves INDEX_DIR/current")
     index_poll_s: float = Field(
-        5.0, ge=0, description="how often to look for a new INDEX_DIR/current; 0 = never")
+        5.0, ge=0, description="how often to look for a new INDEX_DIR/current; 0 = never"
+    )
     admin_token: SecretStr | None = Field(
-        None, description="bearer token for POST /admin/reload; unset = endpoint disabled")
+        None, description="bearer token for POST /admin/reload; unset = endpoint disabled"
+    )
     model_dir: Path | None = Field(None, description="model weights; empty = shipped weights")
     encoder: str = Field(
-        "builtin", description="the bi-encoder: builtin (DUET_MODEL_DIR) or a local Hugging "
-        "Face CLIP / SigLIP directory")
+        "builtin",
+        description="the bi-encoder: builtin (DUET_MODEL_DIR) or a local Hugging "
+        "Face CLIP / SigLIP directory",
+    )
     reranker: str = Field(
-        "builtin", description="builtin (the joint model's cross-encoder), late, han, none, or "
-        "a local Hugging Face BLIP image-text-matching directory")
+        "builtin",
+        description="builtin (the joint model's cross-encoder), late, han, none, or "
+        "a local Hugging Face BLIP image-text-matching directory",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="where the model runs: auto = a CUDA GPU when torch sees one")
+        "auto", description="where the model runs: auto = a CUDA GPU when torch sees one"
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: str = "info"
@@ -48,55 +59,93 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(10 * 1024 * 1024, ge=1)
     max_image_pixels: int = Field(25_000_000, ge=1)
     max_body_bytes: int = Field(
-        64 * 1024, ge=1024, description="request body limit for every route but "
-        "/search/image (whose limit follows DUET_MAX_IMAGE_BYTES), counted while it streams in")
+        64 * 1024,
+        ge=1024,
+        description="request body limit for every route but "
+        "/search/image (whose limit follows DUET_MAX_IMAGE_BYTES), counted while it streams in",
+    )
     decode_pixels_in_flight: int = Field(
-        50_000_000, ge=1, description="pixels of uploaded images decoded at once, across "
-        "requests (bounds decoding memory; at least DUET_MAX_IMAGE_PIXELS)")
+        50_000_000,
+        ge=1,
+        description="pixels of uploaded images decoded at once, across "
+        "requests (bounds decoding memory; at least DUET_MAX_IMAGE_PIXELS)",
+    )
 
     http_header_timeout_s: float = Field(
-        10.0, gt=0, description="a connection's request headers must arrive within this (408)")
+        10.0, gt=0, description="a connection's request headers must arrive within this (408)"
+    )
     http_body_timeout_s: float = Field(
-        30.0, gt=0, description="a request's body must arrive within this after its headers")
+        30.0, gt=0, description="a request's body must arrive within this after its headers"
+    )
     http_max_header_bytes: int = Field(
-        16 * 1024, ge=1024, description="request line plus headers, at most (431)")
+        16 * 1024, ge=1024, description="request line plus headers, at most (431)"
+    )
     http_keep_alive_s: float = Field(5.0, gt=0, description="idle keep-alive connections close")
     http_max_inflight: int = Field(
-        512, ge=1, description="requests in flight before new ones get 429 ahead of any "
-        "parsing (health, readiness and metrics exempt)")
+        512,
+        ge=1,
+        description="requests in flight before new ones get 429 ahead of any "
+        "parsing (health, readiness and metrics exempt)",
+    )
     http_backlog: int = Field(2048, ge=1, description="the listening socket's accept backlog")
 
     rerank_fusion_lambda: float = Field(
-        DEFAULT_FUSION_LAMBDA, ge=0.0, le=1.0,
-        description="score = lambda * dot + (1 - lambda) * sigmoid(CE); 0 = CE alone")
+        DEFAULT_FUSION_LAMBDA,
+        ge=0.0,
+        le=1.0,
+        description="score = lambda * dot + (1 - lambda) * sigmoid(CE); 0 = CE alone",
+    )
     rerank_theta: float = Field(
-        DEFAULT_THETA, ge=0.0, le=1.0,
-        description="late re-ranker: S_gl = (1 - theta) * dot + theta * S_l; 0 = dot alone")
+        DEFAULT_THETA,
+        ge=0.0,
+        le=1.0,
+        description="late re-ranker: S_gl = (1 - theta) * dot + theta * S_l; 0 = dot alone",
+    )
 
     workers: int = Field(
-        1, ge=1, description="inference-engine worker threads (measured on CPU: one worker "
-        "using every core beats one per core)")
+        1,
+        ge=1,
+        description="inference-engine worker threads (measured on CPU: one worker "
+        "using every core beats one per core)",
+    )
     torch_threads: int | None = Field(
-        None, ge=1, description="torch threads; empty = the cores this process may use "
-        "(affinity and cgroup quota) divided among the workers")
+        None,
+        ge=1,
+        description="torch threads; empty = the cores this process may use "
+        "(affinity and cgroup quota) divided among the workers",
+    )
     request_timeout_ms: float = Field(
-        2000.0, gt=0, description="deadline for a request's model work: refused with 429 when "
+        2000.0,
+        gt=0,
+        description="deadline for a request's model work: refused with 429 when "
         "the queue ahead cannot finish in time, fewer candidates re-ranked when its own "
-        "share does not fit (degraded), 503 if it passes while queued")
+        "share does not fit (degraded), 503 if it passes while queued",
+    )
     worker_nice: int = Field(
-        0, ge=0, le=19, description="niceness of the engine's worker threads (and torch's "
+        0,
+        ge=0,
+        le=19,
+        description="niceness of the engine's worker threads (and torch's "
         "threads they start): above 0 the event loop, which parses requests, answers 429s and "
-        "health checks, wins the CPU from model work when both want it")
+        "health checks, wins the CPU from model work when both want it",
+    )
     max_queue: int = Field(1024, ge=1, description="requests waiting for a worker before 429")
     max_batch: int = Field(64, ge=1, description="requests a worker takes in one batch")
     rerank_max_batch: int | None = Field(
-        None, ge=1, description="pairs per cross-encoder call, across requests; empty = 64 on "
-        "the CPU (one request's candidates), 4096 on a GPU")
+        None,
+        ge=1,
+        description="pairs per cross-encoder call, across requests; empty = 64 on "
+        "the CPU (one request's candidates), 4096 on a GPU",
+    )
 
     index_factory: str = Field(
-        "", description="duet build and demo-index only: the FAISS index-factory string; "
-        "empty = chosen by corpus size (Flat, IVF, HNSW)")
-    index_nprobe: int = Field(ann.DEFAULT_NPROBE, ge=1,
-                              description="IVF lists searched per query (per call)")
-    index_ef_search: int = Field(ann.DEFAULT_EF_SEARCH, ge=1,
-                                 description="HNSW search breadth per query (per call)")
+        "",
+        description="duet build and demo-index only: the FAISS index-factory string; "
+        "empty = chosen by corpus size (Flat, IVF, HNSW)",
+    )
+    index_nprobe: int = Field(
+        ann.DEFAULT_NPROBE, ge=1, description="IVF lists searched per query (per call)"
+    )
+    index_ef_search: int = Field(
+        ann.DEFAULT_EF_SEARCH, ge=1, description="HNSW search breadth per query (per call)"
+    )

@@ -128,10 +128,18 @@ class Engine(Generic[P, R]):
     ready; the engine fails any it leaves unresolved.
     """
 
-    def __init__(self, fn: BatchFn[P, R], *, workers: int, max_batch: int, max_queue: int,
-                 timeout_s: float, on_shed: Callable[[str], None] | None = None,
-                 on_batch: Callable[[int], None] | None = None,
-                 init_worker: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        fn: BatchFn[P, R],
+        *,
+        workers: int,
+        max_batch: int,
+        max_queue: int,
+        timeout_s: float,
+        on_shed: Callable[[str], None] | None = None,
+        on_batch: Callable[[int], None] | None = None,
+        init_worker: Callable[[], None] | None = None,
+    ) -> None:
         self._fn = fn
         self.workers = workers
         self.max_batch = max_batch
@@ -176,10 +184,12 @@ class Engine(Generic[P, R]):
                 raise Overloaded(
                     f"the service is at capacity (about {wait:.1f}s of work queued, "
                     f"{len(self._queue)} requests); retry after the Retry-After seconds",
-                    retry_after=self.retry_after())
+                    retry_after=self.retry_after(),
+                )
             loop = asyncio.get_running_loop()
-            ticket: Ticket[P, R] = Ticket(payload, cost_s, time.monotonic() + budget,
-                                          loop.create_future(), loop)
+            ticket: Ticket[P, R] = Ticket(
+                payload, cost_s, time.monotonic() + budget, loop.create_future(), loop
+            )
             self._queue.append(ticket)
             self._queued_cost += cost_s
             self._cond.notify()
@@ -244,10 +254,13 @@ class Engine(Generic[P, R]):
                 self._on_shed("client_gone")
             elif t.remaining(now) <= 0:
                 self._on_shed("deadline")
-                t.fail(DeadlineExceeded(
-                    f"the request waited past its deadline ({self.timeout_s:g}s, "
-                    "DUET_REQUEST_TIMEOUT_MS) before a worker was free; retry later",
-                    retry_after=self.retry_after()))
+                t.fail(
+                    DeadlineExceeded(
+                        f"the request waited past its deadline ({self.timeout_s:g}s, "
+                        "DUET_REQUEST_TIMEOUT_MS) before a worker was free; retry later",
+                        retry_after=self.retry_after(),
+                    )
+                )
             else:
                 live.append(t)
         if not live:

@@ -22,8 +22,7 @@ class DuetError(Exception):
     code = "bad_request"
     headers: ClassVar[dict[str, str] | None] = None
 
-    def __init__(self, message: str, *, retry_after: int | None = None,
-                 **extra: object) -> None:
+    def __init__(self, message: str, *, retry_after: int | None = None, **extra: object) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
@@ -152,7 +151,7 @@ _WHY = {
     408: "request headers not received in time (DUET_HTTP_HEADER_TIMEOUT_S)",
     409: "the index version was refused; the old one keeps serving",
     413: "body or image over its limit (DUET_MAX_BODY_BYTES, DUET_MAX_IMAGE_BYTES, "
-         "DUET_MAX_IMAGE_PIXELS)",
+    "DUET_MAX_IMAGE_PIXELS)",
     415: "content-type other than multipart/form-data or application/json",
     422: "the body or its options are invalid, or the query has no readable words",
     429: "overloaded: retry after Retry-After seconds",
@@ -173,27 +172,37 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(DuetError)
     async def _duet(_: Request, exc: DuetError) -> JSONResponse:
-        return JSONResponse(error_body(exc.code, exc.message, **exc.extra), status_code=exc.status,
-                            headers=exc.response_headers())
+        return JSONResponse(
+            error_body(exc.code, exc.message, **exc.extra),
+            status_code=exc.status,
+            headers=exc.response_headers(),
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
-        return JSONResponse(error_body("validation_error", describe_errors(errors), details=errors),
-                            status_code=422)
+        return JSONResponse(
+            error_body("validation_error", describe_errors(errors), details=errors), status_code=422
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             # FastAPI's word for a body that is not UTF-8: the same 422 as malformed JSON
-            return JSONResponse(error_body("validation_error", "body is not valid JSON (it "
-                                           "must be UTF-8 encoded)"), status_code=422)
+            return JSONResponse(
+                error_body("validation_error", "body is not valid JSON (it must be UTF-8 encoded)"),
+                status_code=422,
+            )
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(code, str(exc.detail)),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return JSONResponse(error_body("internal_error", "internal error; see the service log"),
-                            status_code=500)
+        return JSONResponse(
+            error_body("internal_error", "internal error; see the service log"), status_code=500
+        )

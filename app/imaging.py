@@ -24,8 +24,9 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int) -> Image.Image:
     if not data:
         raise InvalidImage("the image is empty")
     if len(data) > max_bytes:
-        raise ImageTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes} "
-                            "(DUET_MAX_IMAGE_BYTES)")
+        raise ImageTooLarge(
+            f"image is {len(data)} bytes; the limit is {max_bytes} (DUET_MAX_IMAGE_BYTES)"
+        )
     try:
         with warnings.catch_warnings():
             # Pillow's decompression-bomb guard: its warning becomes an error here
@@ -33,8 +34,10 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int) -> Image.Image:
             img = Image.open(io.BytesIO(data))
             w, h = img.size
             if w * h > max_pixels:
-                raise ImageTooLarge(f"image is {w}x{h} = {w * h} pixels; the limit is "
-                                    f"{max_pixels} (DUET_MAX_IMAGE_PIXELS)")
+                raise ImageTooLarge(
+                    f"image is {w}x{h} = {w * h} pixels; the limit is "
+                    f"{max_pixels} (DUET_MAX_IMAGE_PIXELS)"
+                )
             if img.format == "JPEG":  # DCT scaling: decode at 1/2, 1/4 or 1/8 when that is enough
                 img.draft("RGB", (KEEP_SIDE, KEEP_SIDE))
             img.load()
@@ -46,7 +49,8 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int) -> Image.Image:
         raise ImageTooLarge(f"image rejected as a decompression bomb: {exc}") from exc
     except UnidentifiedImageError as exc:
         raise InvalidImage(
-            "the upload is not an image Pillow can read (PNG, JPEG, WebP, ...)") from exc
+            "the upload is not an image Pillow can read (PNG, JPEG, WebP, ...)"
+        ) from exc
     except (OSError, ValueError, SyntaxError) as exc:
         raise InvalidImage(f"the image is corrupt or truncated: {exc}") from exc
 
@@ -64,7 +68,8 @@ class ImageDecoder:
 
     async def decode(self, data: bytes) -> Image.Image:
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, decode_image, data, self.max_bytes, self.max_pixels)
+            self._pool, decode_image, data, self.max_bytes, self.max_pixels
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -33,10 +33,15 @@ class _TooLarge(Exception):
 
 def _json_response(status: int, code: str, message: str) -> tuple[Message, Message]:
     body = json.dumps(error_body(code, message)).encode()
-    start: Message = {"type": "http.response.start", "status": status,
-                      "headers": [(b"content-type", b"application/json"),
-                                  (b"content-length", str(len(body)).encode()),
-                                  (b"connection", b"close")]}
+    start: Message = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ],
+    }
     return start, {"type": "http.response.body", "body": body}
 
 
@@ -53,8 +58,10 @@ class BodyLimit:
             return
         limit = self.limit_for(scope["path"])
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        message = (f"request body is larger than {limit} bytes, the limit for {scope['path']}"
-                   " (images: DUET_MAX_IMAGE_BYTES; other routes: DUET_MAX_BODY_BYTES)")
+        message = (
+            f"request body is larger than {limit} bytes, the limit for {scope['path']}"
+            " (images: DUET_MAX_IMAGE_BYTES; other routes: DUET_MAX_BODY_BYTES)"
+        )
         if declared.isdigit() and int(declared) > limit:
             for m in _json_response(PayloadTooLarge.status, PayloadTooLarge.code, message):
                 await send(m)
@@ -95,15 +102,17 @@ class BodyLimit:
 
 async def _busy(scope: Scope, receive: Receive, send: Send) -> None:
     """What a request past the in-flight cap gets, before any routing or body parsing."""
-    start, body = _json_response(429, "overloaded", "too many requests in flight; retry later "
-                                 "(DUET_HTTP_MAX_INFLIGHT)")
+    start, body = _json_response(
+        429, "overloaded", "too many requests in flight; retry later (DUET_HTTP_MAX_INFLIGHT)"
+    )
     start["headers"].append((b"retry-after", b"1"))
     await send(start)
     await send(body)
 
 
-def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_header_bytes: int,
-                     max_inflight: int) -> type[asyncio.Protocol]:
+def guarded_protocol(
+    header_timeout_s: float, body_timeout_s: float, max_header_bytes: int, max_inflight: int
+) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with a header deadline, a body deadline, a header cap and
     a cap on requests in flight (429 before the app; health, readiness and metrics exempt)."""
 
@@ -124,12 +133,14 @@ def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_header_
             self._timer = None
             if self.transport.is_closing():
                 return
-            self.logger.info("closing a slow client %s (%s not received in time)",
-                             self.client, why)
+            self.logger.info("closing a slow client %s (%s not received in time)", self.client, why)
             if why == "headers":
-                self._refuse(408, "request_timeout",
-                             f"request headers not received within {header_timeout_s:g} s "
-                             "(DUET_HTTP_HEADER_TIMEOUT_S)")
+                self._refuse(
+                    408,
+                    "request_timeout",
+                    f"request headers not received within {header_timeout_s:g} s "
+                    "(DUET_HTTP_HEADER_TIMEOUT_S)",
+                )
             else:
                 self.transport.close()  # the app's receive() then sees http.disconnect
 
@@ -138,7 +149,8 @@ def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_header_
             reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n" % (status, reason, len(body)) + body)
+                b"connection: close\r\n\r\n" % (status, reason, len(body)) + body
+            )
             self.transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -163,9 +175,12 @@ def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_header_
             self._header_bytes += n
             if self._header_bytes > max_header_bytes and not self.transport.is_closing():
                 self._disarm()
-                self._refuse(431, "headers_too_large",
-                             f"request line and headers exceed {max_header_bytes} bytes "
-                             "(DUET_HTTP_MAX_HEADER_BYTES)")
+                self._refuse(
+                    431,
+                    "headers_too_large",
+                    f"request line and headers exceed {max_header_bytes} bytes "
+                    "(DUET_HTTP_MAX_HEADER_BYTES)",
+                )
 
         def on_url(self, url: bytes) -> None:
             self._count(len(url))
@@ -203,8 +218,12 @@ def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_header_
 def uvicorn_options(settings: Any) -> dict[str, Any]:
     """The uvicorn.run keywords that carry duet's HTTP limits."""
     return {
-        "http": guarded_protocol(settings.http_header_timeout_s, settings.http_body_timeout_s,
-                                 settings.http_max_header_bytes, settings.http_max_inflight),
+        "http": guarded_protocol(
+            settings.http_header_timeout_s,
+            settings.http_body_timeout_s,
+            settings.http_max_header_bytes,
+            settings.http_max_inflight,
+        ),
         "timeout_keep_alive": settings.http_keep_alive_s,
         "backlog": settings.http_backlog,
     }

@@ -43,16 +43,23 @@ def load_resources(settings: Settings) -> Resources:
     built by other models."""
     model = load_models(settings.encoder, settings.reranker, settings.model_dir, settings.device)
     index = load_checked(resolve_current(settings.index_dir), model)
-    log.info("loaded model %s (re-rankers %s, default %s) and index %s (%d images, %d texts)",
-             model.fingerprint, ", ".join(model.menu.available), model.menu.default,
-             index.version, index.image_index.ntotal, index.text_index.ntotal)
+    log.info(
+        "loaded model %s (re-rankers %s, default %s) and index %s (%d images, %d texts)",
+        model.fingerprint,
+        ", ".join(model.menu.available),
+        model.menu.default,
+        index.version,
+        index.image_index.ntotal,
+        index.text_index.ntotal,
+    )
     return Resources(model, index)
 
 
 def _cache_backend(settings: Settings) -> CacheBackend:
     if settings.redis_url:
-        return RedisCache(settings.redis_url, settings.cache_ttl_s,
-                          settings.redis_timeout_ms / 1000)
+        return RedisCache(
+            settings.redis_url, settings.cache_ttl_s, settings.redis_timeout_ms / 1000
+        )
     return LRUCache(settings.cache_max_entries, settings.cache_ttl_s)
 
 
@@ -62,30 +69,47 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        res = resources if resources is not None else await asyncio.to_thread(
-            load_resources, settings)
-        cache = ResilientCache(_cache_backend(settings), metrics,
-                               timeout_s=settings.redis_timeout_ms / 1000)
+        res = (
+            resources
+            if resources is not None
+            else await asyncio.to_thread(load_resources, settings)
+        )
+        cache = ResilientCache(
+            _cache_backend(settings), metrics, timeout_s=settings.redis_timeout_ms / 1000
+        )
         on_gpu = str(getattr(res.model, "device", "cpu")).startswith("cuda")
         pipeline = SearchPipeline(
-            res.model, res.index, cache, metrics,
-            fusion_lambda=settings.rerank_fusion_lambda, theta=settings.rerank_theta,
+            res.model,
+            res.index,
+            cache,
+            metrics,
+            fusion_lambda=settings.rerank_fusion_lambda,
+            theta=settings.rerank_theta,
             workers=settings.workers,
             torch_threads=settings.torch_threads or max(1, available_cores() // settings.workers),
             worker_nice=settings.worker_nice,
-            max_batch=settings.max_batch, max_queue=settings.max_queue,
+            max_batch=settings.max_batch,
+            max_queue=settings.max_queue,
             rerank_max_batch=settings.rerank_max_batch or (4096 if on_gpu else 64),
             timeout_s=settings.request_timeout_ms / 1000,
-            index_nprobe=settings.index_nprobe, index_ef_search=settings.index_ef_search)
+            index_nprobe=settings.index_nprobe,
+            index_ef_search=settings.index_ef_search,
+        )
         await pipeline.start()
         reloader = IndexReloader(pipeline, settings.index_dir, metrics, settings.index_poll_s)
-        poller = (asyncio.create_task(reloader.poll_forever(), name="index-poller")
-                  if settings.index_poll_s > 0 else None)
+        poller = (
+            asyncio.create_task(reloader.poll_forever(), name="index-poller")
+            if settings.index_poll_s > 0
+            else None
+        )
         app.state.pipeline = pipeline
         app.state.reloader = reloader
         metrics.ready.set(1)
-        log.info("duet ready (cache: %s, index poll: %s)", cache.backend.name,
-                 f"every {settings.index_poll_s:g}s" if poller else "off")
+        log.info(
+            "duet ready (cache: %s, index poll: %s)",
+            cache.backend.name,
+            f"every {settings.index_poll_s:g}s" if poller else "off",
+        )
         try:
             yield
         finally:
@@ -99,11 +123,16 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
             await pipeline.stop()
             app.state.decoder.close()
 
-    app = FastAPI(title="duet", version="0.1.0", lifespan=lifespan,
-                  summary="Image-text retrieval: dot-product top-M, cross-encoder re-rank")
+    app = FastAPI(
+        title="duet",
+        version="0.1.0",
+        lifespan=lifespan,
+        summary="Image-text retrieval: dot-product top-M, cross-encoder re-rank",
+    )
     app.state.settings = settings
-    app.state.decoder = ImageDecoder(settings.max_image_bytes, settings.max_image_pixels,
-                                     settings.decode_pixels_in_flight)
+    app.state.decoder = ImageDecoder(
+        settings.max_image_bytes, settings.max_image_pixels, settings.decode_pixels_in_flight
+    )
     # base64 and multipart framing add about a third to an image
     image_limit = settings.max_image_bytes * 4 // 3 + 65536
     app.state.metrics = metrics
@@ -114,8 +143,10 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
     app.include_router(health.router)
     app.include_router(admin.router)
 
-    app.add_middleware(BodyLimit, limit_for=lambda path: image_limit if path ==
-                       "/search/image" else settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        limit_for=lambda path: image_limit if path == "/search/image" else settings.max_body_bytes,
+    )
     app.add_middleware(_ObserveRequests, metrics=metrics)
     return app
 
@@ -147,4 +178,5 @@ class _ObserveRequests:
             endpoint = getattr(scope.get("route"), "path", "other")
             if endpoint != "/metrics":
                 self.metrics.request_seconds.labels(endpoint=endpoint, status=str(status)).observe(
-                    time.perf_counter() - t0)
+                    time.perf_counter() - t0
+                )

@@ -16,40 +16,71 @@ class Metrics:
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes etc., for the dashboard
         self.request_seconds = Histogram(
-            "duet_request_seconds", "HTTP request latency", ["endpoint", "status"],
-            buckets=LATENCY_BUCKETS, registry=r)
+            "duet_request_seconds",
+            "HTTP request latency",
+            ["endpoint", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.stage_seconds = Histogram(
-            "duet_stage_seconds", "Time per pipeline stage", ["stage"],
-            buckets=LATENCY_BUCKETS, registry=r)
+            "duet_stage_seconds",
+            "Time per pipeline stage",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.cache_requests = Counter(
-            "duet_cache_requests", "Cache look-ups by result", ["result"], registry=r)
+            "duet_cache_requests", "Cache look-ups by result", ["result"], registry=r
+        )
         self.rerank_batch_size = Histogram(
-            "duet_rerank_batch_size", "Pairs per cross-encoder forward pass",
-            buckets=BATCH_BUCKETS, registry=r)
+            "duet_rerank_batch_size",
+            "Pairs per cross-encoder forward pass",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         self.engine_batch_size = Histogram(
-            "duet_engine_batch_size", "Requests per inference-engine batch",
-            buckets=BATCH_BUCKETS, registry=r)
+            "duet_engine_batch_size",
+            "Requests per inference-engine batch",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         self.shed = Counter(
-            "duet_shed_requests", "Requests dropped before model work, by reason "
-            "(queue_full = 429, deadline = 503, client_gone)", ["reason"], registry=r)
+            "duet_shed_requests",
+            "Requests dropped before model work, by reason "
+            "(queue_full = 429, deadline = 503, client_gone)",
+            ["reason"],
+            registry=r,
+        )
         self.degraded = Counter(
-            "duet_degraded_requests", "Responses that re-ranked fewer candidates than asked "
-            "because the deadline could not fit them", registry=r)
+            "duet_degraded_requests",
+            "Responses that re-ranked fewer candidates than asked "
+            "because the deadline could not fit them",
+            registry=r,
+        )
         self.index_items = Gauge(
-            "duet_index_items", "Items in the served index", ["modality"], registry=r)
+            "duet_index_items", "Items in the served index", ["modality"], registry=r
+        )
         self.index_info = Gauge(
-            "duet_index_info", "1 for the index version being served", ["version"], registry=r)
+            "duet_index_info", "1 for the index version being served", ["version"], registry=r
+        )
         self.index_reloads = Counter(
-            "duet_index_reloads", "Attempts to load a new index version, by result", ["result"],
-            registry=r)
-        self.ready = Gauge("duet_ready", "1 when model and index are loaded and search is served",
-                           registry=r)
+            "duet_index_reloads",
+            "Attempts to load a new index version, by result",
+            ["result"],
+            registry=r,
+        )
+        self.ready = Gauge(
+            "duet_ready", "1 when model and index are loaded and search is served", registry=r
+        )
         self.queue_depth = Gauge(
-            "duet_queue_depth", "Requests waiting for an inference-engine worker", registry=r)
+            "duet_queue_depth", "Requests waiting for an inference-engine worker", registry=r
+        )
         self.queue_capacity = Gauge(
-            "duet_queue_capacity", "Requests the engine queue holds before answering 429 "
+            "duet_queue_capacity",
+            "Requests the engine queue holds before answering 429 "
             "(it also refuses earlier when the queued work would outlast the deadline)",
-            registry=r)
+            registry=r,
+        )
         for result in ("ok", "refused"):
             self.index_reloads.labels(result=result)
         for result in ("hit", "miss", "error"):

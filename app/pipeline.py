@@ -106,8 +106,9 @@ class _Work:
 
     ticket: Ticket[Query, Answer]
     timings: dict[str, float]
-    cand: _Candidates = field(default_factory=lambda: _Candidates(np.zeros(0, np.int64),
-                                                                    np.zeros(0, np.float32)))
+    cand: _Candidates = field(
+        default_factory=lambda: _Candidates(np.zeros(0, np.int64), np.zeros(0, np.float32))
+    )
     image_tokens: np.ndarray | None = None  # an image query's own states
     texts: list[Any] | None = None  # an image query's candidate caption rows
 
@@ -123,13 +124,25 @@ class SearchPipeline:
     uses only that one, so `swap_index` can replace the version while requests are in flight.
     """
 
-    def __init__(self, model: JointEncoder, index: IndexVersion, cache: ResilientCache,
-                 metrics: Metrics, *, fusion_lambda: float, theta: float = DEFAULT_THETA,
-                 workers: int = 1, torch_threads: int | None = None, worker_nice: int = 0,
-                 max_batch: int = 64,
-                 rerank_max_batch: int = 64, max_queue: int = 1024, timeout_s: float = 2.0,
-                 index_nprobe: int = ann.DEFAULT_NPROBE,
-                 index_ef_search: int = ann.DEFAULT_EF_SEARCH) -> None:
+    def __init__(
+        self,
+        model: JointEncoder,
+        index: IndexVersion,
+        cache: ResilientCache,
+        metrics: Metrics,
+        *,
+        fusion_lambda: float,
+        theta: float = DEFAULT_THETA,
+        workers: int = 1,
+        torch_threads: int | None = None,
+        worker_nice: int = 0,
+        max_batch: int = 64,
+        rerank_max_batch: int = 64,
+        max_queue: int = 1024,
+        timeout_s: float = 2.0,
+        index_nprobe: int = ann.DEFAULT_NPROBE,
+        index_ef_search: int = ann.DEFAULT_EF_SEARCH,
+    ) -> None:
         self.model = model
         self.indexes = ServedIndex(index)
         self.search_knobs = ann.SearchKnobs(nprobe=index_nprobe, ef_search=index_ef_search)
@@ -149,9 +162,15 @@ class SearchPipeline:
         # seconds per query (encode + search) and per re-ranked pair; measured from the start
         self.throughput = Throughput({"query": 0.002, "pair": 0.001})
         self.engine: Engine[Query, Answer] = Engine(
-            self._run_batch, workers=workers, max_batch=max_batch, max_queue=max_queue,
-            timeout_s=timeout_s, on_shed=lambda why: metrics.shed.labels(reason=why).inc(),
-            on_batch=metrics.engine_batch_size.observe, init_worker=self._init_worker)
+            self._run_batch,
+            workers=workers,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            timeout_s=timeout_s,
+            on_shed=lambda why: metrics.shed.labels(reason=why).inc(),
+            on_batch=metrics.engine_batch_size.observe,
+            init_worker=self._init_worker,
+        )
         self._publish(index)
         metrics.queue_depth.set_function(lambda: self.engine.depth)
         metrics.queue_capacity.set(max_queue)
@@ -205,12 +224,17 @@ class SearchPipeline:
         tokenizer: `normalise(text)`), else the text exactly; 422 when nothing is readable."""
         identity = getattr(self.model, "query_identity", None)
         key = identity(text) if callable(identity) else text
-        if not any(ch.isalnum() or unicodedata.category(ch).startswith(("S", "P"))
-                   for ch in key):
+        if not any(ch.isalnum() or unicodedata.category(ch).startswith(("S", "P")) for ch in key):
             raise ValidationFailed(
                 "query: has no words the model can read (only spaces, control or invisible "
-                "characters" + (", or characters outside a-z and 0-9 for the builtin model"
-                               if key != text else "") + ")")
+                "characters"
+                + (
+                    ", or characters outside a-z and 0-9 for the builtin model"
+                    if key != text
+                    else ""
+                )
+                + ")"
+            )
         return key
 
     def _warm_up(self) -> None:
@@ -223,8 +247,9 @@ class SearchPipeline:
                 t1 = time.perf_counter()
                 n = min(16, len(index.image_tokens))
                 if n:
-                    self.model.score_pairs(["a warm up query"] * n,
-                                           np.asarray(index.image_tokens[:n]))
+                    self.model.score_pairs(
+                        ["a warm up query"] * n, np.asarray(index.image_tokens[:n])
+                    )
                 t2 = time.perf_counter()
         except Exception:  # the requests will report it; the cost model keeps its defaults
             log.exception("warm-up failed; starting with default cost estimates")
@@ -250,7 +275,8 @@ class SearchPipeline:
             why = self._unavailable.get(r, "is not available in this deployment")
             raise RerankerUnavailable(
                 f"reranker: the {r} re-ranker {why}; available: {', '.join(self.rerankers)} "
-                f"(the API knows {', '.join(RERANKERS)})")
+                f"(the API knows {', '.join(RERANKERS)})"
+            )
         if opts.uses_default_reranker:  # options the schema could not check without it
             try:
                 opts.check_for(r)
@@ -259,20 +285,31 @@ class SearchPipeline:
         if r == "none":
             return RerankPlan("none", "none", None, None)
         fusion = opts.fusion or ("add" if r == "ce" else "none")
-        lam = None if fusion == "none" else (
-            self.fusion_lambda if opts.lambda_ is None else opts.lambda_)
+        lam = (
+            None
+            if fusion == "none"
+            else (self.fusion_lambda if opts.lambda_ is None else opts.lambda_)
+        )
         theta = None if r != "late" else (self.theta if opts.theta is None else opts.theta)
         return RerankPlan(r, fusion, lam, theta)
 
-    def _key(self, index: IndexVersion, endpoint: str, query: str, opts: SearchOptions,
-             plan: RerankPlan) -> str:
+    def _key(
+        self, index: IndexVersion, endpoint: str, query: str, opts: SearchOptions, plan: RerankPlan
+    ) -> str:
         """The request's identity, including the version it runs on: no entry outlives a swap.
         Options enter resolved, so `rerank: false` and `reranker: none` share an entry."""
-        return cache_key(model=self.model.fingerprint, index=index.version,
-                         endpoint=endpoint, query=query, top_k=opts.top_k,
-                         candidates=opts.candidates if plan.reranks else None,
-                         reranker=plan.reranker, fusion=plan.fusion, lam=plan.lam,
-                         theta=plan.theta)
+        return cache_key(
+            model=self.model.fingerprint,
+            index=index.version,
+            endpoint=endpoint,
+            query=query,
+            top_k=opts.top_k,
+            candidates=opts.candidates if plan.reranks else None,
+            reranker=plan.reranker,
+            fusion=plan.fusion,
+            lam=plan.lam,
+            theta=plan.theta,
+        )
 
     async def _cached(self, key: str, timings: dict[str, float]) -> SearchResponse | None:
         with self._stage("cache", timings):
@@ -281,17 +318,26 @@ class SearchPipeline:
             return None
         try:
             body = json.loads(raw)
-            return SearchResponse(hits=body["hits"], timings_ms=timings,
-                                  index_version=body["index_version"], cached=True,
-                                  degraded=False, reranked=body.get("reranked"),
-                                  unknown_words=body.get("unknown_words", []))
+            return SearchResponse(
+                hits=body["hits"],
+                timings_ms=timings,
+                index_version=body["index_version"],
+                cached=True,
+                degraded=False,
+                reranked=body.get("reranked"),
+                unknown_words=body.get("unknown_words", []),
+            )
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring an unreadable cache entry %s", key)
             return None
 
     async def _store(self, key: str, resp: SearchResponse) -> None:
-        body = {"hits": [h.model_dump() for h in resp.hits], "index_version": resp.index_version,
-                "reranked": resp.reranked, "unknown_words": resp.unknown_words}
+        body = {
+            "hits": [h.model_dump() for h in resp.hits],
+            "index_version": resp.index_version,
+            "reranked": resp.reranked,
+            "unknown_words": resp.unknown_words,
+        }
         await self.cache.set(key, json.dumps(body))
 
     def _top(self, vec: np.ndarray, index: Any, m: int) -> _Candidates:
@@ -300,8 +346,9 @@ class SearchPipeline:
         return _Candidates.of(dots[0], rows[0])
 
     @staticmethod
-    def _order(cand: _Candidates, scores: np.ndarray | None, plan: RerankPlan,
-               top_k: int) -> list[Ranked]:
+    def _order(
+        cand: _Candidates, scores: np.ndarray | None, plan: RerankPlan, top_k: int
+    ) -> list[Ranked]:
         """(row, dot, re-ranker score, score) for the top-k, best first. `scores` are the
         re-ranker's own (CE probability or S_gl) for the first len(scores) candidates;
         `score` is what the hits are ordered by. Candidates left unscored (a degraded
@@ -316,11 +363,15 @@ class SearchPipeline:
                 combine = add_scores if plan.fusion == "add" else norm_add_scores
                 fused = combine(cand.dots[:n], scores, plan.lam)
             order = np.argsort(-fused, kind="stable")[:top_k]
-            ranked = [(int(cand.rows[i]), float(cand.dots[i]), float(scores[i]), float(fused[i]))
-                      for i in order]
+            ranked = [
+                (int(cand.rows[i]), float(cand.dots[i]), float(scores[i]), float(fused[i]))
+                for i in order
+            ]
         rest = top_k - len(ranked)
-        ranked += [(int(r), float(d), None, float(d))
-                   for r, d in zip(cand.rows[n:n + rest], cand.dots[n:n + rest], strict=True)]
+        ranked += [
+            (int(r), float(d), None, float(d))
+            for r, d in zip(cand.rows[n : n + rest], cand.dots[n : n + rest], strict=True)
+        ]
         return ranked
 
     # -- endpoints (event loop) -------------------------------------------------------
@@ -329,16 +380,24 @@ class SearchPipeline:
         with self.indexes.lease() as index:  # one version for the whole request
             return await self._search(index, "text", query, None, self._identity(query), opts)
 
-    async def search_image(self, data: bytes, image: Image.Image,
-                           opts: SearchOptions) -> SearchResponse:
+    async def search_image(
+        self, data: bytes, image: Image.Image, opts: SearchOptions
+    ) -> SearchResponse:
         """An image finds captions."""
         with self.indexes.lease() as index:
-            return await self._search(index, "image", None, image,
-                                      hashlib.sha256(data).hexdigest(), opts)
+            return await self._search(
+                index, "image", None, image, hashlib.sha256(data).hexdigest(), opts
+            )
 
-    async def _search(self, index: IndexVersion, kind: Literal["text", "image"],
-                      text: str | None, image: Image.Image | None, identity: str,
-                      opts: SearchOptions) -> SearchResponse:
+    async def _search(
+        self,
+        index: IndexVersion,
+        kind: Literal["text", "image"],
+        text: str | None,
+        image: Image.Image | None,
+        identity: str,
+        opts: SearchOptions,
+    ) -> SearchResponse:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         plan = self.plan(opts)
@@ -347,22 +406,34 @@ class SearchPipeline:
             return hit
         m = opts.candidates if plan.reranks else opts.top_k
         cost = self.throughput.seconds("query") + (
-            self.throughput.seconds(_pair_kind(plan), m) if plan.reranks else 0.0)
-        answer = await self.engine.submit(Query(kind, text, image, index, plan, m, opts.top_k),
-                                          cost)
+            self.throughput.seconds(_pair_kind(plan), m) if plan.reranks else 0.0
+        )
+        answer = await self.engine.submit(
+            Query(kind, text, image, index, plan, m, opts.top_k), cost
+        )
         timings.update(answer.timings)
         for stage, ms in answer.timings.items():
             self.metrics.stage_seconds.labels(stage=stage).observe(ms / 1000)
         if answer.degraded:
             self.metrics.degraded.inc()
-        hits = [Hit(id=item_id, score=score, retrieval_score=dot, rerank_score=rr, rank=i + 1,
-                    meta=meta)
-                for i, ((_, dot, rr, score), (item_id, meta)) in enumerate(
-                    zip(answer.ranked, answer.meta, strict=True))]
+        hits = [
+            Hit(
+                id=item_id, score=score, retrieval_score=dot, rerank_score=rr, rank=i + 1, meta=meta
+            )
+            for i, ((_, dot, rr, score), (item_id, meta)) in enumerate(
+                zip(answer.ranked, answer.meta, strict=True)
+            )
+        ]
         timings["total"] = round((time.perf_counter() - t0) * 1000, 3)
-        resp = SearchResponse(hits=hits, timings_ms=timings, index_version=index.version,
-                              cached=False, degraded=answer.degraded, reranked=answer.reranked,
-                              unknown_words=self._unknown(text))
+        resp = SearchResponse(
+            hits=hits,
+            timings_ms=timings,
+            index_version=index.version,
+            cached=False,
+            degraded=answer.degraded,
+            reranked=answer.reranked,
+            unknown_words=self._unknown(text),
+        )
         if not answer.degraded:  # a later request with time to spare gets the full answer
             await self._store(key, resp)
         return resp
@@ -428,8 +499,9 @@ class SearchPipeline:
             q = work[members[0]].query
             index = q.index.image_index if q.kind == "text" else q.index.text_index
             m = max(work[i].query.m for i in members)
-            dots, rows = ann.search(index, np.stack([vecs[i] for i in members]), m,
-                                    self.search_knobs)
+            dots, rows = ann.search(
+                index, np.stack([vecs[i] for i in members]), m, self.search_knobs
+            )
             for j, i in enumerate(members):
                 m_i = work[i].query.m
                 work[i].cand = _Candidates.of(dots[j][:m_i], rows[j][:m_i])
@@ -493,16 +565,18 @@ class SearchPipeline:
             q, mask = q.repeat(n, axis=0), mask.repeat(n, axis=0)
         else:  # the index stores no caption tokens: the text tower computes them here
             q, mask = self.model.text_token_features(texts)
-        return text_image_late_scores(w.query.kind == "text", w.cand.dots[:n], q, mask,
-                                      tokens, plan.theta)
+        return text_image_late_scores(
+            w.query.kind == "text", w.cand.dots[:n], q, mask, tokens, plan.theta
+        )
 
     @property
     def _han(self) -> HANReranker:
         assert self._han_head is not None, "plan() offers han only with a HAN head"
         return self._han_head
 
-    def _answer(self, chunk: list[_Work],
-                score: Callable[[list[_Work]], Sequence[np.ndarray | None]]) -> None:
+    def _answer(
+        self, chunk: list[_Work], score: Callable[[list[_Work]], Sequence[np.ndarray | None]]
+    ) -> None:
         """Look up what re-ranking needs, score the chunk (`score(chunk)` -> one array or
         None per query), order, look up the hits and answer each query."""
         try:
@@ -540,11 +614,17 @@ class SearchPipeline:
             else:
                 assert w.texts is not None
                 by_row = dict(zip(w.cand.rows.tolist(), w.texts, strict=True))
-                meta = [(by_row[r].id, {**by_row[r].meta, "text": by_row[r].text,
-                                        "image_id": by_row[r].image_id}) for r, _, _, _ in ranked]
+                meta = [
+                    (
+                        by_row[r].id,
+                        {**by_row[r].meta, "text": by_row[r].text, "image_id": by_row[r].image_id},
+                    )
+                    for r, _, _, _ in ranked
+                ]
         used = None if scores is None else len(scores)
-        return Answer(ranked, meta, w.timings, used,
-                      degraded=used is not None and used < len(w.cand.rows))
+        return Answer(
+            ranked, meta, w.timings, used, degraded=used is not None and used < len(w.cand.rows)
+        )
 
 
 def _pair_kind(plan: RerankPlan) -> str:

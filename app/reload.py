@@ -60,14 +60,19 @@ def smoke_test(index: IndexVersion, model: JointEncoder) -> None:
     """Search both FAISS indexes with a real query and read back what a request would read."""
     for name, faiss_index in (("image", index.image_index), ("text", index.text_index)):
         if faiss_index.d != model.dim:
-            raise IndexLoadError(f"{name} index has dimension {faiss_index.d}, the model "
-                                 f"{model.dim}")
+            raise IndexLoadError(
+                f"{name} index has dimension {faiss_index.d}, the model {model.dim}"
+            )
     if tuple(index.image_tokens.shape[1:]) != tuple(model.token_shape):
-        raise IndexLoadError(f"image tokens have shape {index.image_tokens.shape[1:]}, the model "
-                             f"needs {model.token_shape}")
+        raise IndexLoadError(
+            f"image tokens have shape {index.image_tokens.shape[1:]}, the model "
+            f"needs {model.token_shape}"
+        )
     vec = np.ascontiguousarray(model.encode_texts([SMOKE_QUERY]), dtype=np.float32)
-    for faiss_index, lookup in ((index.image_index, index.store.images),
-                                (index.text_index, index.store.texts)):
+    for faiss_index, lookup in (
+        (index.image_index, index.store.images),
+        (index.text_index, index.store.texts),
+    ):
         n = faiss_index.ntotal
         if n == 0:
             continue
@@ -83,8 +88,9 @@ def smoke_test(index: IndexVersion, model: JointEncoder) -> None:
 def load_checked(path: Path, model: JointEncoder) -> IndexVersion:
     """Open a version (fingerprint and counts are checked there), prove its files whole
     (`IndexVersion.verify`), then smoke-test it."""
-    index = IndexVersion.open(path, expect_fingerprint=model.fingerprint,
-                              device=str(getattr(model, "device", "cpu")))
+    index = IndexVersion.open(
+        path, expect_fingerprint=model.fingerprint, device=str(getattr(model, "device", "cpu"))
+    )
     try:
         index.verify()
         smoke_test(index, model)
@@ -92,16 +98,18 @@ def load_checked(path: Path, model: JointEncoder) -> IndexVersion:
         index.close()
         if isinstance(exc, IndexLoadError):
             raise
-        raise IndexLoadError(f"index {path} failed a test search: "
-                             f"{type(exc).__name__}: {exc}") from exc
+        raise IndexLoadError(
+            f"index {path} failed a test search: {type(exc).__name__}: {exc}"
+        ) from exc
     return index
 
 
 class IndexReloader:
     """Loads, checks and swaps in new versions for one `SearchPipeline`; one attempt at a time."""
 
-    def __init__(self, pipeline: SearchPipeline, index_dir: Path, metrics: Metrics,
-                 poll_s: float) -> None:
+    def __init__(
+        self, pipeline: SearchPipeline, index_dir: Path, metrics: Metrics, poll_s: float
+    ) -> None:
         self._pipeline = pipeline
         self._index_dir = Path(index_dir)
         self._metrics = metrics
@@ -132,16 +140,25 @@ class IndexReloader:
             try:
                 new = await asyncio.to_thread(load_checked, path, self._pipeline.model)
             except Exception as exc:  # anything that stops a load refuses the version
-                reason = str(exc) if isinstance(exc, IndexLoadError) else (
-                    f"{type(exc).__name__}: {exc}")
+                reason = (
+                    str(exc)
+                    if isinstance(exc, IndexLoadError)
+                    else (f"{type(exc).__name__}: {exc}")
+                )
                 return self._refuse(path, reason, stamp, force)
             self._pipeline.swap_index(new)
             self._refused.pop(path, None)
             self._metrics.index_reloads.labels(result="ok").inc()
-            self.last_swap = Outcome("swapped", new.version, str(path), _now(),
-                                     previous=served.version)
-            log.info("swapped index %s -> %s (%d images, %d texts)", served.version,
-                     new.version, new.image_index.ntotal, new.text_index.ntotal)
+            self.last_swap = Outcome(
+                "swapped", new.version, str(path), _now(), previous=served.version
+            )
+            log.info(
+                "swapped index %s -> %s (%d images, %d texts)",
+                served.version,
+                new.version,
+                new.image_index.ntotal,
+                new.text_index.ntotal,
+            )
             return self.last_swap
 
     def _known_refusal(self, path: Path, stamp: object, force: bool) -> Outcome | None:
@@ -173,9 +190,11 @@ class IndexReloader:
     def status(self) -> dict[str, Any]:
         """For /readyz (unauthenticated): poll interval, the last swap and the last refusal,
         without the host's file paths (/admin/reload and the log have them in full)."""
-        return {"poll_s": self.poll_s,
-                "last_swap": self._public(self.last_swap),
-                "last_refused": self._public(self.last_refused)}
+        return {
+            "poll_s": self.poll_s,
+            "last_swap": self._public(self.last_swap),
+            "last_refused": self._public(self.last_refused),
+        }
 
     def _public(self, outcome: Outcome | None) -> dict[str, Any] | None:
         if outcome is None:
@@ -186,6 +205,5 @@ class IndexReloader:
             reason = outcome.reason.replace(str(self._index_dir.resolve()), "INDEX_DIR")
             reason = reason.replace(str(self._index_dir), "INDEX_DIR")
             # any other absolute path (a library's source file in an error) -> its last part
-            shown["reason"] = re.sub(r"(?<![\w.])/(?:[^\s/:'\"]+/)+([^\s/:'\"]+)", r"\1",
-                                     reason)
+            shown["reason"] = re.sub(r"(?<![\w.])/(?:[^\s/:'\"]+/)+([^\s/:'\"]+)", r"\1", reason)
         return shown

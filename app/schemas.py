@@ -28,18 +28,29 @@ class SearchOptions(BaseModel):
     candidates: int = Field(50, ge=1, le=1000, description="top-M by dot product to re-rank")
     rerank: bool = Field(True, description="false = reranker none (the dot-product order)")
     reranker: Reranker | None = Field(
-        None, description="ce (cross-encoder, default), late (late interaction, S_gl), "
-                          "han (HAN's word-region alignment, S_AVG), none (dot-product order)")
+        None,
+        description="ce (cross-encoder, default), late (late interaction, S_gl), "
+        "han (HAN's word-region alignment, S_AVG), none (dot-product order)",
+    )
     fusion: Fusion | None = Field(
-        None, description="none (re-ranker score alone), add (lambda*dot + (1-lambda)*score), "
-                          "norm_add (add after 0-1 normalising both over the candidates); "
-                          "default: add for ce, none for late and han")
+        None,
+        description="none (re-ranker score alone), add (lambda*dot + (1-lambda)*score), "
+        "norm_add (add after 0-1 normalising both over the candidates); "
+        "default: add for ce, none for late and han",
+    )
     lambda_: float | None = Field(
-        None, alias="lambda", ge=0.0, le=1.0,
-        description="fusion weight of the dot product; default DUET_RERANK_FUSION_LAMBDA")
+        None,
+        alias="lambda",
+        ge=0.0,
+        le=1.0,
+        description="fusion weight of the dot product; default DUET_RERANK_FUSION_LAMBDA",
+    )
     theta: float | None = Field(
-        None, ge=0.0, le=1.0,
-        description="late only: S_gl = (1-theta)*dot + theta*S_l; default DUET_RERANK_THETA")
+        None,
+        ge=0.0,
+        le=1.0,
+        description="late only: S_gl = (1-theta)*dot + theta*S_l; default DUET_RERANK_THETA",
+    )
 
     def reranker_or(self, default: str) -> str:
         """The re-ranker asked for; `default` (the service's, DUET_RERANKER) when the request
@@ -62,10 +73,15 @@ class SearchOptions(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> SearchOptions:
-        if self.reranker is not None and "rerank" in self.model_fields_set \
-                and self.rerank != (self.reranker != "none"):
-            raise ValueError(f"rerank={str(self.rerank).lower()} contradicts "
-                             f"reranker={self.reranker}; send only reranker")
+        if (
+            self.reranker is not None
+            and "rerank" in self.model_fields_set
+            and self.rerank != (self.reranker != "none")
+        ):
+            raise ValueError(
+                f"rerank={str(self.rerank).lower()} contradicts "
+                f"reranker={self.reranker}; send only reranker"
+            )
         if self.lambda_ is not None and self.fusion == "none":
             raise ValueError("lambda applies only to fusion add or norm_add, not none")
         if not self.uses_default_reranker:  # else the service checks against its default
@@ -75,22 +91,29 @@ class SearchOptions(BaseModel):
     def check_for(self, r: str) -> None:
         """ValueError for options that re-ranker `r` would ignore."""
         if r == "none":
-            for name, value in (("fusion", self.fusion), ("lambda", self.lambda_),
-                                ("theta", self.theta)):
+            for name, value in (
+                ("fusion", self.fusion),
+                ("lambda", self.lambda_),
+                ("theta", self.theta),
+            ):
                 if value is not None:
-                    raise ValueError(f"{name} needs a re-ranker; reranker is none "
-                                     "(the dot-product order)")
+                    raise ValueError(
+                        f"{name} needs a re-ranker; reranker is none (the dot-product order)"
+                    )
         if self.theta is not None and r != "late":
             raise ValueError(f"theta applies only to reranker=late, not {r}")
         if r != "none" and self.candidates < self.top_k:
-            raise ValueError(f"candidates ({self.candidates}) must be >= top_k ({self.top_k}) "
-                             "when re-ranking")
+            raise ValueError(
+                f"candidates ({self.candidates}) must be >= top_k ({self.top_k}) when re-ranking"
+            )
 
     def options(self) -> SearchOptions:
         """Just the options (a request body minus its query or image)."""
         return SearchOptions.model_validate(
-            self.model_dump(include=set(SearchOptions.model_fields), exclude_unset=True,
-                            by_alias=True))
+            self.model_dump(
+                include=set(SearchOptions.model_fields), exclude_unset=True, by_alias=True
+            )
+        )
 
 
 class TextSearchRequest(SearchOptions):
@@ -98,8 +121,9 @@ class TextSearchRequest(SearchOptions):
     # (multipart form fields arrive as text and go through SearchOptions, which converts)
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    query: str = Field(..., min_length=1, max_length=MAX_QUERY_CHARS,
-                       description="a sentence describing the image")
+    query: str = Field(
+        ..., min_length=1, max_length=MAX_QUERY_CHARS, description="a sentence describing the image"
+    )
 
     @model_validator(mode="after")
     def _not_blank(self) -> TextSearchRequest:
@@ -129,10 +153,15 @@ class SearchResponse(BaseModel):
     index_version: str
     cached: bool
     degraded: bool = Field(
-        False, description="true when the deadline (DUET_REQUEST_TIMEOUT_MS) could not fit "
-                           "every candidate: `reranked` says how many were re-ranked")
+        False,
+        description="true when the deadline (DUET_REQUEST_TIMEOUT_MS) could not fit "
+        "every candidate: `reranked` says how many were re-ranked",
+    )
     reranked: int | None = Field(
-        None, description="candidates re-ranked; null when the request does not re-rank")
+        None, description="candidates re-ranked; null when the request does not re-rank"
+    )
     unknown_words: list[str] = Field(
-        default_factory=list, description="query words the model's vocabulary does not know "
-                                          "(it reads them as unknown); empty for image queries")
+        default_factory=list,
+        description="query words the model's vocabulary does not know "
+        "(it reads them as unknown); empty for image queries",
+    )

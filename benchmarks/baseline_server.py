@@ -63,13 +63,21 @@ def make_app(index_dir: Path, device: str = "cpu") -> FastAPI:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--index", type=Path, default=Path("indexes/current"),
-                   help="an index version directory (default: indexes/current)")
+    p.add_argument(
+        "--index",
+        type=Path,
+        default=Path("indexes/current"),
+        help="an index version directory (default: indexes/current)",
+    )
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     args = p.parse_args()
-    uvicorn.run(make_app(args.index.resolve(), args.device), host="127.0.0.1", port=args.port,
-                log_level="warning")
+    uvicorn.run(
+        make_app(args.index.resolve(), args.device),
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+    )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,7 @@ DATA_SEED, BASE_SEED, QUERY_SEED, TUNE_SEED, SAMPLE_SEED = 0, 1, 2, 3, 4
 TRAIN_PER_LIST = 50  # k-means sample per IVF list: FAISS warns below 39, caps at 256
 MIN_N = 1000
 WARMUP = 10
-DEFAULT_TYPES = ("Flat", "HNSW32", "IVF{nlist},Flat", "IVF{nlist},PQ32x8",
-                 "IVF{nlist}_HNSW32,SQ8")
+DEFAULT_TYPES = ("Flat", "HNSW32", "IVF{nlist},Flat", "IVF{nlist},PQ32x8", "IVF{nlist}_HNSW32,SQ8")
 NPROBES = tuple(2**i for i in range(13))
 EF_SEARCHES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PLATEAU = 0.002  # a knob step that gains less recall than this is not worth its time
@@ -68,8 +67,9 @@ class Mixture:
         rng = np.random.default_rng(seed)
         groups = _unit(rng.standard_normal((GROUPS, DIM), dtype=np.float32))
         offsets = rng.standard_normal((GROUPS * PER_GROUP, DIM), dtype=np.float32)
-        self.centres = _unit(np.repeat(groups, PER_GROUP, axis=0)
-                             + offsets * np.float32(GROUP_SPREAD / np.sqrt(DIM)))
+        self.centres = _unit(
+            np.repeat(groups, PER_GROUP, axis=0) + offsets * np.float32(GROUP_SPREAD / np.sqrt(DIM))
+        )
         basis, _ = np.linalg.qr(rng.standard_normal((DIM, DIM)))
         scale = np.arange(1, DIM + 1, dtype=np.float64) ** -SPECTRUM_DECAY
         scale *= NOISE / np.sqrt((scale**2).sum())
@@ -83,7 +83,7 @@ class Mixture:
             m = min(chunk, n - lo)
             x = self.centres[rng.integers(len(self.centres), size=m)]
             x += rng.standard_normal((m, DIM), dtype=np.float32) @ self.noise
-            out[lo:lo + m] = _unit(x)
+            out[lo : lo + m] = _unit(x)
         return out
 
 
@@ -143,13 +143,13 @@ def knobs(index: faiss.Index) -> list[Knob]:
             out.append(Knob("nprobe", p, params))
         return out
     if isinstance(index, faiss.IndexHNSW):
-        return [Knob("efSearch", ef, faiss.SearchParametersHNSW(efSearch=ef))
-                for ef in EF_SEARCHES]
+        return [Knob("efSearch", ef, faiss.SearchParametersHNSW(efSearch=ef)) for ef in EF_SEARCHES]
     return []
 
 
-def tune(index: faiss.Index, queries: np.ndarray, truth: np.ndarray,
-         target: float) -> tuple[Knob | None, bool]:
+def tune(
+    index: faiss.Index, queries: np.ndarray, truth: np.ndarray, target: float
+) -> tuple[Knob | None, bool]:
     """The cheapest knob reaching `target` recall on tuning queries, and whether the
     target was met; if recall plateaus below it, the knob where it stopped improving.
     (None, True) for an exhaustive index, which has no knob."""
@@ -168,8 +168,9 @@ def tune(index: faiss.Index, queries: np.ndarray, truth: np.ndarray,
     return best, False
 
 
-def batch1_latency(index: faiss.Index, queries: np.ndarray, knob: Knob | None,
-                   max_seconds: float) -> tuple[np.ndarray, np.ndarray]:
+def batch1_latency(
+    index: faiss.Index, queries: np.ndarray, knob: Knob | None, max_seconds: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-query seconds and ids of single-vector searches on one FAISS thread, stopping
     early (after at least 100 queries) once max_seconds have been spent."""
     params = None if knob is None else knob.params
@@ -177,12 +178,12 @@ def batch1_latency(index: faiss.Index, queries: np.ndarray, knob: Knob | None,
     faiss.omp_set_num_threads(1)
     try:
         for i in range(min(WARMUP, len(queries))):
-            index.search(queries[i:i + 1], K, params=params)
+            index.search(queries[i : i + 1], K, params=params)
         seconds, ids = [], []
         start = time.perf_counter()
         for i in range(len(queries)):
             t0 = time.perf_counter()
-            _, found = index.search(queries[i:i + 1], K, params=params)
+            _, found = index.search(queries[i : i + 1], K, params=params)
             seconds.append(time.perf_counter() - t0)
             ids.append(found[0])
             if i >= 99 and time.perf_counter() - start > max_seconds:
@@ -218,9 +219,17 @@ def skip_polysemous_training(index: faiss.Index) -> None:
         ivf.do_polysemous_training = False
 
 
-def measure(template: str, base: np.ndarray, sample: np.ndarray, queries: np.ndarray,
-            truth: np.ndarray, tune_queries: np.ndarray, tune_truth: np.ndarray,
-            target: float, max_seconds: float) -> Row:
+def measure(
+    template: str,
+    base: np.ndarray,
+    sample: np.ndarray,
+    queries: np.ndarray,
+    truth: np.ndarray,
+    tune_queries: np.ndarray,
+    tune_truth: np.ndarray,
+    target: float,
+    max_seconds: float,
+) -> Row:
     n = len(base)
     nlist = nlist_for(n)
     index = faiss.index_factory(DIM, template.format(nlist=nlist), faiss.METRIC_INNER_PRODUCT)
@@ -233,22 +242,36 @@ def measure(template: str, base: np.ndarray, sample: np.ndarray, queries: np.nda
     size = faiss.serialize_index(index).size
     knob, met = tune(index, tune_queries, tune_truth, target)
     seconds, ids = batch1_latency(index, queries, knob, max_seconds)
-    truth = truth[:len(ids)]
+    truth = truth[: len(ids)]
     labels = [f"nlist={nlist}"] if "{nlist}" in template else []
     if knob is not None:
         labels.append(knob.label + ("" if met else " (plateau)"))
     p50, p99 = np.percentile(seconds * 1000, [50, 99])
-    return Row(template, n, ", ".join(labels) or "exact", build_s, float(p50), float(p99),
-               recall_at_k(ids, truth), size / n, len(ids))
+    return Row(
+        template,
+        n,
+        ", ".join(labels) or "exact",
+        build_s,
+        float(p50),
+        float(p99),
+        recall_at_k(ids, truth),
+        size / n,
+        len(ids),
+    )
 
 
 def markdown_table(rows: Sequence[Row]) -> str:
-    lines = ["| type | N | params | build s | vectors/s | p50 ms | p99 ms | recall@10 "
-             "| bytes/vector | queries |", "|" + "---|" * 10]
+    lines = [
+        "| type | N | params | build s | vectors/s | p50 ms | p99 ms | recall@10 "
+        "| bytes/vector | queries |",
+        "|" + "---|" * 10,
+    ]
     for r in rows:
-        lines.append(f"| `{r.type}` | {r.n:,} | {r.params} | {r.build_s:.2f} "
-                     f"| {r.vectors_per_s:,.0f} | {r.p50_ms:.3f} | {r.p99_ms:.3f} "
-                     f"| {r.recall:.3f} | {r.bytes_per_vector:.1f} | {r.queries} |")
+        lines.append(
+            f"| `{r.type}` | {r.n:,} | {r.params} | {r.build_s:.2f} "
+            f"| {r.vectors_per_s:,.0f} | {r.p50_ms:.3f} | {r.p99_ms:.3f} "
+            f"| {r.recall:.3f} | {r.bytes_per_vector:.1f} | {r.queries} |"
+        )
     return "\n".join(lines)
 
 
@@ -256,29 +279,37 @@ def machine() -> str:
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
-                 if ln.startswith("model name")]
+        names = [
+            ln.split(":", 1)[1].strip()
+            for ln in cpuinfo.read_text().splitlines()
+            if ln.startswith("model name")
+        ]
         cpu = names[0] if names else cpu
-    return (f"{os.cpu_count()} CPU cores ({cpu}), CPU only; faiss {faiss.__version__}, "
-            f"numpy {np.__version__}, Python {platform.python_version()}")
+    return (
+        f"{os.cpu_count()} CPU cores ({cpu}), CPU only; faiss {faiss.__version__}, "
+        f"numpy {np.__version__}, Python {platform.python_version()}"
+    )
 
 
-def report(rows: Sequence[Row], argv: Sequence[str], target: float, build_threads: int,
-           elapsed_s: float) -> str:
+def report(
+    rows: Sequence[Row], argv: Sequence[str], target: float, build_threads: int, elapsed_s: float
+) -> str:
     cmd = shlex.join([".venv/bin/python", "benchmarks/index_scale.py", *argv])
-    return "\n".join([
-        f"Machine: {machine()}.",
-        "",
-        f"Command: `{cmd}` ({elapsed_s / 60:.1f} min in all).",
-        "",
-        f"d = {DIM}, inner product, k = {K}. Build (train + add) uses {build_threads} FAISS "
-        f"thread(s); latency is batch 1 with FAISS on 1 thread. The knob is the cheapest "
-        f"reaching recall@10 ≥ {target} on separate tuning queries; \"plateau\" marks an "
-        f"index whose recall stopped improving below that. recall@10 is against exact "
-        f"search on the timed queries; bytes/vector = `faiss.serialize_index` size / N.",
-        "",
-        markdown_table(rows),
-    ])
+    return "\n".join(
+        [
+            f"Machine: {machine()}.",
+            "",
+            f"Command: `{cmd}` ({elapsed_s / 60:.1f} min in all).",
+            "",
+            f"d = {DIM}, inner product, k = {K}. Build (train + add) uses {build_threads} FAISS "
+            f"thread(s); latency is batch 1 with FAISS on 1 thread. The knob is the cheapest "
+            f'reaching recall@10 ≥ {target} on separate tuning queries; "plateau" marks an '
+            f"index whose recall stopped improving below that. recall@10 is against exact "
+            f"search on the timed queries; bytes/vector = `faiss.serialize_index` size / N.",
+            "",
+            markdown_table(rows),
+        ]
+    )
 
 
 def write_markdown(path: Path, block: str) -> None:
@@ -296,8 +327,10 @@ def write_markdown(path: Path, block: str) -> None:
 
 def check_markdown(path: Path) -> None:
     if path.exists() and not (BEGIN in (text := path.read_text()) and END in text):
-        raise UsageError(f"--out {path} exists without the {BEGIN} / {END} markers; "
-                         "add them where the table belongs, or choose another file")
+        raise UsageError(
+            f"--out {path} exists without the {BEGIN} / {END} markers; "
+            "add them where the table belongs, or choose another file"
+        )
 
 
 def plot(path: Path, rows: Sequence[Row]) -> None:
@@ -311,8 +344,14 @@ def plot(path: Path, rows: Sequence[Row]) -> None:
         mine = [r for r in rows if r.type == template]
         ns = [r.n for r in mine]
         (line,) = ax.plot(ns, [r.p50_ms for r in mine], marker="o", label=template)
-        ax.plot(ns, [r.p99_ms for r in mine], linestyle="--", marker=".",
-                color=line.get_color(), alpha=0.7)
+        ax.plot(
+            ns,
+            [r.p99_ms for r in mine],
+            linestyle="--",
+            marker=".",
+            color=line.get_color(),
+            alpha=0.7,
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     sizes = sorted({r.n for r in rows})
@@ -328,8 +367,7 @@ def plot(path: Path, rows: Sequence[Row]) -> None:
     plt.close(fig)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
-                     argparse.RawDescriptionHelpFormatter):
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown, and the module docstring kept as written."""
 
 
@@ -337,28 +375,52 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__,
         epilog="Each index is faiss.index_factory(128, TYPE, faiss.METRIC_INNER_PRODUCT); "
-               "{nlist} in a TYPE becomes 4·√N rounded to a power of two, at most N/39, "
-               "and IVF training uses 50·nlist vectors (at most N). IVF-PQ's polysemous "
-               "training is turned off: it only serves Hamming pre-filtering, which duet "
-               "does not use, and costs over a minute per build. Exit status 2 on a bad "
-               "option.",
-        formatter_class=_HelpFormatter)
-    p.add_argument("--sizes", default="10000,100000,1000000",
-                   help=f"comma-separated N values (each ≥ {MIN_N}); 2000 is a quick check")
-    p.add_argument("--types", nargs="+", default=list(DEFAULT_TYPES), metavar="TYPE",
-                   help="FAISS index-factory strings; quote them in the shell")
-    p.add_argument("--queries", type=int, default=1000,
-                   help="timed single-vector queries per index (plus as many for tuning)")
-    p.add_argument("--max-seconds", type=float, default=30.0,
-                   help="stop a latency loop after this long (keeping ≥ 100 queries); "
-                        "the table shows how many ran")
-    p.add_argument("--target-recall", type=float, default=0.9,
-                   help="recall@10 the nprobe / efSearch tuning aims for")
-    p.add_argument("--out", default="docs/scale.md",
-                   help="Markdown file for the table ('' = stdout only)")
-    p.add_argument("--plot", default="docs/scale.png",
-                   help="PNG of latency vs N ('' = none; needs matplotlib: pip install "
-                        "-e '.[bench]')")
+        "{nlist} in a TYPE becomes 4·√N rounded to a power of two, at most N/39, "
+        "and IVF training uses 50·nlist vectors (at most N). IVF-PQ's polysemous "
+        "training is turned off: it only serves Hamming pre-filtering, which duet "
+        "does not use, and costs over a minute per build. Exit status 2 on a bad "
+        "option.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "--sizes",
+        default="10000,100000,1000000",
+        help=f"comma-separated N values (each ≥ {MIN_N}); 2000 is a quick check",
+    )
+    p.add_argument(
+        "--types",
+        nargs="+",
+        default=list(DEFAULT_TYPES),
+        metavar="TYPE",
+        help="FAISS index-factory strings; quote them in the shell",
+    )
+    p.add_argument(
+        "--queries",
+        type=int,
+        default=1000,
+        help="timed single-vector queries per index (plus as many for tuning)",
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=30.0,
+        help="stop a latency loop after this long (keeping ≥ 100 queries); "
+        "the table shows how many ran",
+    )
+    p.add_argument(
+        "--target-recall",
+        type=float,
+        default=0.9,
+        help="recall@10 the nprobe / efSearch tuning aims for",
+    )
+    p.add_argument(
+        "--out", default="docs/scale.md", help="Markdown file for the table ('' = stdout only)"
+    )
+    p.add_argument(
+        "--plot",
+        default="docs/scale.png",
+        help="PNG of latency vs N ('' = none; needs matplotlib: pip install -e '.[bench]')",
+    )
     args = p.parse_args(argv)
     try:
         args.sizes = [int(s) for s in args.sizes.split(",")]
@@ -378,17 +440,20 @@ def check_types(types: Sequence[str]) -> None:
         try:
             faiss.index_factory(DIM, template.format(nlist=1), faiss.METRIC_INNER_PRODUCT)
         except (KeyError, IndexError, ValueError, RuntimeError) as e:
-            raise UsageError(f"--types {template!r} is not an index-factory string FAISS "
-                             f"accepts ({type(e).__name__}); see the FAISS wiki page "
-                             "'The index factory'") from e
+            raise UsageError(
+                f"--types {template!r} is not an index-factory string FAISS "
+                f"accepts ({type(e).__name__}); see the FAISS wiki page "
+                "'The index factory'"
+            ) from e
 
 
 def check_plot_backend() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
-        raise UsageError("--plot needs matplotlib: pip install -e '.[bench]', "
-                         "or pass --plot ''") from e
+        raise UsageError(
+            "--plot needs matplotlib: pip install -e '.[bench]', or pass --plot ''"
+        ) from e
 
 
 def log(msg: str) -> None:
@@ -405,15 +470,27 @@ def run(args: argparse.Namespace) -> list[Row]:
         base = mixture.sample(n, BASE_SEED)
         truth, tune_truth = exact_knn(queries, base), exact_knn(tune_queries, base)
         pick = np.random.default_rng(SAMPLE_SEED).choice(
-            n, size=train_size(n, nlist_for(n)), replace=False)
+            n, size=train_size(n, nlist_for(n)), replace=False
+        )
         sample = base[np.sort(pick)]
         for template in args.types:
             log(f"N={n:,} {template}: build, tune, time")
-            row = measure(template, base, sample, queries, truth, tune_queries, tune_truth,
-                          args.target_recall, args.max_seconds)
-            log(f"  {row.params}: build {row.build_s:.1f} s, p50 {row.p50_ms:.3f} ms, "
+            row = measure(
+                template,
+                base,
+                sample,
+                queries,
+                truth,
+                tune_queries,
+                tune_truth,
+                args.target_recall,
+                args.max_seconds,
+            )
+            log(
+                f"  {row.params}: build {row.build_s:.1f} s, p50 {row.p50_ms:.3f} ms, "
                 f"p99 {row.p99_ms:.3f} ms, recall@10 {row.recall:.3f}, "
-                f"{row.bytes_per_vector:.0f} B/vector")
+                f"{row.bytes_per_vector:.0f} B/vector"
+            )
             rows.append(row)
         del base, sample
     return rows
@@ -434,8 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     build_threads = faiss.omp_get_max_threads()
     rows = run(args)
-    block = report(rows, argv, args.target_recall, build_threads,
-                   time.perf_counter() - start)
+    block = report(rows, argv, args.target_recall, build_threads, time.perf_counter() - start)
     print(block)
     if args.out:
         write_markdown(Path(args.out), block)

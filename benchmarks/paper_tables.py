@@ -47,10 +47,28 @@ def duet(*args: str, env: dict[str, str]) -> str:
 
 def build(work: Path, name: str, images: int, seed: int, env: dict[str, str]) -> Path:
     corpus, index = work / f"{name}-corpus", work / f"{name}-index"
-    duet("demo-corpus", "--out", str(corpus), "--images", str(images), "--seed", str(seed),
-         "--no-progress", env=env)
-    duet("build", "--corpus", str(corpus / "manifest.jsonl"), "--out", str(index),
-         "--factory", "Flat", "--no-progress", env=env)
+    duet(
+        "demo-corpus",
+        "--out",
+        str(corpus),
+        "--images",
+        str(images),
+        "--seed",
+        str(seed),
+        "--no-progress",
+        env=env,
+    )
+    duet(
+        "build",
+        "--corpus",
+        str(corpus / "manifest.jsonl"),
+        "--out",
+        str(index),
+        "--factory",
+        "Flat",
+        "--no-progress",
+        env=env,
+    )
     return index
 
 
@@ -63,11 +81,17 @@ def ms(r: dict[str, Any]) -> str:
     return " / ".join(f"{t[d]:.3g}" for d in ("t2i", "i2t") if d in t) or "–"
 
 
-HEAD = ("| {} | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 | ms/query "
-        "(t2i / i2t) |\n|---|---|---|---|---|---|---|---|")
-LABELS = {"dot": "dot (bi-encoder)", "coop": "coop (dot top-M, cross-encoder)",
-          "late": "late (TGDT S_gl)", "han": "han (HAN S_AVG)",
-          "ce-full": "ce-full (cross-encoder, whole pool)"}
+HEAD = (
+    "| {} | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 | ms/query "
+    "(t2i / i2t) |\n|---|---|---|---|---|---|---|---|"
+)
+LABELS = {
+    "dot": "dot (bi-encoder)",
+    "coop": "coop (dot top-M, cross-encoder)",
+    "late": "late (TGDT S_gl)",
+    "han": "han (HAN S_AVG)",
+    "ce-full": "ce-full (cross-encoder, whole pool)",
+}
 
 
 def table(result: dict[str, Any], title: str = "mode") -> str:
@@ -76,15 +100,17 @@ def table(result: dict[str, Any], title: str = "mode") -> str:
         rows.append(f"| {LABELS.get(mode, mode)} | " + " | ".join(cells(r)) + f" | {ms(r)} |")
         if "coop_same_queries" in r:
             q = r["queries"]
-            rows.append(f"| coop on ce-full's {q.get('t2i')} / {q.get('i2t')} queries | "
-                        + " | ".join(cells(r["coop_same_queries"])) + " | |")
+            rows.append(
+                f"| coop on ce-full's {q.get('t2i')} / {q.get('i2t')} queries | "
+                + " | ".join(cells(r["coop_same_queries"]))
+                + " | |"
+            )
     return "\n".join(rows)
 
 
 def sweep(entries: dict[str, Any], title: str) -> str:
     rows = [HEAD.format(title)]
-    rows += [f"| {name} | " + " | ".join(cells(r)) + f" | {ms(r)} |"
-             for name, r in entries.items()]
+    rows += [f"| {name} | " + " | ".join(cells(r)) + f" | {ms(r)} |" for name, r in entries.items()]
     return "\n".join(rows)
 
 
@@ -93,40 +119,74 @@ def pattern(plain: dict[str, Any], mixed: dict[str, Any]) -> list[tuple[str, boo
     m, x = plain["modes"], mixed["modes"]
     out = []
     lift = m["coop"]["t2i"]["R@1"] - m["dot"]["t2i"]["R@1"]
-    out.append(("re-ranking lifts text->image R@1 by at least 10 points", lift >= 10,
-                f"coop {m['coop']['t2i']['R@1']:.1f} vs dot {m['dot']['t2i']['R@1']:.1f} "
-                f"({lift:+.1f})"))
+    out.append(
+        (
+            "re-ranking lifts text->image R@1 by at least 10 points",
+            lift >= 10,
+            f"coop {m['coop']['t2i']['R@1']:.1f} vs dot {m['dot']['t2i']['R@1']:.1f} ({lift:+.1f})",
+        )
+    )
     default = plain.get("sweeps", {}).get("fusion", {}).get(DEFAULT_FUSION)
     if default is not None:
         fused = default["t2i"]["R@1"] - m["dot"]["t2i"]["R@1"]
-        out.append((f"re-ranking as served ({DEFAULT_FUSION}, λ chosen on validation) lifts "
-                    "text->image R@1 by at least 10 points", fused >= 10,
-                    f"{DEFAULT_FUSION} {default['t2i']['R@1']:.1f} vs dot "
-                    f"{m['dot']['t2i']['R@1']:.1f} ({fused:+.1f})"))
+        out.append(
+            (
+                f"re-ranking as served ({DEFAULT_FUSION}, λ chosen on validation) lifts "
+                "text->image R@1 by at least 10 points",
+                fused >= 10,
+                f"{DEFAULT_FUSION} {default['t2i']['R@1']:.1f} vs dot "
+                f"{m['dot']['t2i']['R@1']:.1f} ({fused:+.1f})",
+            )
+        )
     holds = all(m["coop"][d]["R@10"] >= m["dot"][d]["R@10"] - 1 for d in ("t2i", "i2t"))
-    out.append(("R@10 holds (coop within 1 point of dot or above)", holds,
-                ", ".join(f"{d} {m['coop'][d]['R@10']:.1f} vs {m['dot'][d]['R@10']:.1f}"
-                          for d in ("t2i", "i2t"))))
+    out.append(
+        (
+            "R@10 holds (coop within 1 point of dot or above)",
+            holds,
+            ", ".join(
+                f"{d} {m['coop'][d]['R@10']:.1f} vs {m['dot'][d]['R@10']:.1f}"
+                for d in ("t2i", "i2t")
+            ),
+        )
+    )
     if "ce-full" in m:
         full, same = m["ce-full"], m["ce-full"]["coop_same_queries"]
         gaps = {d: same[d]["R@1"] - full[d]["R@1"] for d in ("t2i", "i2t")}
-        ratios = {d: full["ms_per_query"][d] / m["coop"]["ms_per_query"][d]
-                  for d in ("t2i", "i2t")}
-        out.append(("coop R@1 within 2 points of ce-full (same queries)",
-                    all(g >= -2 for g in gaps.values()),
-                    ", ".join(f"{d} {same[d]['R@1']:.1f} vs {full[d]['R@1']:.1f}" for d in gaps)))
-        out.append(("coop at >= 50x less time per query than ce-full",
-                    all(r >= 50 for r in ratios.values()),
-                    ", ".join(f"{d} {r:.0f}x" for d, r in ratios.items())))
-    drops = {mode: {d: m[mode][d]["R@1"] - x[mode][d]["R@1"] for d in ("t2i", "i2t")}
-             for mode in x if mode in m}
-    out.append(("distractors lower every mode's R@1", all(v > 0 for dd in drops.values()
-                                                          for v in dd.values()),
-                "; ".join(f"{mode} -{dd['t2i']:.1f} / -{dd['i2t']:.1f}"
-                          for mode, dd in drops.items())))
+        ratios = {d: full["ms_per_query"][d] / m["coop"]["ms_per_query"][d] for d in ("t2i", "i2t")}
+        out.append(
+            (
+                "coop R@1 within 2 points of ce-full (same queries)",
+                all(g >= -2 for g in gaps.values()),
+                ", ".join(f"{d} {same[d]['R@1']:.1f} vs {full[d]['R@1']:.1f}" for d in gaps),
+            )
+        )
+        out.append(
+            (
+                "coop at >= 50x less time per query than ce-full",
+                all(r >= 50 for r in ratios.values()),
+                ", ".join(f"{d} {r:.0f}x" for d, r in ratios.items()),
+            )
+        )
+    drops = {
+        mode: {d: m[mode][d]["R@1"] - x[mode][d]["R@1"] for d in ("t2i", "i2t")}
+        for mode in x
+        if mode in m
+    }
+    out.append(
+        (
+            "distractors lower every mode's R@1",
+            all(v > 0 for dd in drops.values() for v in dd.values()),
+            "; ".join(f"{mode} -{dd['t2i']:.1f} / -{dd['i2t']:.1f}" for mode, dd in drops.items()),
+        )
+    )
     least = min(drops, key=lambda k: sum(drops[k].values()))
-    out.append(("coop loses least to the distractors", least == "coop",
-                f"least: {least} (sum of t2i and i2t R@1 drops)"))
+    out.append(
+        (
+            "coop loses least to the distractors",
+            least == "coop",
+            f"least: {least} (sum of t2i and i2t R@1 drops)",
+        )
+    )
     return out
 
 
@@ -137,9 +197,13 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=None, help="keep corpora and indexes here")
     p.add_argument("--model-dir", default=None, help="weights (default: the shipped ones)")
     p.add_argument("--ce-full-queries", type=int, default=100)
-    p.add_argument("--candidates", type=int, default=10,
-                   help="M for coop, late and han (default 10: the dot product's R@10 is "
-                   "where re-ranking can still find the answer; the M sweep shows 10-100)")
+    p.add_argument(
+        "--candidates",
+        type=int,
+        default=10,
+        help="M for coop, late and han (default 10: the dot product's R@10 is "
+        "where re-ranking can still find the answer; the M sweep shows 10-100)",
+    )
     args = p.parse_args()
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -152,11 +216,32 @@ def main() -> None:
         test = build(work, "test", args.images, TEST_SEED, env)
         extra = build(work, "distractors", args.images, DISTRACTOR_SEED, env)
         common = ["--json", "--candidates", str(args.candidates), *model_args]
-        plain = json.loads(duet("eval", "--index", str(test), "--m-sweep", "--fusion-sweep",
-                                "--ce-full-queries", str(args.ce_full_queries), *common,
-                                env=env))
-        mixed = json.loads(duet("eval", "--index", str(test), "--distractors", str(extra),
-                                "--modes", "dot,coop,late,han", *common, env=env))
+        plain = json.loads(
+            duet(
+                "eval",
+                "--index",
+                str(test),
+                "--m-sweep",
+                "--fusion-sweep",
+                "--ce-full-queries",
+                str(args.ce_full_queries),
+                *common,
+                env=env,
+            )
+        )
+        mixed = json.loads(
+            duet(
+                "eval",
+                "--index",
+                str(test),
+                "--distractors",
+                str(extra),
+                "--modes",
+                "dot,coop,late,han",
+                *common,
+                env=env,
+            )
+        )
     minutes = (time.perf_counter() - t0) / 60
     checks = pattern(plain, mixed)
     lines = [
@@ -174,7 +259,8 @@ def main() -> None:
         "",
         "## What the papers found, checked here",
         "",
-        "| finding | holds | measured |", "|---|---|---|",
+        "| finding | holds | measured |",
+        "|---|---|---|",
         *[f"| {c} | {'yes' if ok else '**no**'} | {m} |" for c, ok, m in checks],
         "",
         f"## Test split (pool: {plain['pool']['images']} images, {plain['pool']['texts']} "

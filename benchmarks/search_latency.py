@@ -33,8 +33,12 @@ def main() -> None:
     with httpx.Client(base_url=args.url, timeout=30) as client:
         for i in range(n):
             for rerank in (True, False):
-                body = {"query": queries[2 * i + rerank], "top_k": args.top_k,
-                        "candidates": args.candidates, "rerank": rerank}
+                body = {
+                    "query": queries[2 * i + rerank],
+                    "top_k": args.top_k,
+                    "candidates": args.candidates,
+                    "rerank": rerank,
+                }
                 t0 = time.perf_counter()
                 r = client.post("/search/text", json=body)
                 dt = (time.perf_counter() - t0) * 1000

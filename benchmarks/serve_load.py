@@ -83,16 +83,20 @@ class Conn:
         self.host, self.port = host, int(port)
         self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
-    async def request(self, method: str, path: str, body: bytes = b""
-                      ) -> tuple[int, dict[str, str], bytes]:
+    async def request(
+        self, method: str, path: str, body: bytes = b""
+    ) -> tuple[int, dict[str, str], bytes]:
         for attempt in (0, 1):  # once more on a connection the server closed meanwhile
             if self._io is None:
                 self._io = await asyncio.open_connection(self.host, self.port)
             reader, writer = self._io
             try:
-                writer.write(f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
-                             f"Content-Type: application/json\r\nContent-Length: {len(body)}"
-                             "\r\n\r\n".encode() + body)
+                writer.write(
+                    f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}"
+                    "\r\n\r\n".encode()
+                    + body
+                )
                 head = await reader.readuntil(b"\r\n\r\n")
             except (ConnectionError, asyncio.IncompleteReadError):
                 self.close()
@@ -101,8 +105,10 @@ class Conn:
                 continue
             lines = head.decode("latin-1").split("\r\n")
             status = int(lines[0].split(" ", 2)[1])
-            headers = {k.strip().lower(): v.strip() for k, _, v in
-                       (line.partition(":") for line in lines[1:] if line)}
+            headers = {
+                k.strip().lower(): v.strip()
+                for k, _, v in (line.partition(":") for line in lines[1:] if line)
+            }
             data = await reader.readexactly(int(headers.get("content-length", "0")))
             if headers.get("connection", "").lower() == "close":
                 self.close()
@@ -117,6 +123,7 @@ class Conn:
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -126,8 +133,13 @@ def _free_port() -> int:
 def server(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as fh:
-        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO), **env},
-                                stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, "PYTHONPATH": str(REPO), **env},
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -147,8 +159,16 @@ def server(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterato
                 proc.kill()
 
 
-async def closed_loop(url: str, clients: int, seconds: float, rerank: bool, candidates: int,
-                      queries: Queries, cell: Cell, warmup: float = 1.0) -> None:
+async def closed_loop(
+    url: str,
+    clients: int,
+    seconds: float,
+    rerank: bool,
+    candidates: int,
+    queries: Queries,
+    cell: Cell,
+    warmup: float = 1.0,
+) -> None:
     """`clients` loops each sending one request at a time for `seconds` (after `warmup`)."""
     t_start = time.perf_counter() + warmup
     t_end = t_start + seconds
@@ -156,8 +176,9 @@ async def closed_loop(url: str, clients: int, seconds: float, rerank: bool, cand
     async def one() -> None:
         conn = Conn(url)
         while (now := time.perf_counter()) < t_end:
-            body = json.dumps({"query": queries.next(), "top_k": 10, "candidates": candidates,
-                               "rerank": rerank}).encode()
+            body = json.dumps(
+                {"query": queries.next(), "top_k": 10, "candidates": candidates, "rerank": rerank}
+            ).encode()
             try:
                 status, headers, data = await conn.request("POST", "/search/text", body)
             except (ConnectionError, asyncio.IncompleteReadError):
@@ -183,8 +204,9 @@ async def closed_loop(url: str, clients: int, seconds: float, rerank: bool, cand
     cell.seconds += seconds
 
 
-async def overload(url: str, clients: int, seconds: float, candidates: int,
-                   queries: Queries) -> dict[str, object]:
+async def overload(
+    url: str, clients: int, seconds: float, candidates: int, queries: Queries
+) -> dict[str, object]:
     """Open many clients at once; count 429s (and their Retry-After), 5xx, admitted latency,
     and how fast /healthz answers meanwhile."""
     cell = Cell()
@@ -196,8 +218,9 @@ async def overload(url: str, clients: int, seconds: float, candidates: int,
         conn = Conn(url)
         while time.perf_counter() < t_end:
             t0 = time.perf_counter()
-            body = json.dumps({"query": queries.next(), "top_k": 10,
-                               "candidates": candidates}).encode()
+            body = json.dumps(
+                {"query": queries.next(), "top_k": 10, "candidates": candidates}
+            ).encode()
             status, headers, data = await conn.request("POST", "/search/text", body)
             if status == 429:
                 cell.refused += 1
@@ -222,16 +245,23 @@ async def overload(url: str, clients: int, seconds: float, candidates: int,
 
     await asyncio.gather(probe(), *(one() for _ in range(clients)))
     cell.seconds = seconds
-    return {"clients": clients, "answered": len(cell.latencies), "degraded": cell.degraded,
-            "refused_429": cell.refused, "errors_5xx": cell.errors,
-            "retry_after_present": bool(retry_after) and min(retry_after) >= 1,
-            "admitted_p50_ms": round(cell.q(50), 1), "admitted_p99_ms": round(cell.q(99), 1),
-            "healthz_max_ms": round(max(health) * 1000, 1) if health else None,
-            "throughput": round(cell.throughput, 1)}
+    return {
+        "clients": clients,
+        "answered": len(cell.latencies),
+        "degraded": cell.degraded,
+        "refused_429": cell.refused,
+        "errors_5xx": cell.errors,
+        "retry_after_present": bool(retry_after) and min(retry_after) >= 1,
+        "admitted_p50_ms": round(cell.q(50), 1),
+        "admitted_p99_ms": round(cell.q(99), 1),
+        "healthz_max_ms": round(max(health) * 1000, 1) if health else None,
+        "throughput": round(cell.throughput, 1),
+    }
 
 
-def pairs_per_second(index_dir: Path, device: str, candidates: int,
-                     seconds: float = 3.0) -> dict[str, float]:
+def pairs_per_second(
+    index_dir: Path, device: str, candidates: int, seconds: float = 3.0
+) -> dict[str, float]:
     """The cross-encoder alone, one request's pairs at a time: the model's PyTorch forward
     and duet's serving runtime (the same logits)."""
     import torch
@@ -281,8 +311,9 @@ def plot(results: dict[str, Cell], levels: list[int], path: Path) -> None:
             cells = [results[f"{srv}|{mode}|{c}"] for c in levels]
             axes[0][col].plot(levels, [c.throughput for c in cells], style, label=srv)
             axes[1][col].plot(levels, [c.q(50) for c in cells], style, label=f"{srv} p50")
-            axes[1][col].plot(levels, [c.q(99) for c in cells], style, alpha=0.5,
-                              label=f"{srv} p99")
+            axes[1][col].plot(
+                levels, [c.q(99) for c in cells], style, alpha=0.5, label=f"{srv} p99"
+            )
         axes[0][col].set_title(f"{mode}: throughput (full answers/s)")
         axes[1][col].set_title(f"{mode}: latency (ms)")
         axes[1][col].set_yscale("log")
@@ -298,15 +329,23 @@ def plot(results: dict[str, Cell], levels: list[int], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--index-dir", type=Path, default=REPO / "indexes",
-                   help="serves INDEX_DIR/current (default: the demo index, `make demo-index`)")
+    p.add_argument(
+        "--index-dir",
+        type=Path,
+        default=REPO / "indexes",
+        help="serves INDEX_DIR/current (default: the demo index, `make demo-index`)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (both servers)")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--seconds", type=float, default=6.0, help="per cell and round")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--candidates", type=int, default=50)
-    p.add_argument("--overload", type=int, default=256,
-                   help="clients for the overload run against duet (0 = skip)")
+    p.add_argument(
+        "--overload",
+        type=int,
+        default=256,
+        help="clients for the overload run against duet (0 = skip)",
+    )
     p.add_argument("--out", type=Path, default=REPO / "docs" / "performance.md")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
     args = p.parse_args()
@@ -315,19 +354,33 @@ def main() -> None:
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
 
     print("cross-encoder alone ...", flush=True)
-    bound = pairs_per_second(args.index_dir, args.device, args.candidates,
-                             min(3.0, args.seconds))
+    bound = pairs_per_second(args.index_dir, args.device, args.candidates, min(3.0, args.seconds))
     queries = Queries(seed=2_000_000)
     results: dict[str, Cell] = {}
     duet_port, base_port = _free_port(), _free_port()
     duet_cmd = [sys.executable, "-m", "duet.cli", "serve"]
-    duet_env = {"DUET_INDEX_DIR": str(args.index_dir), "DUET_PORT": str(duet_port),
-                "DUET_DEVICE": args.device, "DUET_INDEX_POLL_S": "0", "DUET_REDIS_URL": "",
-                "DUET_LOG_LEVEL": "warning"}
-    base_cmd = [sys.executable, str(REPO / "benchmarks" / "baseline_server.py"), "--index",
-                str(current), "--port", str(base_port), "--device", args.device]
-    with server(duet_cmd, duet_env, duet_port, logs / "duet-serve-load.log") as duet_url, \
-            server(base_cmd, {}, base_port, logs / "baseline-serve-load.log") as base_url:
+    duet_env = {
+        "DUET_INDEX_DIR": str(args.index_dir),
+        "DUET_PORT": str(duet_port),
+        "DUET_DEVICE": args.device,
+        "DUET_INDEX_POLL_S": "0",
+        "DUET_REDIS_URL": "",
+        "DUET_LOG_LEVEL": "warning",
+    }
+    base_cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "baseline_server.py"),
+        "--index",
+        str(current),
+        "--port",
+        str(base_port),
+        "--device",
+        args.device,
+    ]
+    with (
+        server(duet_cmd, duet_env, duet_port, logs / "duet-serve-load.log") as duet_url,
+        server(base_cmd, {}, base_port, logs / "baseline-serve-load.log") as base_url,
+    ):
         urls = {"duet": duet_url, "baseline": base_url}
         for rnd in range(args.rounds):
             order = ["duet", "baseline"] if rnd % 2 == 0 else ["baseline", "duet"]
@@ -335,21 +388,33 @@ def main() -> None:
                 for c in levels:
                     for srv in order:
                         cell = results.setdefault(f"{srv}|{mode}|{c}", Cell())
-                        asyncio.run(closed_loop(urls[srv], c, args.seconds, rerank,
-                                                args.candidates, queries, cell))
-                        print(f"round {rnd + 1} {mode:9s} c={c:3d} {srv:8s} "
-                              f"{cell.throughput:6.1f}/s p50 {cell.q(50):7.1f} ms", flush=True)
+                        asyncio.run(
+                            closed_loop(
+                                urls[srv], c, args.seconds, rerank, args.candidates, queries, cell
+                            )
+                        )
+                        print(
+                            f"round {rnd + 1} {mode:9s} c={c:3d} {srv:8s} "
+                            f"{cell.throughput:6.1f}/s p50 {cell.q(50):7.1f} ms",
+                            flush=True,
+                        )
         over = None
         if args.overload:
             print(f"overload: {args.overload} clients against duet ...", flush=True)
-            over = asyncio.run(overload(duet_url, args.overload, 3 * args.seconds,
-                                        args.candidates, queries))
+            over = asyncio.run(
+                overload(duet_url, args.overload, 3 * args.seconds, args.candidates, queries)
+            )
     write_report(args, levels, results, bound, over)
     print(args.out.read_text())
 
 
-def write_report(args: argparse.Namespace, levels: list[int], results: dict[str, Cell],
-                 bound: dict[str, float], over: dict[str, object] | None) -> None:
+def write_report(
+    args: argparse.Namespace,
+    levels: list[int],
+    results: dict[str, Cell],
+    bound: dict[str, float],
+    over: dict[str, object] | None,
+) -> None:
     png = args.out.with_suffix(".png")
     plot(results, levels, png)
     lines = [
@@ -378,21 +443,39 @@ def write_report(args: argparse.Namespace, levels: list[int], results: dict[str,
             lines.append(
                 f"| {mode} | {c} | {d.throughput:.1f} | {b.throughput:.1f} | {ratio:.2f}x | "
                 f"{d.q(50):.1f} | {b.q(50):.1f} | {d.q(99):.1f} | {b.q(99):.1f} | "
-                f"{d.degraded} / {d.refused} | {b.errors + b.refused} |")
-    lines += ["", "Cross-encoder alone, one request's "
-              f"{args.candidates} pairs per call, in the same run (the compute bound):", ""]
+                f"{d.degraded} / {d.refused} | {b.errors + b.refused} |"
+            )
+    lines += [
+        "",
+        "Cross-encoder alone, one request's "
+        f"{args.candidates} pairs per call, in the same run (the compute bound):",
+        "",
+    ]
     lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
     if over is not None:
-        lines += ["", f"Overload: {over['clients']} clients against duet for "
-                  f"{3 * args.seconds:g} s (a refused client waits out Retry-After, at most 1 s):",
-                  "", "```json", json.dumps(over, indent=1), "```"]
+        lines += [
+            "",
+            f"Overload: {over['clients']} clients against duet for "
+            f"{3 * args.seconds:g} s (a refused client waits out Retry-After, at most 1 s):",
+            "",
+            "```json",
+            json.dumps(over, indent=1),
+            "```",
+        ]
     args.out.write_text("\n".join(lines) + "\n")
     if args.json:
-        raw = {k: {"throughput": v.throughput, "p50_ms": v.q(50), "p99_ms": v.q(99),
-                   "degraded": v.degraded, "refused": v.refused, "errors": v.errors}
-               for k, v in results.items()}
-        args.json.write_text(json.dumps({"cells": raw, "bound": bound, "overload": over},
-                                        indent=1))
+        raw = {
+            k: {
+                "throughput": v.throughput,
+                "p50_ms": v.q(50),
+                "p99_ms": v.q(99),
+                "degraded": v.degraded,
+                "refused": v.refused,
+                "errors": v.errors,
+            }
+            for k, v in results.items()
+        }
+        args.json.write_text(json.dumps({"cells": raw, "bound": bound, "overload": over}, indent=1))
 
 
 if __name__ == "__main__":

@@ -44,10 +44,20 @@ def rss(pid: int) -> dict[str, int]:
 
 
 def start(index_dir: Path, port: int, token: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "DUET_INDEX_DIR": str(index_dir), "DUET_PORT": str(port),
-           "DUET_ADMIN_TOKEN": token, "DUET_INDEX_POLL_S": "0", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "duet.cli", "serve"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "DUET_INDEX_DIR": str(index_dir),
+        "DUET_PORT": str(port),
+        "DUET_ADMIN_TOKEN": token,
+        "DUET_INDEX_POLL_S": "0",
+        "PYTHONPATH": str(REPO),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "duet.cli", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -125,16 +135,20 @@ def main() -> None:
 
     files = sum(f.stat().st_size for f in original.iterdir()) // 2**20
     faiss_mib = sum((original / n).stat().st_size for n in ("image.faiss", "text.faiss")) // 2**20
-    print(f"index {original.name}: {manifest['counts']}, files {files} MiB "
-          f"(FAISS {faiss_mib} MiB); swap answered {r.json()['result']} in {swap_s:.2f} s")
+    print(
+        f"index {original.name}: {manifest['counts']}, files {files} MiB "
+        f"(FAISS {faiss_mib} MiB); swap answered {r.json()['result']} in {swap_s:.2f} s"
+    )
     print("| RSS MiB | before | peak during | after 2 s |\n|---|---|---|---|")
     for f in FIELDS:
         print(f"| {f} | {before[f]} | {max(s[f] for s in samples)} | {after[f]} |")
     during, base = latencies["during"], statistics.median(latencies["before"])
     if during:
         p50 = statistics.median(during)
-        print(f"searches that ended during the swap: {len(during)}, p50 {p50:.1f} ms vs "
-              f"{base:.1f} ms before (ratio {p50 / base:.2f})")
+        print(
+            f"searches that ended during the swap: {len(during)}, p50 {p50:.1f} ms vs "
+            f"{base:.1f} ms before (ratio {p50 / base:.2f})"
+        )
     else:
         print(f"no search ended during the swap; p50 before {base:.1f} ms")
 

@@ -64,8 +64,14 @@ RECALL_K = 10
 RECALL_QUERIES = 1000
 # What "a resumed build is identical to an uninterrupted one" compares, byte for byte.
 # manifest.json is not in it: it records build times, throughput and the version name.
-IDENTICAL_FILES = (indexio.IMAGE_INDEX, indexio.TEXT_INDEX, indexio.IMAGE_TOKENS,
-                   indexio.ITEMS, indexio.IMAGE_VECTORS, indexio.TEXT_VECTORS)
+IDENTICAL_FILES = (
+    indexio.IMAGE_INDEX,
+    indexio.TEXT_INDEX,
+    indexio.IMAGE_TOKENS,
+    indexio.ITEMS,
+    indexio.IMAGE_VECTORS,
+    indexio.TEXT_VECTORS,
+)
 
 
 class BuildError(UserError, ValueError):
@@ -103,12 +109,25 @@ class _Base:
     image_tokens: np.ndarray
 
 
-def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_size: int = 64,
-          skip_bad: bool = False, progress: bool = True, *, factory: str | None = None,
-          shard_size: int = DEFAULT_SHARD_SIZE, workers: int | None = None,
-          device: str = "auto", engine: str = "local", append: bool = False,
-          delete: Path | None = None, ray_actors: int | None = None,
-          split: str | None = None, images_root: Path | None = None) -> BuildReport:
+def build(
+    corpus: Path | None,
+    out: Path,
+    model: BuiltinModel | Models,
+    batch_size: int = 64,
+    skip_bad: bool = False,
+    progress: bool = True,
+    *,
+    factory: str | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    workers: int | None = None,
+    device: str = "auto",
+    engine: str = "local",
+    append: bool = False,
+    delete: Path | None = None,
+    ray_actors: int | None = None,
+    split: str | None = None,
+    images_root: Path | None = None,
+) -> BuildReport:
     """Encode `corpus` with `model` into `out/<version>/` and make it `out/current`.
 
     `corpus` is a JSONL manifest or a Karpathy JSON file (`.json`), of which `split` (`test`,
@@ -136,8 +155,10 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
         raise BuildError("--workers must be 0 or more")
     if joint is None:
         if engine == "ray":
-            raise BuildError(f"--engine ray encodes with duet's builtin model only; {model.name} "
-                             "(Hugging Face checkpoints) builds with --engine local")
+            raise BuildError(
+                f"--engine ray encodes with duet's builtin model only; {model.name} "
+                "(Hugging Face checkpoints) builds with --engine local"
+            )
         workers = 0  # decoded in this process
     skipped: list[str] = []
 
@@ -148,12 +169,16 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
         log.warning("skipping %s", err)
 
     base = _load_base(out) if (append or delete is not None) else None
-    if base is not None and (built_by := base.manifest.get("model", {}).get(
-            "fingerprint")) != model.fingerprint:
-        raise BuildError(f"--append/--delete: {base.path.name} was built by model {built_by!r}"
-                         f"{indexio.built_with(base.manifest)}, this build encodes with "
-                         f"{model.fingerprint!r}; use the models that built it (--encoder, "
-                         "--reranker, --model-dir) or build a fresh index with --corpus")
+    if (
+        base is not None
+        and (built_by := base.manifest.get("model", {}).get("fingerprint")) != model.fingerprint
+    ):
+        raise BuildError(
+            f"--append/--delete: {base.path.name} was built by model {built_by!r}"
+            f"{indexio.built_with(base.manifest)}, this build encodes with "
+            f"{model.fingerprint!r}; use the models that built it (--encoder, "
+            "--reranker, --model-dir) or build a fresh index with --corpus"
+        )
     items: list[CorpusItem] = []
     selection = CorpusSelection("manifest")
     if corpus is not None:
@@ -177,19 +202,29 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
     except ann.FactoryError as exc:
         raise BuildError(str(exc)) from exc
 
-    plan = [PlanItem(i, it.id, str(it.image) if it.image else None, it.image_rel, it.line,
-                     tuple(it.captions)) for i, it in enumerate(items)]
+    plan = [
+        PlanItem(
+            i, it.id, str(it.image) if it.image else None, it.image_rel, it.line, tuple(it.captions)
+        )
+        for i, it in enumerate(items)
+    ]
     out.mkdir(parents=True, exist_ok=True)
-    shard_dir = out / SHARDS_DIR / _shard_key(corpus, selection, plan, model, dev, batch_size,
-                                              shard_size, base)
-    ranges = [(k, a, min(a + shard_size, len(plan)))
-              for k, a in enumerate(range(0, len(plan), shard_size))]
+    shard_dir = (
+        out
+        / SHARDS_DIR
+        / _shard_key(corpus, selection, plan, model, dev, batch_size, shard_size, base)
+    )
+    ranges = [
+        (k, a, min(a + shard_size, len(plan)))
+        for k, a in enumerate(range(0, len(plan), shard_size))
+    ]
     shard_dir.mkdir(parents=True, exist_ok=True)
     done = {k for k, _, _ in ranges if shard_path(shard_dir, k).is_file()}
     missing = [r for r in ranges if r[0] not in done]
     if done:
-        log.info("resuming: %d of %d shards already encoded in %s", len(done), len(ranges),
-                 shard_dir)
+        log.info(
+            "resuming: %d of %d shards already encoded in %s", len(done), len(ranges), shard_dir
+        )
 
     corpus_path = Path(corpus) if corpus is not None else Path("-")
     where = {it.line: it.where for it in items}
@@ -202,8 +237,11 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
         if skip_bad:
             return
         _, a, b = ranges[k]
-        for p, err in zip([p for p in plan[a:b] if p.image is not None],
-                          arrays["image_error"].tolist(), strict=True):
+        for p, err in zip(
+            [p for p in plan[a:b] if p.image is not None],
+            arrays["image_error"].tolist(),
+            strict=True,
+        ):
             if err:
                 raise item_error(p.line, err)
 
@@ -218,24 +256,32 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
         from index_builder.ray_engine import encode_ray
 
         assert joint is not None
-        encode_ray(plan, missing, shard_dir, joint, dev, batch_size, ray_actors, progress,
-                   on_shard=check)
+        encode_ray(
+            plan, missing, shard_dir, joint, dev, batch_size, ray_actors, progress, on_shard=check
+        )
     elif missing:
         assert joint is not None
-        _encode_local(plan, missing, shard_dir, joint, dev, batch_size, workers, progress,
-                      check)
+        _encode_local(plan, missing, shard_dir, joint, dev, batch_size, workers, progress, check)
     encode_seconds = time.perf_counter() - t_enc
 
     # -- assemble: kept base rows, then the new items in corpus order -----------------------
-    kept, digest = _kept_items(items, plan, [shard_path(shard_dir, k) for k, _, _ in ranges],
-                               lambda line, err: bad(item_error(line, err)))
+    kept, digest = _kept_items(
+        items,
+        plan,
+        [shard_path(shard_dir, k) for k, _, _ in ranges],
+        lambda line, err: bad(item_error(line, err)),
+    )
     if base is not None:
-        digest = hashlib.sha256(json.dumps(
-            [base.manifest.get("content_hash"), sorted(deleted), digest]).encode()).hexdigest()
+        digest = hashlib.sha256(
+            json.dumps([base.manifest.get("content_hash"), sorted(deleted), digest]).encode()
+        ).hexdigest()
 
     new_images = [indexio.ImageRow(it.id, it.image_rel, it.meta) for it in kept if it.image]
-    new_texts = [indexio.TextRow(f"{it.id}#{n}", cap, it.id if it.image else None, it.meta)
-                 for it in kept for n, cap in enumerate(it.captions)]
+    new_texts = [
+        indexio.TextRow(f"{it.id}#{n}", cap, it.id if it.image else None, it.meta)
+        for it in kept
+        for n, cap in enumerate(it.captions)
+    ]
     image_rows = [r for _, r in kept_images] + new_images
     text_rows = [r for _, r in kept_texts] + new_texts
 
@@ -251,15 +297,22 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
 
     img_rows = [r for r, _ in kept_images]
     txt_rows = [r for r, _ in kept_texts]
-    ivecs = _concat([*base_rows("image_vectors", img_rows), *shard_arrays("image_vectors")],
-                    (0, model.dim), np.float32)
-    tvecs = _concat([*base_rows("text_vectors", txt_rows), *shard_arrays("text_vectors")],
-                    (0, model.dim), np.float32)
+    ivecs = _concat(
+        [*base_rows("image_vectors", img_rows), *shard_arrays("image_vectors")],
+        (0, model.dim),
+        np.float32,
+    )
+    tvecs = _concat(
+        [*base_rows("text_vectors", txt_rows), *shard_arrays("text_vectors")],
+        (0, model.dim),
+        np.float32,
+    )
     if len(ivecs) != len(image_rows) or len(tvecs) != len(text_rows):
         raise RuntimeError("encoded vectors do not match the item rows (stale shards?)")
     # tokens (4 KiB per image) are streamed into the version, never held whole in memory
-    token_chunks = itertools.chain(base_rows("image_tokens", img_rows),
-                                   shard_arrays("image_tokens"))
+    token_chunks = itertools.chain(
+        base_rows("image_tokens", img_rows), shard_arrays("image_tokens")
+    )
 
     version = _new_version(out, digest)
     tmp = out / f".building-{version}"
@@ -268,8 +321,12 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
     tmp.mkdir()
     try:
         indexes = _write_indexes(tmp, factories, ivecs, tvecs)
-        _write_npy(tmp / indexio.IMAGE_TOKENS, token_chunks, (len(image_rows),
-                                                              *model.token_shape), np.float16)
+        _write_npy(
+            tmp / indexio.IMAGE_TOKENS,
+            token_chunks,
+            (len(image_rows), *model.token_shape),
+            np.float16,
+        )
         np.save(tmp / indexio.IMAGE_VECTORS, ivecs)
         np.save(tmp / indexio.TEXT_VECTORS, tvecs)
         indexio.write_items(tmp / indexio.ITEMS, image_rows, text_rows)
@@ -282,8 +339,11 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
             "model": manifest_model(model),
             "dim": model.dim,
             "metric": "inner_product",
-            "index_type": (factories[0] if factories[0] == factories[1]
-                           else f"image:{factories[0]} text:{factories[1]}"),
+            "index_type": (
+                factories[0]
+                if factories[0] == factories[1]
+                else f"image:{factories[0]} text:{factories[1]}"
+            ),
             "indexes": indexes,
             "counts": {"images": len(image_rows), "texts": len(text_rows)},
             "image_tokens": {"shape": list(model.token_shape), "dtype": "float16"},
@@ -294,22 +354,33 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
             "build_seconds": round(seconds, 2),
             "skipped": len(skipped),
             "build": {
-                "engine": engine, "device": dev.type,
+                "engine": engine,
+                "device": dev.type,
                 "autocast": str(autocast_dtype(dev)).replace("torch.", "")
-                if dev.type == "cuda" and joint is not None else None,
-                "workers": workers, "batch_size": batch_size, "shard_size": shard_size,
-                "factory_arg": factory, "shards": len(ranges), "resumed_shards": len(done),
-                "encoded_items": encoded, "encode_seconds": round(encode_seconds, 3),
+                if dev.type == "cuda" and joint is not None
+                else None,
+                "workers": workers,
+                "batch_size": batch_size,
+                "shard_size": shard_size,
+                "factory_arg": factory,
+                "shards": len(ranges),
+                "resumed_shards": len(done),
+                "encoded_items": encoded,
+                "encode_seconds": round(encode_seconds, 3),
                 "items_per_s": rate,
             },
             "files": {name: indexio.file_sha256(tmp / name) for name in IDENTICAL_FILES},
             "bytes_per_item": _bytes_per_item(tmp, len(image_rows), len(text_rows)),
         }
         if base is not None:
-            manifest["base"] = {"version": base.manifest.get("version"),
-                                "appended": len(kept), "deleted": len(deleted)}
-        indexio.write_atomic(tmp / indexio.MANIFEST,
-                             (json.dumps(manifest, indent=1) + "\n").encode())
+            manifest["base"] = {
+                "version": base.manifest.get("version"),
+                "appended": len(kept),
+                "deleted": len(deleted),
+            }
+        indexio.write_atomic(
+            tmp / indexio.MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode()
+        )
         for f in tmp.iterdir():
             indexio.fsync_path(f)
         indexio.fsync_path(tmp)
@@ -322,24 +393,45 @@ def build(corpus: Path | None, out: Path, model: BuiltinModel | Models, batch_si
     shutil.rmtree(shard_dir, ignore_errors=True)
     with contextlib.suppress(OSError):
         shard_dir.parent.rmdir()  # only when no other build's shards are waiting there
-    return BuildReport(version, out / version, len(image_rows), len(text_rows), seconds, skipped,
-                       encoded=encoded, resumed_shards=len(done), shards=len(ranges),
-                       encode_seconds=encode_seconds, items_per_s=rate, manifest=manifest)
+    return BuildReport(
+        version,
+        out / version,
+        len(image_rows),
+        len(text_rows),
+        seconds,
+        skipped,
+        encoded=encoded,
+        resumed_shards=len(done),
+        shards=len(ranges),
+        encode_seconds=encode_seconds,
+        items_per_s=rate,
+        manifest=manifest,
+    )
 
 
 # -- encode: local engine ------------------------------------------------------------------
 
 
-def _encode_local(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
-                  shard_dir: Path, model: BuiltinModel, dev: Any, batch_size: int,
-                  workers: int, progress: bool, on_shard: Any) -> None:
+def _encode_local(
+    plan: Sequence[PlanItem],
+    missing: list[tuple[int, int, int]],
+    shard_dir: Path,
+    model: BuiltinModel,
+    dev: Any,
+    batch_size: int,
+    workers: int,
+    progress: bool,
+    on_shard: Any,
+) -> None:
     """Decode in `workers` DataLoader processes, encode here, write each shard as it ends."""
     encoder = Encoder(model, dev)
     per_shard = [shard_batches(plan, a, b, batch_size) for _, a, b in missing]
-    batches = decoded_batches(plan, [b for bs in per_shard for b in bs], encoder.image_size,
-                              workers)
-    with tqdm(total=sum(b - a for _, a, b in missing), desc="encoding", unit="item",
-              disable=not progress) as bar:
+    batches = decoded_batches(
+        plan, [b for bs in per_shard for b in bs], encoder.image_size, workers
+    )
+    with tqdm(
+        total=sum(b - a for _, a, b in missing), desc="encoding", unit="item", disable=not progress
+    ) as bar:
         for (k, a, b), bs in zip(missing, per_shard, strict=True):
             shard = ShardBuilder(plan[a:b], encoder, batch_size)
             for _ in bs:
@@ -350,16 +442,28 @@ def _encode_local(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
             on_shard(k, arrays)
 
 
-def _encode_rgb(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
-                shard_dir: Path, model: Models, batch_size: int, progress: bool,
-                on_shard: Any) -> None:
+def _encode_rgb(
+    plan: Sequence[PlanItem],
+    missing: list[tuple[int, int, int]],
+    shard_dir: Path,
+    model: Models,
+    batch_size: int,
+    progress: bool,
+    on_shard: Any,
+) -> None:
     """Hugging Face models: decode here, encode `batch_size` images at a time at their own
     size (each model's processor resizes), the same shard files as the fast path."""
     encoder = RGBEncoder(model)
-    log.info("encoding %d shard(s) with %s on %s, %d images per batch", len(missing),
-             model.name, model.device, batch_size)
-    with tqdm(total=sum(b - a for _, a, b in missing), desc="encoding", unit="item",
-              disable=not progress) as bar:
+    log.info(
+        "encoding %d shard(s) with %s on %s, %d images per batch",
+        len(missing),
+        model.name,
+        model.device,
+        batch_size,
+    )
+    with tqdm(
+        total=sum(b - a for _, a, b in missing), desc="encoding", unit="item", disable=not progress
+    ) as bar:
         for k, a, b in missing:
             t0 = time.perf_counter()
             shard = ShardBuilder(plan[a:b], encoder, batch_size)
@@ -371,22 +475,39 @@ def _encode_rgb(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]],
             arrays = shard.finish(model.dim, model.token_shape)  # the captions
             indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
             bar.update(b - a - done)
-            log.info("shard %d: items %d-%d encoded in %.1fs", k, a, b - 1,
-                     time.perf_counter() - t0)
+            log.info(
+                "shard %d: items %d-%d encoded in %.1fs", k, a, b - 1, time.perf_counter() - t0
+            )
             on_shard(k, arrays)
 
 
-def _shard_key(corpus: Path | None, selection: CorpusSelection, plan: Sequence[PlanItem],
-               model: BuiltinModel | Models, dev: Any, batch_size: int, shard_size: int,
-               base: _Base | None) -> str:
+def _shard_key(
+    corpus: Path | None,
+    selection: CorpusSelection,
+    plan: Sequence[PlanItem],
+    model: BuiltinModel | Models,
+    dev: Any,
+    batch_size: int,
+    shard_size: int,
+    base: _Base | None,
+) -> str:
     """What decides the shards' bytes: a changed corpus or argument never reuses stale ones."""
     h = hashlib.sha256()
-    h.update(json.dumps({
-        "shard_format": 1, "model": model.fingerprint, "device": dev.type,
-        "autocast": str(autocast_dtype(dev)), "batch_size": batch_size,
-        "shard_size": shard_size, "base": base.manifest.get("version") if base else None,
-        "corpus": selection.as_json(),  # a different --split or --images-root never resumes
-    }, sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            {
+                "shard_format": 1,
+                "model": model.fingerprint,
+                "device": dev.type,
+                "autocast": str(autocast_dtype(dev)),
+                "batch_size": batch_size,
+                "shard_size": shard_size,
+                "base": base.manifest.get("version") if base else None,
+                "corpus": selection.as_json(),  # a different --split or --images-root never resumes
+            },
+            sort_keys=True,
+        ).encode()
+    )
     if corpus is not None:
         h.update(hashlib.sha256(Path(corpus).read_bytes()).digest())
     for it in plan:  # image bytes are hashed while encoding; here size + mtime stand in
@@ -399,8 +520,12 @@ def _shard_key(corpus: Path | None, selection: CorpusSelection, plan: Sequence[P
     return h.hexdigest()[:24]
 
 
-def _kept_items(items: Sequence[CorpusItem], plan: Sequence[PlanItem], shards: Sequence[Path],
-                bad: Callable[[int, str], None]) -> tuple[list[CorpusItem], str]:
+def _kept_items(
+    items: Sequence[CorpusItem],
+    plan: Sequence[PlanItem],
+    shards: Sequence[Path],
+    bad: Callable[[int, str], None],
+) -> tuple[list[CorpusItem], str]:
     """The items whose image decoded (or that have none), and the content hash over them:
     image sha256s in order, then [id, image, captions] per item."""
     ok_flags: list[bool] = []
@@ -441,15 +566,21 @@ def _load_base(out: Path) -> _Base:
         raise BuildError(f"--append/--delete need a current version: {exc}") from exc
     con = sqlite3.connect(f"file:{path / indexio.ITEMS}?mode=ro", uri=True)
     try:
-        images = [indexio.ImageRow(r[0], r[1], json.loads(r[2])) for r in
-                  con.execute("SELECT id, path, meta FROM images ORDER BY row")]
-        texts = [indexio.TextRow(r[0], r[1], r[2], json.loads(r[3])) for r in
-                 con.execute("SELECT id, text, image_id, meta FROM texts ORDER BY row")]
+        images = [
+            indexio.ImageRow(r[0], r[1], json.loads(r[2]))
+            for r in con.execute("SELECT id, path, meta FROM images ORDER BY row")
+        ]
+        texts = [
+            indexio.TextRow(r[0], r[1], r[2], json.loads(r[3]))
+            for r in con.execute("SELECT id, text, image_id, meta FROM texts ORDER BY row")
+        ]
     finally:
         con.close()
     vectors = []
-    for name, index_file in ((indexio.IMAGE_VECTORS, indexio.IMAGE_INDEX),
-                             (indexio.TEXT_VECTORS, indexio.TEXT_INDEX)):
+    for name, index_file in (
+        (indexio.IMAGE_VECTORS, indexio.IMAGE_INDEX),
+        (indexio.TEXT_VECTORS, indexio.TEXT_INDEX),
+    ):
         if (path / name).is_file():
             vectors.append(np.load(path / name, mmap_mode="r"))
             continue
@@ -457,8 +588,10 @@ def _load_base(out: Path) -> _Base:
         try:
             vectors.append(index.reconstruct_n(0, index.ntotal))
         except RuntimeError as exc:
-            raise BuildError(f"{path} has no {name} and its index cannot give vectors back; "
-                             "rebuild it from its corpus") from exc
+            raise BuildError(
+                f"{path} has no {name} and its index cannot give vectors back; "
+                "rebuild it from its corpus"
+            ) from exc
     tokens = np.load(path / indexio.IMAGE_TOKENS, mmap_mode="r")
     return _Base(path, manifest, images, texts, vectors[0], vectors[1], tokens)
 
@@ -475,9 +608,9 @@ def _item_of_text(row: indexio.TextRow) -> str:
     return row.image_id if row.image_id is not None else row.id.rsplit("#", 1)[0]
 
 
-def _apply_delete(base: _Base | None, delete: Path | None
-                  ) -> tuple[list[tuple[int, indexio.ImageRow]],
-                             list[tuple[int, indexio.TextRow]], set[str]]:
+def _apply_delete(
+    base: _Base | None, delete: Path | None
+) -> tuple[list[tuple[int, indexio.ImageRow]], list[tuple[int, indexio.TextRow]], set[str]]:
     """The base rows (with their row numbers) left after deleting the ids in `delete`."""
     if base is None:
         return [], [], set()
@@ -485,28 +618,36 @@ def _apply_delete(base: _Base | None, delete: Path | None
     known = {r.id for r in base.images} | {_item_of_text(t) for t in base.texts}
     unknown = sorted(ids - known)
     if unknown:
-        raise BuildError(f"--delete: {len(unknown)} id(s) not in {base.path.name}: "
-                         f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+        raise BuildError(
+            f"--delete: {len(unknown)} id(s) not in {base.path.name}: "
+            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+        )
     images = [(i, r) for i, r in enumerate(base.images) if r.id not in ids]
     texts = [(i, r) for i, r in enumerate(base.texts) if _item_of_text(r) not in ids]
     return images, texts, ids
 
 
-def _check_duplicates(items: Sequence[CorpusItem], images: Sequence[tuple[int, Any]],
-                      texts: Sequence[tuple[int, indexio.TextRow]]) -> None:
+def _check_duplicates(
+    items: Sequence[CorpusItem],
+    images: Sequence[tuple[int, Any]],
+    texts: Sequence[tuple[int, indexio.TextRow]],
+) -> None:
     existing = {r.id for _, r in images} | {_item_of_text(t) for _, t in texts}
     dup = [it.id for it in items if it.id in existing]
     if dup:
-        raise BuildError(f"--append: {len(dup)} id(s) already in the current version: "
-                         f"{', '.join(dup[:5])}{' ...' if len(dup) > 5 else ''} "
-                         "(ids must stay unique; --delete them first to replace them)")
+        raise BuildError(
+            f"--append: {len(dup)} id(s) already in the current version: "
+            f"{', '.join(dup[:5])}{' ...' if len(dup) > 5 else ''} "
+            "(ids must stay unique; --delete them first to replace them)"
+        )
 
 
 # -- write -------------------------------------------------------------------------------
 
 
-def _factories(factory: str | None, base: _Base | None, n_img: int, n_txt: int,
-               dim: int) -> tuple[str, str]:
+def _factories(
+    factory: str | None, base: _Base | None, n_img: int, n_txt: int, dim: int
+) -> tuple[str, str]:
     """(image, text) factory strings, checked before anything is encoded."""
     chosen = (factory or ann.default_factory(n_img), factory or ann.default_factory(n_txt))
     for f, n in zip(chosen, (n_img, n_txt), strict=True):
@@ -514,15 +655,16 @@ def _factories(factory: str | None, base: _Base | None, n_img: int, n_txt: int,
     return chosen
 
 
-def _write_indexes(tmp: Path, factories: tuple[str, str], ivecs: np.ndarray,
-                   tvecs: np.ndarray) -> dict[str, Any]:
+def _write_indexes(
+    tmp: Path, factories: tuple[str, str], ivecs: np.ndarray, tvecs: np.ndarray
+) -> dict[str, Any]:
     """Train and fill both indexes, measure recall@10 against exact search, write them."""
     knobs = ann.SearchKnobs()
     info: dict[str, Any] = {}
-    for name, file, factory, vecs, other in (("image", indexio.IMAGE_INDEX, factories[0], ivecs,
-                                              tvecs),
-                                             ("text", indexio.TEXT_INDEX, factories[1], tvecs,
-                                              ivecs)):
+    for name, file, factory, vecs, other in (
+        ("image", indexio.IMAGE_INDEX, factories[0], ivecs, tvecs),
+        ("text", indexio.TEXT_INDEX, factories[1], tvecs, ivecs),
+    ):
         try:
             index = ann.build_index(factory, vecs)
         except ann.FactoryError as exc:
@@ -531,13 +673,23 @@ def _write_indexes(tmp: Path, factories: tuple[str, str], ivecs: np.ndarray,
         queries = ann.query_sample(other if len(other) else vecs, RECALL_QUERIES)
         recall = ann.recall_at_k(index, vecs, queries, RECALL_K, knobs)
         faiss.write_index(index, str(tmp / file))
-        info[name] = {"factory": factory, "count": int(index.ntotal),
-                      "bytes_per_vector": round((tmp / file).stat().st_size
-                                                / max(index.ntotal, 1), 2),
-                      f"recall_at_{RECALL_K}": round(recall, 4),
-                      "recall_queries": len(queries), "search_params": knobs.as_json()}
-        log.info("%s index %s: recall@%d %.4f vs exact (%d queries), %.1f bytes/vector", name,
-                 factory, RECALL_K, recall, len(queries), info[name]["bytes_per_vector"])
+        info[name] = {
+            "factory": factory,
+            "count": int(index.ntotal),
+            "bytes_per_vector": round((tmp / file).stat().st_size / max(index.ntotal, 1), 2),
+            f"recall_at_{RECALL_K}": round(recall, 4),
+            "recall_queries": len(queries),
+            "search_params": knobs.as_json(),
+        }
+        log.info(
+            "%s index %s: recall@%d %.4f vs exact (%d queries), %.1f bytes/vector",
+            name,
+            factory,
+            RECALL_K,
+            recall,
+            len(queries),
+            info[name]["bytes_per_vector"],
+        )
     return info
 
 
@@ -547,8 +699,9 @@ def _concat(chunks: Sequence[np.ndarray], empty: tuple[int, ...], dtype: Any) ->
     return np.ascontiguousarray(np.concatenate(chunks), dtype=dtype)
 
 
-def _write_npy(path: Path, chunks: Iterable[np.ndarray], shape: tuple[int, ...],
-               dtype: Any) -> None:
+def _write_npy(
+    path: Path, chunks: Iterable[np.ndarray], shape: tuple[int, ...], dtype: Any
+) -> None:
     """One .npy written chunk by chunk (tokens can be larger than memory)."""
     arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
     at = 0
@@ -564,12 +717,15 @@ def _write_npy(path: Path, chunks: Iterable[np.ndarray], shape: tuple[int, ...],
 def _bytes_per_item(directory: Path, images: int, texts: int) -> dict[str, float]:
     """Stored bytes per image row (its index entry, vector and tokens), per caption row, and
     everything (items.sqlite included) per image."""
+
     def size(*names: str) -> int:
         return sum((directory / n).stat().st_size for n in names)
 
     return {
-        "image": round(size(indexio.IMAGE_INDEX, indexio.IMAGE_VECTORS, indexio.IMAGE_TOKENS)
-                       / max(images, 1), 1),
+        "image": round(
+            size(indexio.IMAGE_INDEX, indexio.IMAGE_VECTORS, indexio.IMAGE_TOKENS) / max(images, 1),
+            1,
+        ),
         "text": round(size(indexio.TEXT_INDEX, indexio.TEXT_VECTORS) / max(texts, 1), 1),
         "total_per_image": round(size(*IDENTICAL_FILES) / max(images, 1), 1),
     }

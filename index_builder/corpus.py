@@ -59,18 +59,22 @@ class CorpusSelection:
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format": self.format}
         if self.format == "karpathy":
-            out.update(dataset=self.dataset, split=",".join(self.splits or ()),
-                       images_root=self.images_root)
+            out.update(
+                dataset=self.dataset,
+                split=",".join(self.splits or ()),
+                images_root=self.images_root,
+            )
         return out
 
 
 def corpus_format(path: Path) -> str:
-    """"karpathy" for a `.json` file, "manifest" for anything else (`.jsonl`)."""
+    """ "karpathy" for a `.json` file, "manifest" for anything else (`.jsonl`)."""
     return "karpathy" if Path(path).suffix.lower() == ".json" else "manifest"
 
 
-def read_corpus(path: Path, split: str | None = None, images_root: Path | None = None
-                ) -> tuple[CorpusSelection, Iterator[CorpusItem | CorpusError]]:
+def read_corpus(
+    path: Path, split: str | None = None, images_root: Path | None = None
+) -> tuple[CorpusSelection, Iterator[CorpusItem | CorpusError]]:
     """Pick the reader by file: `.json` is a Karpathy file (`split` required, `images_root`
     defaults to the file's directory), anything else a JSONL manifest (neither option).
 
@@ -79,9 +83,11 @@ def read_corpus(path: Path, split: str | None = None, images_root: Path | None =
     path = Path(path)
     if corpus_format(path) == "manifest":
         if split is not None or images_root is not None:
-            raise CorpusFileError(f"{path}: --split and --images-root apply to Karpathy JSON "
-                                  "corpora (.json); a JSONL manifest holds what it holds and "
-                                  "names its images relative to itself")
+            raise CorpusFileError(
+                f"{path}: --split and --images-root apply to Karpathy JSON "
+                "corpora (.json); a JSONL manifest holds what it holds and "
+                "names its images relative to itself"
+            )
         return CorpusSelection("manifest"), read_manifest(path)
     return read_karpathy(path, split, images_root)
 
@@ -137,26 +143,32 @@ def parse_splits(split: str | None, path: Path, counts: dict[str, int]) -> tuple
     """`test`, `train,restval` or `all` -> the split names, checked against the file."""
     have = ", ".join(f"{s} {n}" for s, n in counts.items()) or "none"
     if split is None:
-        raise CorpusFileError(f"{path} is a Karpathy JSON corpus: choose its split with --split "
-                              f"test (the papers' test set), or train, val, restval, a "
-                              f"comma-separated list, or all (this file has: {have})")
+        raise CorpusFileError(
+            f"{path} is a Karpathy JSON corpus: choose its split with --split "
+            f"test (the papers' test set), or train, val, restval, a "
+            f"comma-separated list, or all (this file has: {have})"
+        )
     names = [s.strip() for s in split.split(",") if s.strip()]
     if names == ["all"]:
         return tuple(counts)
     unknown = [s for s in names if s not in KARPATHY_SPLITS]
     if unknown or not names:
-        raise CorpusFileError(f"unknown split {', '.join(unknown) or repr(split)}: use "
-                              f"{', '.join(KARPATHY_SPLITS)}, a comma-separated list, or all "
-                              f"(this file has: {have})")
+        raise CorpusFileError(
+            f"unknown split {', '.join(unknown) or repr(split)}: use "
+            f"{', '.join(KARPATHY_SPLITS)}, a comma-separated list, or all "
+            f"(this file has: {have})"
+        )
     empty = [s for s in names if not counts.get(s)]
     if empty:
-        raise CorpusFileError(f"{path} has no images in split {', '.join(empty)} "
-                              f"(this file has: {have})")
+        raise CorpusFileError(
+            f"{path} has no images in split {', '.join(empty)} (this file has: {have})"
+        )
     return tuple(dict.fromkeys(names))
 
 
-def read_karpathy(path: Path, split: str | None, images_root: Path | None = None
-                  ) -> tuple[CorpusSelection, Iterator[CorpusItem | CorpusError]]:
+def read_karpathy(
+    path: Path, split: str | None, images_root: Path | None = None
+) -> tuple[CorpusSelection, Iterator[CorpusItem | CorpusError]]:
     """The images of `split` in file order. Ids are `<dataset>-<filename stem>` (e.g.
     `flickr30k-1000092795`, `coco-COCO_val2014_000000391895`); captions are every
     `sentences[].raw`; the image is ROOT/filename, or ROOT/filepath/filename when the entry
@@ -168,17 +180,23 @@ def read_karpathy(path: Path, split: str | None, images_root: Path | None = None
     except UnicodeDecodeError as exc:
         raise CorpusFileError(f"{path} is not UTF-8 text: {exc}") from exc
     except json.JSONDecodeError as exc:
-        raise CorpusFileError(f"{path} is not valid JSON ({exc}); a Karpathy corpus is one "
-                              'object {"images": [...], "dataset": ...}; a JSONL manifest '
-                              "must be named .jsonl") from exc
+        raise CorpusFileError(
+            f"{path} is not valid JSON ({exc}); a Karpathy corpus is one "
+            'object {"images": [...], "dataset": ...}; a JSONL manifest '
+            "must be named .jsonl"
+        ) from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("images"), list):
-        raise CorpusFileError(f'{path}: expected a Karpathy JSON object with an "images" list '
-                              '({"images": [...], "dataset": "flickr30k"}); a JSONL manifest '
-                              "must be named .jsonl")
+        raise CorpusFileError(
+            f'{path}: expected a Karpathy JSON object with an "images" list '
+            '({"images": [...], "dataset": "flickr30k"}); a JSONL manifest '
+            "must be named .jsonl"
+        )
     dataset = doc.get("dataset")
     if not isinstance(dataset, str) or not dataset.strip():
-        raise CorpusFileError(f'{path}: "dataset" must be a non-empty string '
-                              '("flickr30k", "coco", ...); it prefixes every item id')
+        raise CorpusFileError(
+            f'{path}: "dataset" must be a non-empty string '
+            '("flickr30k", "coco", ...); it prefixes every item id'
+        )
     images: list[Any] = doc["images"]
     counts: dict[str, int] = {}
     for entry in images:
@@ -188,14 +206,17 @@ def read_karpathy(path: Path, split: str | None, images_root: Path | None = None
     splits = parse_splits(split, path, counts)
     root = Path(images_root) if images_root is not None else path.parent
     if not root.is_dir():
-        raise CorpusFileError(f"images root {root} is not a directory (--images-root; default: "
-                              "the JSON file's directory)")
+        raise CorpusFileError(
+            f"images root {root} is not a directory (--images-root; default: "
+            "the JSON file's directory)"
+        )
     selection = CorpusSelection("karpathy", dataset, splits, str(root.resolve()))
     return selection, _karpathy_items(path, dataset, images, set(splits), root)
 
 
-def _karpathy_items(path: Path, dataset: str, images: list[Any], splits: set[str],
-                    root: Path) -> Iterator[CorpusItem | CorpusError]:
+def _karpathy_items(
+    path: Path, dataset: str, images: list[Any], splits: set[str], root: Path
+) -> Iterator[CorpusItem | CorpusError]:
     seen: set[str] = set()
     for i, entry in enumerate(images):
         name = entry.get("filename") if isinstance(entry, dict) else None
@@ -210,8 +231,9 @@ def _karpathy_items(path: Path, dataset: str, images: list[Any], splits: set[str
             yield CorpusError(path, i, f"malformed entry: {exc}", where)
             continue
         if item.id in seen:
-            yield CorpusError(path, i, f"duplicate id {item.id!r} (two entries with this "
-                              "filename)", where)
+            yield CorpusError(
+                path, i, f"duplicate id {item.id!r} (two entries with this filename)", where
+            )
             continue
         seen.add(item.id)
         yield item
@@ -224,8 +246,9 @@ def _karpathy_item(entry: Any, i: int, dataset: str, root: Path, where: str) -> 
     if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
         raise ValueError('"filename" must be a file name')
     folder = entry.get("filepath")
-    if folder is not None and (not isinstance(folder, str) or folder.startswith("/")
-                               or ".." in Path(folder).parts):
+    if folder is not None and (
+        not isinstance(folder, str) or folder.startswith("/") or ".." in Path(folder).parts
+    ):
         raise ValueError('"filepath" must be a relative folder')
     rel = f"{folder}/{name}" if folder else name
     sentences = entry.get("sentences")

@@ -65,8 +65,9 @@ class Encoder:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     @torch.inference_mode()
-    def images(self, pixels: torch.Tensor | Sequence[torch.Tensor]
-               ) -> tuple[np.ndarray, np.ndarray]:
+    def images(
+        self, pixels: torch.Tensor | Sequence[torch.Tensor]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """uint8 (B, 3, S, S) (or B tensors (3, S, S)) -> ((B, dim) float32 unit vectors,
         (B, T, d) float16 tokens)."""
         if not isinstance(pixels, torch.Tensor):
@@ -160,16 +161,21 @@ def _decode(item: PlanItem, convert: Callable[[Image.Image], Any]) -> Decoded:
     try:
         data = Path(item.image).read_bytes()
     except OSError as exc:
-        return Decoded(item.pos, None, b"\0" * 32, f"cannot read image {item.image_rel!r} "
-                       f"({item.image}): {exc}")
+        return Decoded(
+            item.pos,
+            None,
+            b"\0" * 32,
+            f"cannot read image {item.image_rel!r} ({item.image}): {exc}",
+        )
     sha = hashlib.sha256(data).digest()
     try:
         img = Image.open(io.BytesIO(data))
         img.load()
         pix = convert(img.convert("RGB"))
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        return Decoded(item.pos, None, sha, f"cannot read image {item.image_rel!r} "
-                       f"({item.image}): {exc}")
+        return Decoded(
+            item.pos, None, sha, f"cannot read image {item.image_rel!r} ({item.image}): {exc}"
+        )
     return Decoded(item.pos, pix, sha, "")
 
 
@@ -191,36 +197,47 @@ def _as_list(batch: list[Decoded]) -> list[Decoded]:
     return batch
 
 
-def shard_batches(plan: Sequence[PlanItem], start: int, stop: int,
-                  batch_size: int) -> list[list[int]]:
+def shard_batches(
+    plan: Sequence[PlanItem], start: int, stop: int, batch_size: int
+) -> list[list[int]]:
     """Positions of the images in plan[start:stop], cut into batches (never across shards)."""
     with_image = [it.pos for it in plan[start:stop] if it.image is not None]
     return [with_image[i : i + batch_size] for i in range(0, len(with_image), batch_size)]
 
 
-def decoded_batches(plan: Sequence[PlanItem], batches: list[list[int]], size: int,
-                    workers: int) -> Iterator[list[Decoded]]:
+def decoded_batches(
+    plan: Sequence[PlanItem], batches: list[list[int]], size: int, workers: int
+) -> Iterator[list[Decoded]]:
     """The decoded batches, in order, from `workers` DataLoader processes (0 = this one)."""
     if not batches:
         return iter(())
     loader = torch.utils.data.DataLoader(
-        DecodeDataset(plan, size), batch_sampler=batches, num_workers=workers,
+        DecodeDataset(plan, size),
+        batch_sampler=batches,
+        num_workers=workers,
         collate_fn=_as_list,
-        prefetch_factor=4 if workers else None, persistent_workers=False)
+        prefetch_factor=4 if workers else None,
+        persistent_workers=False,
+    )
     return iter(loader)
 
 
 # -- one shard ---------------------------------------------------------------------------
 
-SHARD_FIELDS = ("image_ok", "image_sha", "image_error", "image_vectors", "image_tokens",
-                "text_vectors")
+SHARD_FIELDS = (
+    "image_ok",
+    "image_sha",
+    "image_error",
+    "image_vectors",
+    "image_tokens",
+    "text_vectors",
+)
 
 
 class ShardBuilder:
     """Collects one shard's encoded image batches, then encodes its captions."""
 
-    def __init__(self, items: Sequence[PlanItem], encoder: ImageEncoder,
-                 batch_size: int) -> None:
+    def __init__(self, items: Sequence[PlanItem], encoder: ImageEncoder, batch_size: int) -> None:
         self.items = list(items)
         self.encoder = encoder
         self.batch_size = batch_size
@@ -245,13 +262,18 @@ class ShardBuilder:
         tvecs = [self.encoder.texts(texts[i : i + step]) for i in range(0, len(texts), step)]
         return {
             "image_ok": np.array([ok[d.pos] for d in self.decoded], dtype=bool),
-            "image_sha": np.array([np.frombuffer(d.sha256, np.uint8) for d in self.decoded],
-                                  dtype=np.uint8).reshape(-1, 32),
+            "image_sha": np.array(
+                [np.frombuffer(d.sha256, np.uint8) for d in self.decoded], dtype=np.uint8
+            ).reshape(-1, 32),
             "image_error": np.array([d.error for d in self.decoded], dtype=np.str_),
-            "image_vectors": (np.concatenate(self.vecs) if self.vecs
-                              else np.zeros((0, dim), np.float32)),
-            "image_tokens": (np.concatenate(self.toks).astype(np.float16) if self.toks
-                             else np.zeros((0, *token_shape), np.float16)),
+            "image_vectors": (
+                np.concatenate(self.vecs) if self.vecs else np.zeros((0, dim), np.float32)
+            ),
+            "image_tokens": (
+                np.concatenate(self.toks).astype(np.float16)
+                if self.toks
+                else np.zeros((0, *token_shape), np.float16)
+            ),
             "text_vectors": (np.concatenate(tvecs) if tvecs else np.zeros((0, dim), np.float32)),
         }
 
@@ -274,8 +296,7 @@ def read_shard(path: Path, fields: Sequence[str] = SHARD_FIELDS) -> dict[str, np
         return _read_fields(fh, fields)
 
 
-def read_shard_bytes(data: bytes, fields: Sequence[str] = SHARD_FIELDS
-                     ) -> dict[str, np.ndarray]:
+def read_shard_bytes(data: bytes, fields: Sequence[str] = SHARD_FIELDS) -> dict[str, np.ndarray]:
     return _read_fields(io.BytesIO(data), fields)
 
 

@@ -62,8 +62,7 @@ class ShardEncoder:
             first = plan[0].pos if plan else 0
             builder = ShardBuilder(plan, self.encoder, self.batch_size)
             for positions in shard_batches(plan, 0, len(plan), self.batch_size):
-                builder.add([decode(plan[p - first], self.encoder.image_size)
-                             for p in positions])
+                builder.add([decode(plan[p - first], self.encoder.image_size) for p in positions])
             arrays = builder.finish(self.model.dim, self.model.token_shape)
             shards.append(int(k))
             payloads.append(shard_bytes(arrays))
@@ -75,13 +74,22 @@ def _ray() -> Any:
         import ray
     except ImportError as exc:  # pragma: no cover - the [ray] extra is in dev
         raise RayUnavailableError(
-            "--engine ray needs Ray: pip install 'duet[ray]' (or use --engine local)") from exc
+            "--engine ray needs Ray: pip install 'duet[ray]' (or use --engine local)"
+        ) from exc
     return ray
 
 
-def encode_ray(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]], shard_dir: Path,
-               model: BuiltinModel, dev: torch.device, batch_size: int, actors: int | None,
-               progress: bool, on_shard: Callable[[int, dict[str, np.ndarray]], None]) -> None:
+def encode_ray(
+    plan: Sequence[PlanItem],
+    missing: list[tuple[int, int, int]],
+    shard_dir: Path,
+    model: BuiltinModel,
+    dev: torch.device,
+    batch_size: int,
+    actors: int | None,
+    progress: bool,
+    on_shard: Callable[[int, dict[str, np.ndarray]], None],
+) -> None:
     """Encode the `missing` shards (k, start, stop) of `plan` on Ray; write them to shard_dir."""
     ray = _ray()
     if not ray.is_initialized():
@@ -91,19 +99,30 @@ def encode_ray(plan: Sequence[PlanItem], missing: list[tuple[int, int, int]], sh
     if actors is None:
         actors = gpus if gpus else max(1, cpus // 2)
     actors = max(1, min(actors, len(missing)))
-    rows = [{"shard": k, "spec": json.dumps([asdict(p) for p in plan[a:b]])}
-            for k, a, b in missing]
-    log.info("ray: %d shards on %d actor(s) (%s)", len(rows), actors,
-             f"{gpus} GPU(s)" if gpus else f"{cpus} CPU(s)")
+    rows = [{"shard": k, "spec": json.dumps([asdict(p) for p in plan[a:b]])} for k, a, b in missing]
+    log.info(
+        "ray: %d shards on %d actor(s) (%s)",
+        len(rows),
+        actors,
+        f"{gpus} GPU(s)" if gpus else f"{cpus} CPU(s)",
+    )
     ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
-        ShardEncoder, batch_size=1, batch_format="numpy",
+        ShardEncoder,
+        batch_size=1,
+        batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=actors),
-        num_gpus=1 if gpus else 0, num_cpus=0 if gpus else max(1, cpus // actors),
-        fn_constructor_kwargs={"parts": (model.model, model.tokenizer, model.fingerprint),
-                               "device": dev.type, "batch_size": batch_size})
+        num_gpus=1 if gpus else 0,
+        num_cpus=0 if gpus else max(1, cpus // actors),
+        fn_constructor_kwargs={
+            "parts": (model.model, model.tokenizer, model.fingerprint),
+            "device": dev.type,
+            "batch_size": batch_size,
+        },
+    )
     sizes = {k: b - a for k, a, b in missing}
-    with tqdm(total=sum(sizes.values()), desc="encoding (ray)", unit="item",
-              disable=not progress) as bar:
+    with tqdm(
+        total=sum(sizes.values()), desc="encoding (ray)", unit="item", disable=not progress
+    ) as bar:
         for row in ds.iter_rows():
             k = int(row["shard"])
             data = bytes(row["data"])

@@ -61,8 +61,14 @@ class BuiltinModel:
     weights live on the GPU; inputs go there and results come back as numpy arrays.
     """
 
-    def __init__(self, model: JointModel, tokenizer: WordTokenizer, fingerprint: str,
-                 device: torch.device | None = None, precision: Precision = "fp32") -> None:
+    def __init__(
+        self,
+        model: JointModel,
+        tokenizer: WordTokenizer,
+        fingerprint: str,
+        device: torch.device | None = None,
+        precision: Precision = "fp32",
+    ) -> None:
         self.device = device or torch.device("cpu")
         self.model = model.to(self.device).eval()
         self.cross = CrossEncoderRuntime(self.model, precision)
@@ -74,8 +80,9 @@ class BuiltinModel:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, directory: Path | None = None, device: str = "cpu",
-             precision: Precision | None = None) -> BuiltinModel:
+    def load(
+        cls, directory: Path | None = None, device: str = "cpu", precision: Precision | None = None
+    ) -> BuiltinModel:
         """Load from a directory holding model.safetensors, config.json and vocab.json, onto
         `device` (auto, cpu or cuda); the cross-encoder runs in `precision` (default: fp16 on
         a GPU, fp32 on the CPU)."""
@@ -117,8 +124,7 @@ class BuiltinModel:
     @torch.inference_mode()
     def encode_images(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
         """Images -> ((n, dim) float32 L2-normalised vectors, (n, T, d) float16 image states)."""
-        toks = self.model.image_tokens(
-            pixels(images, self.model.cfg.image_size).to(self.device))
+        toks = self.model.image_tokens(pixels(images, self.model.cfg.image_size).to(self.device))
         vec = self.model.embed_images(toks)
         return vec.float().cpu().numpy(), toks.half().cpu().numpy()
 

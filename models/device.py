@@ -20,6 +20,8 @@ def resolve_device(device: str) -> torch.device:
     if device not in DEVICES:
         raise DeviceError(f"unknown device {device!r}: use auto, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        raise DeviceError("device cuda asked for, but torch sees no CUDA GPU "
-                          "(use auto or cpu, or check the driver / NVIDIA runtime)")
+        raise DeviceError(
+            "device cuda asked for, but torch sees no CUDA GPU "
+            "(use auto or cpu, or check the driver / NVIDIA runtime)"
+        )
     return torch.device(device)

@@ -32,8 +32,10 @@ def precision(ranked: np.ndarray, fit: np.ndarray) -> dict[str, float]:
     have = fit.sum(axis=1)
     keep = have > 0
     got = np.take_along_axis(fit, ranked, axis=1)[keep]
-    return {f"P@{k}": round(float((got[:, :k].sum(axis=1) / np.minimum(k, have[keep])).mean()), 4)
-            for k in P_KS}
+    return {
+        f"P@{k}": round(float((got[:, :k].sum(axis=1) / np.minimum(k, have[keep])).mean()), 4)
+        for k in P_KS
+    }
 
 
 def reorder(cand: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -47,10 +49,15 @@ def _recall(ranked: np.ndarray, hit: np.ndarray) -> dict[str, float]:
     return recall(hit[rows, ranked])
 
 
-def evaluate(model: BuiltinModel, images: Sequence[Image.Image],
-             captions: Sequence[Sequence[str]], candidates: int = 20, batch: int = 256,
-             fusion_lambda: float = DEFAULT_FUSION_LAMBDA, sweep: Sequence[float] = (),
-             ) -> dict[str, dict[str, dict[str, float]]]:
+def evaluate(
+    model: BuiltinModel,
+    images: Sequence[Image.Image],
+    captions: Sequence[Sequence[str]],
+    candidates: int = 20,
+    batch: int = 256,
+    fusion_lambda: float = DEFAULT_FUSION_LAMBDA,
+    sweep: Sequence[float] = (),
+) -> dict[str, dict[str, dict[str, float]]]:
     """R@1/5/10 for text->image and image->text: dot-only, cross-encoder alone over the top
     `candidates`, and the service's default re-rank (ADD_lambda fusion of both).
 
@@ -61,8 +68,9 @@ def evaluate(model: BuiltinModel, images: Sequence[Image.Image],
     texts = [c for caps in captions for c in caps]
     owner = np.array([i for i, caps in enumerate(captions) for _ in caps])
     iv, itok = encode_images(model, images, batch)
-    tv = np.concatenate([model.encode_texts(texts[s : s + batch])
-                         for s in range(0, len(texts), batch)])
+    tv = np.concatenate(
+        [model.encode_texts(texts[s : s + batch]) for s in range(0, len(texts), batch)]
+    )
     sim = tv @ iv.T  # (texts, images)
     hit_t2i = owner[:, None] == np.arange(len(images))[None, :]
     m = min(candidates, len(images))
@@ -70,8 +78,10 @@ def evaluate(model: BuiltinModel, images: Sequence[Image.Image],
     cand_i2t = np.argsort(-sim.T, axis=1, kind="stable")[:, : min(candidates, len(texts))]
 
     def ce(q_texts: list[str], toks: np.ndarray) -> np.ndarray:
-        out = [model.score_pairs(q_texts[s : s + 1024], toks[s : s + 1024])
-               for s in range(0, len(q_texts), 1024)]
+        out = [
+            model.score_pairs(q_texts[s : s + 1024], toks[s : s + 1024])
+            for s in range(0, len(q_texts), 1024)
+        ]
         return np.concatenate(out)
 
     t2i_pairs_text = [texts[q] for q in range(len(texts)) for _ in range(m)]
@@ -81,22 +91,30 @@ def evaluate(model: BuiltinModel, images: Sequence[Image.Image],
     s_i2t = ce(i2t_pairs_text, np.repeat(itok, mi, axis=0)).reshape(cand_i2t.shape)
     d_t2i = np.take_along_axis(sim, cand_t2i, axis=1)
     d_i2t = np.take_along_axis(sim.T, cand_i2t, axis=1)
-    swept = {f"ADD_{lam}": {
-        "t2i": _recall(reorder(cand_t2i, fuse(d_t2i, s_t2i, lam)), hit_t2i),
-        "i2t": _recall(reorder(cand_i2t, fuse(d_i2t, s_i2t, lam)), hit_t2i.T)} for lam in sweep}
+    swept = {
+        f"ADD_{lam}": {
+            "t2i": _recall(reorder(cand_t2i, fuse(d_t2i, s_t2i, lam)), hit_t2i),
+            "i2t": _recall(reorder(cand_i2t, fuse(d_i2t, s_i2t, lam)), hit_t2i.T),
+        }
+        for lam in sweep
+    }
     return {
         "dot": {"t2i": _recall(cand_t2i, hit_t2i), "i2t": _recall(cand_i2t, hit_t2i.T)},
-        "ce_only": {"t2i": _recall(reorder(cand_t2i, s_t2i), hit_t2i),
-                    "i2t": _recall(reorder(cand_i2t, s_i2t), hit_t2i.T)},
-        "rerank": {"t2i": _recall(reorder(cand_t2i, fuse(d_t2i, s_t2i, fusion_lambda)), hit_t2i),
-                   "i2t": _recall(reorder(cand_i2t, fuse(d_i2t, s_i2t, fusion_lambda)),
-                                  hit_t2i.T)},
+        "ce_only": {
+            "t2i": _recall(reorder(cand_t2i, s_t2i), hit_t2i),
+            "i2t": _recall(reorder(cand_i2t, s_i2t), hit_t2i.T),
+        },
+        "rerank": {
+            "t2i": _recall(reorder(cand_t2i, fuse(d_t2i, s_t2i, fusion_lambda)), hit_t2i),
+            "i2t": _recall(reorder(cand_i2t, fuse(d_i2t, s_i2t, fusion_lambda)), hit_t2i.T),
+        },
         **swept,
     }
 
 
-def encode_images(model: BuiltinModel, images: Sequence[Image.Image],
-                  batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
+def encode_images(
+    model: BuiltinModel, images: Sequence[Image.Image], batch: int = 256
+) -> tuple[np.ndarray, np.ndarray]:
     """(vectors, image states) of `images`, encoded `batch` at a time."""
     vecs, toks = [], []
     for s in range(0, len(images), batch):
@@ -106,10 +124,15 @@ def encode_images(model: BuiltinModel, images: Sequence[Image.Image],
     return np.concatenate(vecs), np.concatenate(toks)
 
 
-def partial_precision(model: BuiltinModel, images: Sequence[Image.Image],
-                      scenes: Sequence[world.Scene], queries: Sequence[tuple[str, world.Desc]],
-                      candidates: int = 50, lambdas: Sequence[float] = (DEFAULT_FUSION_LAMBDA,),
-                      batch: int = 256) -> dict[str, dict[str, float]]:
+def partial_precision(
+    model: BuiltinModel,
+    images: Sequence[Image.Image],
+    scenes: Sequence[world.Scene],
+    queries: Sequence[tuple[str, world.Desc]],
+    candidates: int = 50,
+    lambdas: Sequence[float] = (DEFAULT_FUSION_LAMBDA,),
+    batch: int = 256,
+) -> dict[str, dict[str, float]]:
     """P@1 / P@10 (`precision`) of partial text queries over `images` (whose scenes are
     `scenes`): dot, the cross-encoder alone over the top `candidates`, and ADD_λ per λ."""
     iv, itok = encode_images(model, images, batch)
@@ -120,8 +143,12 @@ def partial_precision(model: BuiltinModel, images: Sequence[Image.Image],
     dots = np.take_along_axis(sim, cand, axis=1)
     pairs = [texts[q] for q in range(len(texts)) for _ in range(cand.shape[1])]
     flat = cand.reshape(-1)
-    logits = np.concatenate([model.score_pairs(pairs[s : s + 1024], itok[flat[s : s + 1024]])
-                             for s in range(0, len(pairs), 1024)]).reshape(cand.shape)
+    logits = np.concatenate(
+        [
+            model.score_pairs(pairs[s : s + 1024], itok[flat[s : s + 1024]])
+            for s in range(0, len(pairs), 1024)
+        ]
+    ).reshape(cand.shape)
     out = {"dot": precision(cand, fit), "ce_only": precision(reorder(cand, logits), fit)}
     for lam in lambdas:
         out[f"ADD_{lam}"] = precision(reorder(cand, fuse(dots, logits, lam)), fit)
@@ -130,8 +157,10 @@ def partial_precision(model: BuiltinModel, images: Sequence[Image.Image],
 
 def format_table(result: dict[str, dict[str, dict[str, float]]]) -> str:
     """Markdown table of an `evaluate` result."""
-    lines = ["| mode | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for mode, r in result.items():
         cells = [f"{r[d][f'R@{k}']:.1f}" for d in ("t2i", "i2t") for k in KS]
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")

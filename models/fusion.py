@@ -19,13 +19,15 @@ def add_scores(dots: np.ndarray, scores: np.ndarray, lam: float) -> np.ndarray:
     """ADD_lambda on a re-ranker score that is already a score (a probability, S_gl):
     lam * dot + (1 - lam) * score."""
     return lam * np.asarray(dots, dtype=np.float64) + (1.0 - lam) * np.asarray(
-        scores, dtype=np.float64)
+        scores, dtype=np.float64
+    )
 
 
 def norm_add_scores(dots: np.ndarray, scores: np.ndarray, lam: float) -> np.ndarray:
     """NORM_ADD_lambda on a re-ranker score: both 0-1 normalised over the query's candidates."""
-    return (lam * _minmax(np.asarray(dots, dtype=np.float64))
-            + (1.0 - lam) * _minmax(np.asarray(scores, dtype=np.float64)))
+    return lam * _minmax(np.asarray(dots, dtype=np.float64)) + (1.0 - lam) * _minmax(
+        np.asarray(scores, dtype=np.float64)
+    )
 
 
 def fuse(dots: np.ndarray, logits: np.ndarray, lam: float) -> np.ndarray:

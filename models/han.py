@@ -42,8 +42,13 @@ def _masked_softmax(logits: torch.Tensor, key_mask: torch.Tensor) -> torch.Tenso
     return torch.softmax(logits.masked_fill(~key_mask[..., None, :], NEG), dim=-1)
 
 
-def align_and_match(words: torch.Tensor, word_mask: torch.Tensor, regions: torch.Tensor,
-                    region_mask: torch.Tensor, beta: float) -> torch.Tensor:
+def align_and_match(
+    words: torch.Tensor,
+    word_mask: torch.Tensor,
+    regions: torch.Tensor,
+    region_mask: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
     """S_AVG for B pairs: words (B, n, d) and regions (B, m, d) -> (B,)."""
     w = nn.functional.normalize(words, dim=-1)
     o = nn.functional.normalize(regions, dim=-1)
@@ -88,21 +93,31 @@ class HAN(nn.Module):
         self.cfg = cfg
         self.word_proj = nn.Linear(cfg.word_dim, cfg.dim)
         self.region_proj = nn.Linear(cfg.region_dim, cfg.dim)
-        self.blocks = nn.ModuleList(HeterogeneousBlock(cfg.dim, cfg.beta_attention)
-                                    for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(
+            HeterogeneousBlock(cfg.dim, cfg.beta_attention) for _ in range(cfg.layers)
+        )
 
-    def forward(self, words: torch.Tensor, word_mask: torch.Tensor, regions: torch.Tensor,
-                region_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        words: torch.Tensor,
+        word_mask: torch.Tensor,
+        regions: torch.Tensor,
+        region_mask: torch.Tensor,
+    ) -> torch.Tensor:
         """words (B, n, word_dim), regions (B, m, region_dim), masks True for real items
         -> S_AVG (B,)."""
         n = words.shape[1]
-        h = torch.cat([nn.functional.normalize(self.word_proj(words), dim=-1),
-                       nn.functional.normalize(self.region_proj(regions), dim=-1)], dim=1)
+        h = torch.cat(
+            [
+                nn.functional.normalize(self.word_proj(words), dim=-1),
+                nn.functional.normalize(self.region_proj(regions), dim=-1),
+            ],
+            dim=1,
+        )
         mask = torch.cat([word_mask, region_mask], dim=1)
         for block in self.blocks:
             h = block(h, mask)
-        return align_and_match(h[:, :n], word_mask, h[:, n:], region_mask,
-                               self.cfg.beta_alignment)
+        return align_and_match(h[:, :n], word_mask, h[:, n:], region_mask, self.cfg.beta_alignment)
 
 
 HAN_WEIGHTS = "han.safetensors"
@@ -129,8 +144,9 @@ class HANReranker:
         self.words = words
 
     @classmethod
-    def load(cls, directory: Path, words: TokenEncoder,
-             device: torch.device | None = None) -> HANReranker | None:
+    def load(
+        cls, directory: Path, words: TokenEncoder, device: torch.device | None = None
+    ) -> HANReranker | None:
         """The HAN head saved beside a model's weights (`duet train` writes it), or None when
         that model directory has none."""
         d = Path(directory)
@@ -142,8 +158,9 @@ class HANReranker:
         return cls(head, words, device)
 
     @torch.inference_mode()
-    def score(self, words: np.ndarray, word_mask: np.ndarray,
-              image_tokens: np.ndarray) -> np.ndarray:
+    def score(
+        self, words: np.ndarray, word_mask: np.ndarray, image_tokens: np.ndarray
+    ) -> np.ndarray:
         """S_AVG (B,) for B pairs of word features (B, L, D) with mask and image tokens."""
         regions = torch.from_numpy(regions_of(image_tokens)).to(self.device)
         w = torch.from_numpy(np.asarray(words, dtype=np.float32)).to(self.device)

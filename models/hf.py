@@ -54,17 +54,20 @@ def fingerprint(kind: str, directory: Path) -> str:
     return f"hf-{kind}:{h.hexdigest()[:16]}"
 
 
-def _load(directory: Path, allowed: Sequence[str], role: str,
-          device: torch.device) -> tuple[Any, Any, str]:
+def _load(
+    directory: Path, allowed: Sequence[str], role: str, device: torch.device
+) -> tuple[Any, Any, str]:
     """(model, processor, model_type) from a local directory, on `device`, or a ModelLoadError
     that says why."""
     d = Path(directory)
     kind = model_type(d)
     if kind not in allowed:
         found = f"model_type {kind!r}" if kind else "no readable config.json"
-        raise ModelLoadError(f"{d} is not a {' or '.join(a.upper() for a in allowed)} checkpoint "
-                             f"({found}); the {role} needs a local Hugging Face directory with "
-                             "config.json, weights, tokenizer and processor files")
+        raise ModelLoadError(
+            f"{d} is not a {' or '.join(a.upper() for a in allowed)} checkpoint "
+            f"({found}); the {role} needs a local Hugging Face directory with "
+            "config.json, weights, tokenizer and processor files"
+        )
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
@@ -72,8 +75,7 @@ def _load(directory: Path, allowed: Sequence[str], role: str,
     transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in logs
     try:
         processor = transformers.AutoProcessor.from_pretrained(d, local_files_only=True)
-        cls = (transformers.BlipForImageTextRetrieval if kind == "blip"
-               else transformers.AutoModel)
+        cls = transformers.BlipForImageTextRetrieval if kind == "blip" else transformers.AutoModel
         model = cls.from_pretrained(d, local_files_only=True).eval().to(device)
         if device.type == "cpu" and model.dtype in (torch.float16, torch.bfloat16):
             model = model.float()  # half-precision checkpoints: CPU kernels want fp32
@@ -87,8 +89,9 @@ def _pooled(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
-def _tokenize(tokenizer: Any, lock: threading.Lock, texts: Sequence[str],
-              padding: bool | str) -> Any:
+def _tokenize(
+    tokenizer: Any, lock: threading.Lock, texts: Sequence[str], padding: bool | str
+) -> Any:
     """One tokenizer call at a time: the service encodes queries from several threads, and a
     Rust-backed tokenizer re-sets its padding / truncation state on every call, which PyO3
     refuses concurrently ("RuntimeError: Already borrowed", huggingface/tokenizers#537)."""
@@ -105,8 +108,9 @@ class HFDualEncoder:
 
     def __init__(self, directory: Path, device: str | torch.device = "cpu") -> None:
         self.device = resolve_device(device) if isinstance(device, str) else device
-        self.model, self.processor, self.kind = _load(directory, DUAL_ENCODER_TYPES,
-                                                      "encoder (DUET_ENCODER)", self.device)
+        self.model, self.processor, self.kind = _load(
+            directory, DUAL_ENCODER_TYPES, "encoder (DUET_ENCODER)", self.device
+        )
         self.name = f"hf-{self.kind}"
         self.fingerprint = fingerprint(self.kind, Path(directory))
         self._tokenizing = threading.Lock()  # see _tokenize
@@ -121,8 +125,9 @@ class HFDualEncoder:
         # SigLIP was trained on max-length padding; CLIP on the longest in the batch
         padding = "max_length" if self.kind == "siglip" else True
         enc = _tokenize(self.processor.tokenizer, self._tokenizing, texts, padding)
-        return {k: v.to(self.device) for k, v in enc.items()
-                if k in ("input_ids", "attention_mask")}
+        return {
+            k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")
+        }
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         with torch.inference_mode():
@@ -138,7 +143,8 @@ class HFDualEncoder:
             if self.kind == "clip":  # drop [CLS]; the same head the pooled feature goes through
                 feats = self.model.visual_projection(out.pooler_output)
                 tokens = self.model.visual_projection(
-                    self.model.vision_model.post_layernorm(hidden[:, 1:]))
+                    self.model.vision_model.post_layernorm(hidden[:, 1:])
+                )
             else:  # SigLIP: the attention-pooling head's output is the image feature
                 feats = out.pooler_output
                 tokens = hidden
@@ -151,8 +157,9 @@ class HFBlipReranker:
 
     def __init__(self, directory: Path, device: str | torch.device = "cpu") -> None:
         self.device = resolve_device(device) if isinstance(device, str) else device
-        self.model, self.processor, self.kind = _load(directory, RERANKER_TYPES,
-                                                      "re-ranker (DUET_RERANKER)", self.device)
+        self.model, self.processor, self.kind = _load(
+            directory, RERANKER_TYPES, "re-ranker (DUET_RERANKER)", self.device
+        )
         self.name = "hf-blip-itm"
         self.fingerprint = fingerprint("blip", Path(directory))
         self._tokenizing = threading.Lock()
@@ -164,7 +171,8 @@ class HFBlipReranker:
         pix = self.processor.image_processor(_rgb(images), return_tensors="pt")["pixel_values"]
         with torch.inference_mode():
             hidden = self.model.vision_model(
-                pixel_values=pix.to(self.device, self.model.dtype)).last_hidden_state
+                pixel_values=pix.to(self.device, self.model.dtype)
+            ).last_hidden_state
         return hidden.to(torch.float16).cpu().numpy()
 
     def score_pairs(self, texts: Sequence[str], image_tokens: np.ndarray) -> np.ndarray:
@@ -173,14 +181,16 @@ class HFBlipReranker:
             return np.zeros(0, dtype=np.float32)
         enc = _tokenize(self.processor.tokenizer, self._tokenizing, texts, True)
         image = torch.from_numpy(np.asarray(image_tokens, dtype=np.float32)).to(
-            self.device, self.model.dtype)
+            self.device, self.model.dtype
+        )
         with torch.inference_mode():
             hidden = self.model.text_encoder(
                 input_ids=enc["input_ids"].to(self.device),
                 attention_mask=enc["attention_mask"].to(self.device),
                 encoder_hidden_states=image,
-                encoder_attention_mask=torch.ones(image.shape[:2], dtype=torch.long,
-                                                  device=self.device),
+                encoder_attention_mask=torch.ones(
+                    image.shape[:2], dtype=torch.long, device=self.device
+                ),
             ).last_hidden_state
             logits = self.model.itm_head(hidden[:, 0, :]).float()
         return (logits[:, 1] - logits[:, 0]).cpu().numpy()

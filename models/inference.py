@@ -66,8 +66,9 @@ class _Block:
         n, s, d = x.shape
         return x.view(n, s, self.heads, d // self.heads).transpose(1, 2)
 
-    def _attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         """x (rows being updated) + attention output + feed-forward, for those rows."""
         a = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v))
         x = x + self.out(a.transpose(1, 2).reshape(x.shape))
@@ -106,8 +107,13 @@ class CrossEncoderRuntime:
         self.blocks = [_Block(layer, heads) for layer in layers]
 
     @torch.inference_mode()
-    def logits(self, text_states: torch.Tensor, lengths: Sequence[int], owner: torch.Tensor,
-               img: torch.Tensor) -> torch.Tensor:
+    def logits(
+        self,
+        text_states: torch.Tensor,
+        lengths: Sequence[int],
+        owner: torch.Tensor,
+        img: torch.Tensor,
+    ) -> torch.Tensor:
         """(n,) logits: pair i reads sentence `owner[i]` (its states `text_states[owner[i]]`,
         the first `lengths[owner[i]]` of them real) with image states `img[i]`."""
         out = torch.empty(img.shape[0], device=img.device)
@@ -124,8 +130,9 @@ class CrossEncoderRuntime:
             # renumber the pairs' sentences within this length bucket
             local = torch.full((len(lens),), -1, dtype=torch.long, device=img.device)
             local[sentences] = torch.arange(len(sentences), device=img.device)
-            out[pairs] = self._bucket(text_states[sentences, :length], local[owner[pairs]],
-                                      img[pairs]).float()
+            out[pairs] = self._bucket(
+                text_states[sentences, :length], local[owner[pairs]], img[pairs]
+            ).float()
         return out
 
     def _bucket(self, txt: torch.Tensor, owner: torch.Tensor, img: torch.Tensor) -> torch.Tensor:

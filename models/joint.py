@@ -43,8 +43,13 @@ class JointConfig:
 
 def _encoder(cfg: JointConfig, layers: int) -> nn.TransformerEncoder:
     layer = nn.TransformerEncoderLayer(
-        cfg.d_model, cfg.n_heads, 4 * cfg.d_model, dropout=0.0,
-        activation="gelu", batch_first=True, norm_first=True,
+        cfg.d_model,
+        cfg.n_heads,
+        4 * cfg.d_model,
+        dropout=0.0,
+        activation="gelu",
+        batch_first=True,
+        norm_first=True,
     )
     return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
@@ -156,18 +161,21 @@ class JointModel(nn.Module):
         return F.normalize(self.text_proj(pooled), dim=-1)
 
     # -- cross-encoder ------------------------------------------------------
-    def itm_logits(self, txt_tokens: torch.Tensor, pad: torch.Tensor,
-                   img_tokens: torch.Tensor) -> torch.Tensor:
+    def itm_logits(
+        self, txt_tokens: torch.Tensor, pad: torch.Tensor, img_tokens: torch.Tensor
+    ) -> torch.Tensor:
         """ITM logit for each (text states, image states) row pair: (B,), higher = a match."""
         return self.itm_head(self.fused(txt_tokens, pad, img_tokens)[:, 0]).squeeze(-1)
 
-    def fused(self, txt_tokens: torch.Tensor, pad: torch.Tensor,
-              img_tokens: torch.Tensor) -> torch.Tensor:
+    def fused(
+        self, txt_tokens: torch.Tensor, pad: torch.Tensor, img_tokens: torch.Tensor
+    ) -> torch.Tensor:
         """The fusion layers' output over [ITM] + text + image: (B, 1 + L + T, d)."""
         return self.fused_tap(txt_tokens, pad, img_tokens, 0)[0]
 
-    def fused_tap(self, txt_tokens: torch.Tensor, pad: torch.Tensor, img_tokens: torch.Tensor,
-                  tap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused_tap(
+        self, txt_tokens: torch.Tensor, pad: torch.Tensor, img_tokens: torch.Tensor, tap: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(`fused`, the sequence after the first `tap` fusion layers). Training supervises
         grounding at the tap, so the layers above it are left to compare what was grounded."""
         b = txt_tokens.shape[0]

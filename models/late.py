@@ -20,8 +20,12 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return np.divide(x, norm, out=np.zeros_like(x), where=norm > 0)
 
 
-def local_scores(query_tokens: np.ndarray, query_mask: np.ndarray,
-                 item_tokens: np.ndarray, item_mask: np.ndarray | None = None) -> np.ndarray:
+def local_scores(
+    query_tokens: np.ndarray,
+    query_mask: np.ndarray,
+    item_tokens: np.ndarray,
+    item_mask: np.ndarray | None = None,
+) -> np.ndarray:
     """S_l for B (query, item) pairs.
 
     query_tokens (B, L, D), query_mask (B, L) True for real tokens, item_tokens (B, T, D),
@@ -37,9 +41,14 @@ def local_scores(query_tokens: np.ndarray, query_mask: np.ndarray,
     return (best * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1.0)
 
 
-def late_scores(global_scores: np.ndarray, query_tokens: np.ndarray, query_mask: np.ndarray,
-                item_tokens: np.ndarray, theta: float = DEFAULT_THETA,
-                item_mask: np.ndarray | None = None) -> np.ndarray:
+def late_scores(
+    global_scores: np.ndarray,
+    query_tokens: np.ndarray,
+    query_mask: np.ndarray,
+    item_tokens: np.ndarray,
+    theta: float = DEFAULT_THETA,
+    item_mask: np.ndarray | None = None,
+) -> np.ndarray:
     """S_gl = (1 - theta) * S_g + theta * S_l for B pairs; theta = 0 is the bi-encoder alone."""
     if not 0.0 <= theta <= 1.0:
         raise ValueError(f"theta must be in [0, 1], got {theta}")
@@ -47,17 +56,28 @@ def late_scores(global_scores: np.ndarray, query_tokens: np.ndarray, query_mask:
     return (1.0 - theta) * np.asarray(global_scores, dtype=np.float32) + theta * s_l
 
 
-def text_image_late_scores(text_query: bool, global_scores: np.ndarray, words: np.ndarray,
-                           word_mask: np.ndarray, image_tokens: np.ndarray,
-                           theta: float = DEFAULT_THETA) -> np.ndarray:
+def text_image_late_scores(
+    text_query: bool,
+    global_scores: np.ndarray,
+    words: np.ndarray,
+    word_mask: np.ndarray,
+    image_tokens: np.ndarray,
+    theta: float = DEFAULT_THETA,
+) -> np.ndarray:
     """S_gl for B (sentence, image) pairs, whichever side the query is: S_l averages over the
     query's tokens, the sentence's real words for a text query (against the image's tokens),
     the image's tokens for an image query (against the caption's real words)."""
     images = np.asarray(image_tokens, dtype=np.float32)
     if text_query:
         return late_scores(global_scores, words, word_mask, images, theta)
-    return late_scores(global_scores, images, np.ones(images.shape[:2], dtype=bool), words,
-                       theta, item_mask=word_mask)
+    return late_scores(
+        global_scores,
+        images,
+        np.ones(images.shape[:2], dtype=bool),
+        words,
+        theta,
+        item_mask=word_mask,
+    )
 
 
 def kmeans_regions(tokens: np.ndarray, k: int = 32, iters: int = 10) -> np.ndarray:

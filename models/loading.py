@@ -36,8 +36,9 @@ RERANKER_NAMES = ("builtin", "late", "han", "none")
 ENCODER_LABEL = "DUET_ENCODER"
 RERANKER_LABEL = "DUET_RERANKER"
 ENCODER_CHOICES = "builtin or a local Hugging Face CLIP / SigLIP directory"
-RERANKER_CHOICES = ("builtin, late, han, none or a local Hugging Face BLIP image-text-matching "
-                    "directory")
+RERANKER_CHOICES = (
+    "builtin, late, han, none or a local Hugging Face BLIP image-text-matching directory"
+)
 # the request re-rankers a model without a menu offers (a bare BuiltinModel, test doubles)
 NO_TOKENS_WHY = "needs token-level text features, which this model does not provide"
 HAN_WHY = "is not available in this deployment (its model has no trained HAN head)"
@@ -83,12 +84,20 @@ class Models:
     when nothing re-ranks); `score_pairs` is the configured cross-encoder (the `ce` option).
     """
 
-    def __init__(self, encoder: BiEncoder, encoder_part: Part, *,
-                 cross: PairReranker | None, tokens: Callable[[Sequence[Image.Image]],
-                                                             np.ndarray] | None,
-                 token_part: Part, token_shape: tuple[int, int], menu: Menu,
-                 joint: BuiltinModel | None, late: TokenEncoder | None,
-                 han: HANReranker | None = None) -> None:
+    def __init__(
+        self,
+        encoder: BiEncoder,
+        encoder_part: Part,
+        *,
+        cross: PairReranker | None,
+        tokens: Callable[[Sequence[Image.Image]], np.ndarray] | None,
+        token_part: Part,
+        token_shape: tuple[int, int],
+        menu: Menu,
+        joint: BuiltinModel | None,
+        late: TokenEncoder | None,
+        han: HANReranker | None = None,
+    ) -> None:
         self.encoder = encoder
         self.encoder_part = encoder_part
         self.cross = cross
@@ -104,14 +113,21 @@ class Models:
         self.name = encoder_part.name if same else f"{encoder_part.name}+{token_part.name}"
         # what an index built with these models records and the service checks: the encoder's
         # fingerprint, joined with the token source's when that is another model
-        self.fingerprint = (encoder_part.fingerprint if same
-                            else f"{encoder_part.fingerprint}+{token_part.fingerprint}")
+        self.fingerprint = (
+            encoder_part.fingerprint
+            if same
+            else f"{encoder_part.fingerprint}+{token_part.fingerprint}"
+        )
         self.device = getattr(encoder, "device", "cpu")
 
     def parts(self) -> dict[str, Any]:
         """The manifest's `model` entry."""
-        return {"name": self.name, "fingerprint": self.fingerprint,
-                "encoder": self.encoder_part.as_json(), "reranker": self.token_part.as_json()}
+        return {
+            "name": self.name,
+            "fingerprint": self.fingerprint,
+            "encoder": self.encoder_part.as_json(),
+            "reranker": self.token_part.as_json(),
+        }
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         return self.encoder.encode_texts(texts)
@@ -169,8 +185,12 @@ def manifest_model(model: object) -> dict[str, Any]:
     if isinstance(model, Models):
         return model.parts()
     name, fp = str(getattr(model, "name")), str(getattr(model, "fingerprint"))  # noqa: B009
-    return {"name": name, "fingerprint": fp, "encoder": {"name": name, "fingerprint": fp},
-            "reranker": {"name": name, "fingerprint": fp}}
+    return {
+        "name": name,
+        "fingerprint": fp,
+        "encoder": {"name": name, "fingerprint": fp},
+        "reranker": {"name": name, "fingerprint": fp},
+    }
 
 
 # -- choosing ---------------------------------------------------------------------------------
@@ -183,34 +203,50 @@ def _hf_dir(value: str, label: str, allowed: Sequence[str], choices: str) -> Pat
         raise ChoiceError(f"{label}={value}: no such directory; {label} is {choices}")
     kind = hf.model_type(path)
     if kind not in allowed:
-        found = f"its config.json says model_type {kind!r}" if kind else \
-            "it has no readable config.json"
-        raise ChoiceError(f"{label}={value}: not a {' or '.join(a.upper() for a in allowed)} "
-                          f"checkpoint ({found}); {label} is {choices}")
+        found = (
+            f"its config.json says model_type {kind!r}"
+            if kind
+            else "it has no readable config.json"
+        )
+        raise ChoiceError(
+            f"{label}={value}: not a {' or '.join(a.upper() for a in allowed)} "
+            f"checkpoint ({found}); {label} is {choices}"
+        )
     return path
 
 
-def check_choices(encoder: str, reranker: str, *, labels: tuple[str, str] = (
-        ENCODER_LABEL, RERANKER_LABEL)) -> tuple[Path | None, Path | None]:
+def check_choices(
+    encoder: str, reranker: str, *, labels: tuple[str, str] = (ENCODER_LABEL, RERANKER_LABEL)
+) -> tuple[Path | None, Path | None]:
     """(encoder directory, re-ranker directory), None for the named choices; a ChoiceError
     for a wrong kind, a missing directory or an impossible combination. Loads nothing."""
     el, rl = labels
-    enc_dir = None if encoder == BUILTIN else _hf_dir(encoder, el, hf.DUAL_ENCODER_TYPES,
-                                                      ENCODER_CHOICES)
+    enc_dir = (
+        None if encoder == BUILTIN else _hf_dir(encoder, el, hf.DUAL_ENCODER_TYPES, ENCODER_CHOICES)
+    )
     if reranker in ("late", "han") and enc_dir is not None:
         raise ChoiceError(
             f"{rl}={reranker} needs token-level text features in the space of the stored image "
             f"tokens; {el}={encoder} (a {hf.model_type(enc_dir).upper()} checkpoint) gives "
             f"pooled vectors only. Use {rl}=builtin, none or a BLIP directory with it, or "
-            f"{el}=builtin")
-    rr_dir = None if reranker in RERANKER_NAMES else _hf_dir(reranker, rl, hf.RERANKER_TYPES,
-                                                             RERANKER_CHOICES)
+            f"{el}=builtin"
+        )
+    rr_dir = (
+        None
+        if reranker in RERANKER_NAMES
+        else _hf_dir(reranker, rl, hf.RERANKER_TYPES, RERANKER_CHOICES)
+    )
     return enc_dir, rr_dir
 
 
-def load_models(encoder: str = BUILTIN, reranker: str = BUILTIN,
-                model_dir: Path | None = None, device: str = "cpu", *,
-                labels: tuple[str, str] = (ENCODER_LABEL, RERANKER_LABEL)) -> Models:
+def load_models(
+    encoder: str = BUILTIN,
+    reranker: str = BUILTIN,
+    model_dir: Path | None = None,
+    device: str = "cpu",
+    *,
+    labels: tuple[str, str] = (ENCODER_LABEL, RERANKER_LABEL),
+) -> Models:
     """The models for (encoder, reranker) on `device` (auto, cpu, cuda). `model_dir` holds the
     builtin model's weights (None: the shipped ones). `labels` name the two choices in errors
     (the settings, or a command's --encoder / --reranker)."""
@@ -227,8 +263,11 @@ def load_models(encoder: str = BUILTIN, reranker: str = BUILTIN,
         return builtin
 
     def builtin_part(model: BuiltinModel) -> Part:
-        return Part(model.name, model.fingerprint,
-                    str(Path(model_dir).resolve()) if model_dir is not None else None)
+        return Part(
+            model.name,
+            model.fingerprint,
+            str(Path(model_dir).resolve()) if model_dir is not None else None,
+        )
 
     def hf_load(cls: Callable[..., Any], path: Path, label: str, value: str) -> Any:
         try:
@@ -247,25 +286,44 @@ def load_models(encoder: str = BUILTIN, reranker: str = BUILTIN,
     why = {"han": HAN_WHY}
     if rr_dir is not None:  # BLIP: its cross-encoder, its vision encoder's tokens
         blip = hf_load(hf.HFBlipReranker, rr_dir, rl, reranker)
-        why["late"] = (f"needs the encoder's image tokens, and this deployment stores the "
-                       f"BLIP re-ranker's ({rl}={reranker})")
-        return Models(enc, enc_part, cross=blip, tokens=blip.image_tokens,
-                      token_part=Part(blip.name, blip.fingerprint, str(rr_dir.resolve())),
-                      token_shape=blip.token_shape, menu=Menu(("ce", "none"), "ce", why),
-                      joint=None, late=None)
+        why["late"] = (
+            f"needs the encoder's image tokens, and this deployment stores the "
+            f"BLIP re-ranker's ({rl}={reranker})"
+        )
+        return Models(
+            enc,
+            enc_part,
+            cross=blip,
+            tokens=blip.image_tokens,
+            token_part=Part(blip.name, blip.fingerprint, str(rr_dir.resolve())),
+            token_shape=blip.token_shape,
+            menu=Menu(("ce", "none"), "ce", why),
+            joint=None,
+            late=None,
+        )
     if reranker == "none" and enc_dir is not None:  # nothing to store: zero-width tokens
         why["ce"] = why["late"] = f"is not configured ({rl}=none)"
-        return Models(enc, enc_part, cross=None, tokens=None, token_part=NO_TOKENS,
-                      token_shape=(0, 0), menu=Menu(("none",), "none", why), joint=None,
-                      late=None)
+        return Models(
+            enc,
+            enc_part,
+            cross=None,
+            tokens=None,
+            token_part=NO_TOKENS,
+            token_shape=(0, 0),
+            menu=Menu(("none",), "none", why),
+            joint=None,
+            late=None,
+        )
     model = joint()  # builtin / late / han, or none with the builtin encoder: its tokens
     token_part = builtin_part(model)
     same = enc_dir is None
     han = HANReranker.load(model_dir or DEFAULT_WEIGHTS, model, model.device) if same else None
     if reranker == "han" and han is None:
-        raise ChoiceError(f"{rl}=han: {model_dir or DEFAULT_WEIGHTS} has no trained HAN head "
-                          "(han.safetensors, han.json); `duet train --out DIR` trains the model "
-                          f"with one. {rl} is {RERANKER_CHOICES}")
+        raise ChoiceError(
+            f"{rl}=han: {model_dir or DEFAULT_WEIGHTS} has no trained HAN head "
+            "(han.safetensors, han.json); `duet train --out DIR` trains the model "
+            f"with one. {rl} is {RERANKER_CHOICES}"
+        )
     if reranker == "none":
         why["ce"] = why["late"] = why["han"] = f"is not configured ({rl}=none)"
         menu = Menu(("none",), "none", why)
@@ -273,11 +331,19 @@ def load_models(encoder: str = BUILTIN, reranker: str = BUILTIN,
         offered = ("ce", "late", "han", "none") if han is not None else ("ce", "late", "none")
         menu = Menu(offered, reranker if reranker in ("late", "han") else "ce", why)
     else:
-        why["late"] = (f"needs token-level text features, which the {enc_part.name} encoder "
-                       "does not provide")
+        why["late"] = (
+            f"needs token-level text features, which the {enc_part.name} encoder does not provide"
+        )
         menu = Menu(("ce", "none"), "ce", why)
-    return Models(enc, enc_part, cross=None if reranker == "none" else model,
-                  tokens=lambda images: model.encode_images(images)[1], token_part=token_part,
-                  token_shape=model.token_shape, menu=menu, joint=model if same else None,
-                  late=model if same and reranker != "none" else None,
-                  han=han if reranker != "none" else None)
+    return Models(
+        enc,
+        enc_part,
+        cross=None if reranker == "none" else model,
+        tokens=lambda images: model.encode_images(images)[1],
+        token_part=token_part,
+        token_shape=model.token_shape,
+        menu=menu,
+        joint=model if same else None,
+        late=model if same and reranker != "none" else None,
+        han=han if reranker != "none" else None,
+    )

@@ -6,8 +6,11 @@ import torch
 import torch.nn.functional as F
 
 
-def cmr_loss(sim: torch.Tensor, extra_text_negatives: torch.Tensor | None = None,
-             positives: torch.Tensor | None = None) -> torch.Tensor:
+def cmr_loss(
+    sim: torch.Tensor,
+    extra_text_negatives: torch.Tensor | None = None,
+    positives: torch.Tensor | None = None,
+) -> torch.Tensor:
     """LightningDOT's CMR: in-batch cross-entropy over rows (text->image) and columns (image->text).
 
     `sim` is (B, B) text x image with the positives on the diagonal, already scaled by the
@@ -34,10 +37,12 @@ def ce_bce_loss(pos_logits: torch.Tensor, neg_logits: torch.Tensor) -> torch.Ten
     """
     logits = torch.cat([pos_logits, neg_logits])
     labels = torch.cat([torch.ones_like(pos_logits), torch.zeros_like(neg_logits)])
-    weight = torch.cat([
-        torch.full_like(pos_logits, neg_logits.numel() / max(pos_logits.numel(), 1)),
-        torch.ones_like(neg_logits),
-    ])
+    weight = torch.cat(
+        [
+            torch.full_like(pos_logits, neg_logits.numel() / max(pos_logits.numel(), 1)),
+            torch.ones_like(neg_logits),
+        ]
+    )
     return F.binary_cross_entropy_with_logits(logits, labels, weight=weight, reduction="sum") / (
         2 * neg_logits.numel()
     )
@@ -80,21 +85,28 @@ def _pnorm(x: torch.Tensor, p: float) -> torch.Tensor:
     return top.squeeze(1) * (((x / top) ** p).sum(dim=1) + 1e-12) ** (1.0 / p)
 
 
-def cmc_loss(images: torch.Tensor, texts: torch.Tensor, delta: float = 0.2,
-             sigma: float = 0.3) -> torch.Tensor:
+def cmc_loss(
+    images: torch.Tensor, texts: torch.Tensor, delta: float = 0.2, sigma: float = 0.3
+) -> torch.Tensor:
     """TGDT's consistent multimodal contrastive loss L_r + L_a on L2-normalised (B, d) vectors.
 
     For pair i, l- is the hardest wrong text for image i and v- the hardest wrong image for
     text i; L_r is the inter-modal triplet with margin delta, L_a asks the image-image and
     text-text similarities of the same two pairs to agree within the slack sigma.
     """
-    return cmc_loss_from_sim((texts @ images.t()), images @ images.t(), texts @ texts.t(),
-                             delta, sigma)
+    return cmc_loss_from_sim(
+        (texts @ images.t()), images @ images.t(), texts @ texts.t(), delta, sigma
+    )
 
 
-def cmc_loss_from_sim(s_ti: torch.Tensor, s_ii: torch.Tensor, s_tt: torch.Tensor,
-                      delta: float = 0.2, sigma: float = 0.3,
-                      positives: torch.Tensor | None = None) -> torch.Tensor:
+def cmc_loss_from_sim(
+    s_ti: torch.Tensor,
+    s_ii: torch.Tensor,
+    s_tt: torch.Tensor,
+    delta: float = 0.2,
+    sigma: float = 0.3,
+    positives: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`cmc_loss` from score matrices: s_ti (B, B) text x image (any cross-modal score, e.g.
     TGDT's S_gl), s_ii image x image and s_tt text x text. `positives` (B, B) text x image:
     pairs that match besides the diagonal are never picked as the hardest negative."""
@@ -107,8 +119,10 @@ def cmc_loss_from_sim(s_ti: torch.Tensor, s_ii: torch.Tensor, s_tt: torch.Tensor
     neg_l = s_it.masked_fill(eye, float("-inf")).argmax(dim=1)  # hardest text per image
     neg_v = s_it.masked_fill(eye, float("-inf")).argmax(dim=0)  # hardest image per text
     pos = s_it.diagonal()
-    l_r = ((delta - pos + s_it[rows, neg_l]).clamp(min=0)
-           + (delta - pos + s_it[neg_v, rows]).clamp(min=0))
-    l_a = (((s_ii[rows, neg_l] - s_tt[rows, neg_l]).abs() - sigma).clamp(min=0)
-           + ((s_ii[rows, neg_v] - s_tt[rows, neg_v]).abs() - sigma).clamp(min=0))
+    l_r = (delta - pos + s_it[rows, neg_l]).clamp(min=0) + (delta - pos + s_it[neg_v, rows]).clamp(
+        min=0
+    )
+    l_a = ((s_ii[rows, neg_l] - s_tt[rows, neg_l]).abs() - sigma).clamp(min=0) + (
+        (s_ii[rows, neg_v] - s_tt[rows, neg_v]).abs() - sigma
+    ).clamp(min=0)
     return (l_r + l_a).mean()

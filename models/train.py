@@ -77,13 +77,16 @@ class PatchHead(torch.nn.Module):
         y = self.out(self.norm(tokens))  # (B, T, classes + 2)
         a, b, c = N_COLOURS + 1, N_COLOURS + N_SHAPES + 2, N_COLOURS + N_SHAPES + N_SIZES + 3
         ce = torch.nn.functional.cross_entropy
-        loss = (ce(y[..., :a].flatten(0, 1), targets["colour"].flatten())
-                + ce(y[..., a:b].flatten(0, 1), targets["shape"].flatten())
-                + ce(y[..., b:c].flatten(0, 1), targets["size"].flatten()))
+        loss = (
+            ce(y[..., :a].flatten(0, 1), targets["colour"].flatten())
+            + ce(y[..., a:b].flatten(0, 1), targets["shape"].flatten())
+            + ce(y[..., b:c].flatten(0, 1), targets["size"].flatten())
+        )
         has = targets["colour"] > 0
         if has.any():
-            loss = loss + 4.0 * torch.nn.functional.mse_loss(y[..., c:][has],
-                                                           targets["offset"][has])
+            loss = loss + 4.0 * torch.nn.functional.mse_loss(
+                y[..., c:][has], targets["offset"][has]
+            )
         return loss
 
 
@@ -112,8 +115,11 @@ def patch_targets(layouts: list[world.Layout], grid: int) -> dict[str, torch.Ten
     return {**out, "offset": offset}
 
 
-def training_captions(rng: random.Random, samples: Sequence[world.Sample], partial: float,
-                      ) -> tuple[list[str], list[world.Desc]]:
+def training_captions(
+    rng: random.Random,
+    samples: Sequence[world.Sample],
+    partial: float,
+) -> tuple[list[str], list[world.Desc]]:
     """One caption per sample and what it says: with probability `partial` a partial
     description (`world.partial_caption`), else one of the sample's full captions."""
     texts, descs = [], []
@@ -127,8 +133,9 @@ def training_captions(rng: random.Random, samples: Sequence[world.Sample], parti
     return texts, descs
 
 
-def text_negative(rng: random.Random, wrong: world.Scene, scene: world.Scene, partial: float,
-                  tries: int = 5) -> str:
+def text_negative(
+    rng: random.Random, wrong: world.Scene, scene: world.Scene, partial: float, tries: int = 5
+) -> str:
     """A caption of `wrong` that `scene` does not fit: partial with probability `partial` when
     one of `tries` partial descriptions says what tells them apart, else a full caption."""
     if rng.random() < partial:
@@ -141,8 +148,7 @@ def text_negative(rng: random.Random, wrong: world.Scene, scene: world.Scene, pa
 
 def positives_mask(descs: Sequence[world.Desc], scenes: Sequence[world.Scene]) -> torch.Tensor:
     """(texts, scenes) bool: description i fits scene j (the diagonal always does)."""
-    return torch.tensor([[world.satisfies(d, s) for s in scenes] for d in descs],
-                        dtype=torch.bool)
+    return torch.tensor([[world.satisfies(d, s) for s in scenes] for d in descs], dtype=torch.bool)
 
 
 def _lr(step: int, cfg: TrainConfig) -> float:
@@ -152,8 +158,9 @@ def _lr(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(cfg: TrainConfig, out: Path, progress: bool = True,
-          init_from: Path | None = None) -> dict[str, object]:
+def train(
+    cfg: TrainConfig, out: Path, progress: bool = True, init_from: Path | None = None
+) -> dict[str, object]:
     """Train, save into `out`, return a summary (also written as train.json).
 
     From scratch by default. With `init_from` (a trained model directory) stage 1 is skipped:
@@ -167,14 +174,22 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True,
     if cfg.seed >= HELD_OUT_SEED_BASE:
         raise ValueError(f"training seeds must be below {HELD_OUT_SEED_BASE} (held out for tests)")
     if init_from is not None and not cfg.tune and cfg.ce_steps <= 0:
-        raise ValueError("--from keeps only the encoders, so the cross-encoder stage must run "
-                         "(--ce-steps > 0)")
+        raise ValueError(
+            "--from keeps only the encoders, so the cross-encoder stage must run (--ce-steps > 0)"
+        )
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     rng = random.Random(cfg.seed + 1)
     t0 = time.perf_counter()
-    samples = list(tqdm(world.generate(cfg.images, cfg.seed, n_captions=6), total=cfg.images,
-                        desc="rendering", unit="img", disable=not progress))
+    samples = list(
+        tqdm(
+            world.generate(cfg.images, cfg.seed, n_captions=6),
+            total=cfg.images,
+            desc="rendering",
+            unit="img",
+            disable=not progress,
+        )
+    )
     if cfg.tune and init_from is None:
         raise ValueError("--tune continues a trained model: give --from")
     if init_from is None:
@@ -187,22 +202,48 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True,
         model, tok = load_encoders(init_from, keep_cross_encoder=cfg.ce_warm)
     joint_seconds = time.perf_counter() - t0
     if cfg.ce_steps > 0:
-        train_cross_encoder(model, tok, samples, cfg.ce_steps, cfg.ce_batch, cfg.ce_lr,
-                            cfg.ce_flip, cfg.ce_ranks, cfg.ground_weight, cfg.ground_layer,
-                            rng, progress, partial=cfg.partial,
-                            reset=not cfg.ce_warm)
+        train_cross_encoder(
+            model,
+            tok,
+            samples,
+            cfg.ce_steps,
+            cfg.ce_batch,
+            cfg.ce_lr,
+            cfg.ce_flip,
+            cfg.ce_ranks,
+            cfg.ground_weight,
+            cfg.ground_layer,
+            rng,
+            progress,
+            partial=cfg.partial,
+            reset=not cfg.ce_warm,
+        )
     ce_seconds = time.perf_counter() - t0 - joint_seconds
     han = None
     if cfg.han_steps > 0:
-        han = train_han(model, tok, samples, cfg.han_steps, cfg.han_batch, cfg.han_lr,
-                        cfg.han_p, cfg.han_margin, rng, progress)
+        han = train_han(
+            model,
+            tok,
+            samples,
+            cfg.han_steps,
+            cfg.han_batch,
+            cfg.han_lr,
+            cfg.han_p,
+            cfg.han_margin,
+            rng,
+            progress,
+        )
     train_seconds = time.perf_counter() - t0
 
     save_model(model, tok, out)
     if han is not None:
         save_han(han, out)
-    elif (init_from is not None and not cfg.tune and (init_from / HAN_WEIGHTS).is_file()
-          and init_from != out):
+    elif (
+        init_from is not None
+        and not cfg.tune
+        and (init_from / HAN_WEIGHTS).is_file()
+        and init_from != out
+    ):
         # the HAN head reads the towers' features, which --from keeps bit for bit
         for name in (HAN_WEIGHTS, HAN_CONFIG):
             shutil.copyfile(init_from / name, out / name)
@@ -211,16 +252,28 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True,
     metrics = evaluate(runtime, [s.image for s in val], [s.captions for s in val], candidates=20)
     log.info("validation (300 images, seed %d):\n%s", HELD_OUT_SEED_BASE - 1, format_table(metrics))
     # partial queries from a validation seed (never a test one) over the same images
-    partial = partial_precision(runtime, [s.image for s in val], [s.scene for s in val],
-                                world.partial_queries(300, HELD_OUT_SEED_BASE - 2), candidates=50)
-    log.info("validation partial queries (300, seed %d, top 50): %s", HELD_OUT_SEED_BASE - 2,
-             partial)
-    command = (f"duet train --out {out} --seed {cfg.seed} --images {cfg.images} "
-               f"--steps {cfg.steps} --batch {cfg.batch} --ce-steps {cfg.ce_steps} "
-               f"--han-steps {cfg.han_steps} --ce-lr {cfg.ce_lr}"
-               + (" --ce-warm" if cfg.ce_warm else "")
-               + (f" --tune --lr {cfg.lr} --warmup {cfg.warmup} --easy-steps {cfg.easy_steps}"
-                  f" --aux-weight {cfg.aux_weight}" if cfg.tune else ""))
+    partial = partial_precision(
+        runtime,
+        [s.image for s in val],
+        [s.scene for s in val],
+        world.partial_queries(300, HELD_OUT_SEED_BASE - 2),
+        candidates=50,
+    )
+    log.info(
+        "validation partial queries (300, seed %d, top 50): %s", HELD_OUT_SEED_BASE - 2, partial
+    )
+    command = (
+        f"duet train --out {out} --seed {cfg.seed} --images {cfg.images} "
+        f"--steps {cfg.steps} --batch {cfg.batch} --ce-steps {cfg.ce_steps} "
+        f"--han-steps {cfg.han_steps} --ce-lr {cfg.ce_lr}"
+        + (" --ce-warm" if cfg.ce_warm else "")
+        + (
+            f" --tune --lr {cfg.lr} --warmup {cfg.warmup} --easy-steps {cfg.easy_steps}"
+            f" --aux-weight {cfg.aux_weight}"
+            if cfg.tune
+            else ""
+        )
+    )
     summary: dict[str, object] = {
         "command": command + (f" --from {init_from}" if init_from is not None else ""),
         "config": cfg.__dict__,
@@ -236,8 +289,10 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True,
     return summary
 
 
-def load_encoders(directory: Path, keep_cross_encoder: bool = False,
-                  ) -> tuple[JointModel, WordTokenizer]:
+def load_encoders(
+    directory: Path,
+    keep_cross_encoder: bool = False,
+) -> tuple[JointModel, WordTokenizer]:
     """A trained model's towers, shared transformer and projections, with a fresh cross-encoder
     of this version's shape (the one in `directory` may have another), or with `directory`'s
     own cross-encoder when `keep_cross_encoder` (it must then have this version's shape)."""
@@ -245,22 +300,32 @@ def load_encoders(directory: Path, keep_cross_encoder: bool = False,
     saved.pop("fusion_layers", None)
     model = JointModel(JointConfig(**saved))
     tok = WordTokenizer.load(directory / "vocab.json")
-    state = {k: v for k, v in load_file(str(directory / WEIGHTS_FILE)).items()
-             if keep_cross_encoder or not k.startswith(CROSS_ENCODER)}
+    state = {
+        k: v
+        for k, v in load_file(str(directory / WEIGHTS_FILE)).items()
+        if keep_cross_encoder or not k.startswith(CROSS_ENCODER)
+    }
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # a tensor of another shape
         raise ValueError(f"{directory} is not a duet model of this shape: {exc}") from exc
     left = [k for k in missing if keep_cross_encoder or not k.startswith(CROSS_ENCODER)]
     if left or unexpected:
-        raise ValueError(f"{directory} is not a duet model of this shape: missing {left}, "
-                         f"unexpected {unexpected}")
+        raise ValueError(
+            f"{directory} is not a duet model of this shape: missing {left}, "
+            f"unexpected {unexpected}"
+        )
     return model, tok
 
 
-def _train_joint(cfg: TrainConfig, samples: list[world.Sample], tok: WordTokenizer,
-                 rng: random.Random, progress: bool, start: JointModel | None = None,
-                 ) -> JointModel:
+def _train_joint(
+    cfg: TrainConfig,
+    samples: list[world.Sample],
+    tok: WordTokenizer,
+    rng: random.Random,
+    progress: bool,
+    start: JointModel | None = None,
+) -> JointModel:
     """Stage 1: the joint model, both roles, end to end (from `start` when given)."""
     from tqdm import tqdm
 
@@ -269,12 +334,20 @@ def _train_joint(cfg: TrainConfig, samples: list[world.Sample], tok: WordTokeniz
     head = PatchHead(model.cfg.d_model)
     ground = torch.nn.Linear(model.cfg.d_model, 2)  # training-only: noun -> its thing's centre
     targets = patch_targets([s.layout for s in samples], model.cfg.grid)
-    params = [*model.named_parameters(), *(("head." + n, p) for n, p in head.named_parameters()),
-              *(("ground." + n, p) for n, p in ground.named_parameters())]
+    params = [
+        *model.named_parameters(),
+        *(("head." + n, p) for n, p in head.named_parameters()),
+        *(("ground." + n, p) for n, p in ground.named_parameters()),
+    ]
     decay = [p for n, p in params if p.ndim >= 2 and "pos" not in n]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and "pos" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+    )
     order: list[int] = []
     bar = tqdm(range(cfg.steps), desc="training", unit="step", disable=not progress)
     ema: dict[str, float] = {}
@@ -288,8 +361,9 @@ def _train_joint(cfg: TrainConfig, samples: list[world.Sample], tok: WordTokeniz
         texts, descs = training_captions(rng, [samples[i] for i in idx], cfg.partial)
         fits = positives_mask(descs, scenes)
         wrong = [world.negative_scene(rng, sc, d) for sc, d in zip(scenes, descs, strict=True)]
-        perturbed = [text_negative(rng, w, sc, cfg.partial)
-                     for w, sc in zip(wrong, scenes, strict=True)]
+        perturbed = [
+            text_negative(rng, w, sc, cfg.partial) for w, sc in zip(wrong, scenes, strict=True)
+        ]
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg)
         model.train()
@@ -297,21 +371,47 @@ def _train_joint(cfg: TrainConfig, samples: list[world.Sample], tok: WordTokeniz
         img = model.image_tokens(images)
         aux = head.loss(img, {k: v[idx] for k, v in targets.items()})
         if step % (3 if hard else 2) == 0:  # after the warm-up: two cross-encoder steps in three
-            name, loss = "be", _bi_encoder_loss(model, tok, img, texts, perturbed,
-                                                cfg.late_weight, fits)
+            name, loss = (
+                "be",
+                _bi_encoder_loss(model, tok, img, texts, perturbed, cfg.late_weight, fits),
+            )
         else:
-            where = grounding_targets(texts, [samples[i].scene for i in idx],
-                                      [samples[i].layout for i in idx])
+            where = grounding_targets(
+                texts, [samples[i].scene for i in idx], [samples[i].layout for i in idx]
+            )
             if not hard:
-                name, loss = "ce", _cross_encoder_easy_loss(model, tok, img, texts, ground,
-                                                            where, cfg.ground_weight,
-                                                            cfg.ground_layer, fits)
+                name, loss = (
+                    "ce",
+                    _cross_encoder_easy_loss(
+                        model,
+                        tok,
+                        img,
+                        texts,
+                        ground,
+                        where,
+                        cfg.ground_weight,
+                        cfg.ground_layer,
+                        fits,
+                    ),
+                )
             else:
                 wrong_px = pixels([world.render(rng, w) for w in wrong], world.IMAGE_SIZE)
-                name, loss = "ce", _cross_encoder_loss(model, tok, img, texts, perturbed,
-                                                       model.image_tokens(wrong_px), ground,
-                                                       where, cfg.ground_weight, cfg.ground_layer,
-                                                       fits)
+                name, loss = (
+                    "ce",
+                    _cross_encoder_loss(
+                        model,
+                        tok,
+                        img,
+                        texts,
+                        perturbed,
+                        model.image_tokens(wrong_px),
+                        ground,
+                        where,
+                        cfg.ground_weight,
+                        cfg.ground_layer,
+                        fits,
+                    ),
+                )
         ema["aux"] = 0.98 * ema.get("aux", aux.item()) + 0.02 * aux.item()
         loss = loss + cfg.aux_weight * aux
         opt.zero_grad(set_to_none=True)
@@ -325,9 +425,15 @@ def _train_joint(cfg: TrainConfig, samples: list[world.Sample], tok: WordTokeniz
     return model
 
 
-def _bi_encoder_loss(model: JointModel, tok: WordTokenizer, img: torch.Tensor,
-                     texts: list[str], perturbed: list[str], late_weight: float,
-                     fits: torch.Tensor) -> torch.Tensor:
+def _bi_encoder_loss(
+    model: JointModel,
+    tok: WordTokenizer,
+    img: torch.Tensor,
+    texts: list[str],
+    perturbed: list[str],
+    late_weight: float,
+    fits: torch.Tensor,
+) -> torch.Tensor:
     ids, pad = tok.batch(texts + perturbed)
     txt = model.text_tokens(ids, pad)
     et_all = model.embed_texts(txt, pad)
@@ -340,9 +446,9 @@ def _bi_encoder_loss(model: JointModel, tok: WordTokenizer, img: torch.Tensor,
     loss = cmr_loss(sim, extra_text_negatives=hard, positives=fits)
     if late_weight > 0:  # TGDT: the global score refined by token-level S_l, trained jointly
         s_gl = 0.5 * (et_all[:b] @ ei.t()) + 0.5 * _local_sim(txt[:b], ~pad[:b], img)
-        loss = loss + late_weight * cmc_loss_from_sim(s_gl, ei @ ei.t(),
-                                                      et_all[:b] @ et_all[:b].t(),
-                                                      positives=fits)
+        loss = loss + late_weight * cmc_loss_from_sim(
+            s_gl, ei @ ei.t(), et_all[:b] @ et_all[:b].t(), positives=fits
+        )
     return loss
 
 
@@ -355,10 +461,17 @@ def _local_sim(words: torch.Tensor, mask: torch.Tensor, img: torch.Tensor) -> to
     return (best * keep).sum(-1) / keep.sum(-1).clamp(min=1.0)
 
 
-def _cross_encoder_easy_loss(model: JointModel, tok: WordTokenizer, img: torch.Tensor,
-                             texts: list[str], ground: torch.nn.Module, where: Grounding,
-                             ground_weight: float, ground_layer: int,
-                             fits: torch.Tensor) -> torch.Tensor:
+def _cross_encoder_easy_loss(
+    model: JointModel,
+    tok: WordTokenizer,
+    img: torch.Tensor,
+    texts: list[str],
+    ground: torch.nn.Module,
+    where: Grounding,
+    ground_weight: float,
+    ground_layer: int,
+    fits: torch.Tensor,
+) -> torch.Tensor:
     """Warm-up: a random wrong image and a random wrong caption per pair (escapes ln 2); a
     pairing whose caption fits the image anyway is no negative and is left out."""
     ids, pad = tok.batch(texts)
@@ -368,15 +481,32 @@ def _cross_encoder_easy_loss(model: JointModel, tok: WordTokenizer, img: torch.T
     neg_t, neg_i = torch.cat([rows, shift]), torch.cat([shift, rows])
     keep = ~fits[neg_t, neg_i]
     t_idx, i_idx = torch.cat([rows, neg_t[keep]]), torch.cat([rows, neg_i[keep]])
-    return bce_and_grounding(model, txt[t_idx], pad[t_idx], img[i_idx], len(texts), ground,
-                             where, ground_weight, ground_layer)[0]
+    return bce_and_grounding(
+        model,
+        txt[t_idx],
+        pad[t_idx],
+        img[i_idx],
+        len(texts),
+        ground,
+        where,
+        ground_weight,
+        ground_layer,
+    )[0]
 
 
-def _cross_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Tensor,
-                        texts: list[str], perturbed: list[str], perturbed_images: torch.Tensor,
-                        ground: torch.nn.Module, where: Grounding,
-                        ground_weight: float, ground_layer: int,
-                        fits: torch.Tensor) -> torch.Tensor:
+def _cross_encoder_loss(
+    model: JointModel,
+    tok: WordTokenizer,
+    images: torch.Tensor,
+    texts: list[str],
+    perturbed: list[str],
+    perturbed_images: torch.Tensor,
+    ground: torch.nn.Module,
+    where: Grounding,
+    ground_weight: float,
+    ground_layer: int,
+    fits: torch.Tensor,
+) -> torch.Tensor:
     """Positives vs a random pairing, the in-batch hardest wrong image, a perturbed caption and
     the perturbed scene's image (`images` and `perturbed_images` are image states). On the
     positive pairs each shape noun's fused state must also say where its thing is (`where`,
@@ -400,6 +530,6 @@ def _cross_encoder_loss(model: JointModel, tok: WordTokenizer, images: torch.Ten
     keep_shift, keep_hard = ~fits[rows, shift], ~fits[rows, neg_img]
     t_idx = torch.cat([rows, rows[keep_shift], rows[keep_hard], rows + b, rows])
     i_idx = torch.cat([rows, shift[keep_shift], neg_img[keep_hard], rows, rows + b])
-    return bce_and_grounding(model, txt[t_idx], pad[t_idx], img[i_idx], b, ground, where,
-                             ground_weight, ground_layer)[0]
-
+    return bce_and_grounding(
+        model, txt[t_idx], pad[t_idx], img[i_idx], b, ground, where, ground_weight, ground_layer
+    )[0]

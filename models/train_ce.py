@@ -38,8 +38,9 @@ from models.tokenizer import WordTokenizer
 Grounding = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, token positions, centres)
 
 
-def grounding_targets(captions: list[str], scenes: list[world.Scene],
-                      layouts: list[world.Layout]) -> Grounding:
+def grounding_targets(
+    captions: list[str], scenes: list[world.Scene], layouts: list[world.Layout]
+) -> Grounding:
     """(rows, token positions, centres (x, y)) for every shape noun of every caption: where in
     its image the thing the noun names is. Token positions count [CLS] as 0."""
     rows, pos, xy = [], [], []
@@ -49,13 +50,24 @@ def grounding_targets(captions: list[str], scenes: list[world.Scene],
             rows.append(r)
             pos.append(word + 1)
             xy.append(world.centre(layout, thing))
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(pos, dtype=torch.long), \
-        torch.tensor(xy, dtype=torch.float32).reshape(-1, 2)
+    return (
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(pos, dtype=torch.long),
+        torch.tensor(xy, dtype=torch.float32).reshape(-1, 2),
+    )
 
 
-def bce_and_grounding(model: JointModel, txt: torch.Tensor, pad: torch.Tensor,
-                      img: torch.Tensor, b: int, ground: torch.nn.Module, where: Grounding,
-                      ground_weight: float, ground_layer: int) -> tuple[torch.Tensor, float | None]:
+def bce_and_grounding(
+    model: JointModel,
+    txt: torch.Tensor,
+    pad: torch.Tensor,
+    img: torch.Tensor,
+    b: int,
+    ground: torch.nn.Module,
+    where: Grounding,
+    ground_weight: float,
+    ground_layer: int,
+) -> tuple[torch.Tensor, float | None]:
     """(BCE over pairs whose first `b` are the positives (in batch order) plus the grounding
     regression on those positives' shape nouns after the first `ground_layer` fusion layers,
     the grounding MSE alone or None when there was none). Both training stages use it."""
@@ -78,8 +90,11 @@ def perturbed_twin(rng: random.Random, scene: world.Scene, flip: float) -> world
 
 
 @torch.no_grad()
-def _states(model: JointModel, images: Sequence[Image.Image], batch: int = 500,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _states(
+    model: JointModel,
+    images: Sequence[Image.Image],
+    batch: int = 500,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(image states (N, T, d) float16, image vectors (N, e))."""
     px = pixel_bytes(images, world.IMAGE_SIZE)
     states, vecs = [], []
@@ -90,8 +105,13 @@ def _states(model: JointModel, images: Sequence[Image.Image], batch: int = 500,
     return torch.cat(states), torch.cat(vecs)
 
 
-def ranked_negative(rng: random.Random, ranked: Sequence[int], desc: world.Desc,
-                    scenes: Sequence[world.Scene], tries: int = 10) -> int:
+def ranked_negative(
+    rng: random.Random,
+    ranked: Sequence[int],
+    desc: world.Desc,
+    scenes: Sequence[world.Scene],
+    tries: int = 10,
+) -> int:
     """One of `ranked` (training images, best first) that `desc` does not fit, at a rank drawn
     log-uniformly (the hardest few as likely as each decade below them); -1 when `tries`
     draws all fit."""
@@ -102,8 +122,9 @@ def ranked_negative(rng: random.Random, ranked: Sequence[int], desc: world.Desc,
     return -1
 
 
-def caption_beside_twin(rng: random.Random, sample: world.Sample, twin: world.Scene,
-                        partial: float, tries: int = 5) -> tuple[str, world.Desc]:
+def caption_beside_twin(
+    rng: random.Random, sample: world.Sample, twin: world.Scene, partial: float, tries: int = 5
+) -> tuple[str, world.Desc]:
     """A caption of `sample` that its perturbed twin does not fit: partial with probability
     `partial` when one of `tries` partial descriptions names what the twin changed, else
     full."""
@@ -115,8 +136,14 @@ def caption_beside_twin(rng: random.Random, sample: world.Sample, twin: world.Sc
     return rng.choice(sample.captions), world.full_desc(sample.scene)
 
 
-def twin_text(rng: random.Random, twin: world.Scene, full: str, scene: world.Scene,
-              partial: float, tries: int = 5) -> str:
+def twin_text(
+    rng: random.Random,
+    twin: world.Scene,
+    full: str,
+    scene: world.Scene,
+    partial: float,
+    tries: int = 5,
+) -> str:
     """A caption of the twin that `scene` does not fit (a text negative for `scene`'s image):
     partial with probability `partial` when one of `tries` says what changed, else `full`."""
     if rng.random() < partial:
@@ -127,10 +154,22 @@ def twin_text(rng: random.Random, twin: world.Scene, full: str, scene: world.Sce
     return full
 
 
-def train_cross_encoder(model: JointModel, tok: WordTokenizer, samples: Sequence[world.Sample],
-                        steps: int, batch: int, lr: float, flip: float, ranks: int,
-                        ground_weight: float, ground_layer: int, rng: random.Random,
-                        progress: bool = True, partial: float = 0.0, reset: bool = True) -> None:
+def train_cross_encoder(
+    model: JointModel,
+    tok: WordTokenizer,
+    samples: Sequence[world.Sample],
+    steps: int,
+    batch: int,
+    lr: float,
+    flip: float,
+    ranks: int,
+    ground_weight: float,
+    ground_layer: int,
+    rng: random.Random,
+    progress: bool = True,
+    partial: float = 0.0,
+    reset: bool = True,
+) -> None:
     """Train `model`'s cross-encoder in place, re-initialised first unless `reset` is False;
     everything else stays frozen."""
     from tqdm import tqdm
@@ -144,8 +183,10 @@ def train_cross_encoder(model: JointModel, tok: WordTokenizer, samples: Sequence
     for n, p in model.named_parameters():
         p.requires_grad_(n.startswith(CROSS_ENCODER))
     twins = [perturbed_twin(rng, s.scene, flip) for s in samples]
-    twin_images = [world.render(rng, w) for w in tqdm(twins, desc="rendering twins", unit="img",
-                                                      disable=not progress)]
+    twin_images = [
+        world.render(rng, w)
+        for w in tqdm(twins, desc="rendering twins", unit="img", disable=not progress)
+    ]
     twin_captions = [world.captions(rng, w, 1)[0] for w in twins]
     scenes = [s.scene for s in samples]
     states, vecs = _states(model, [s.image for s in samples])
@@ -161,8 +202,9 @@ def train_cross_encoder(model: JointModel, tok: WordTokenizer, samples: Sequence
         picked = idx.tolist()
         said = [caption_beside_twin(rng, samples[i], twins[i], partial) for i in picked]
         texts = [t for t, _d in said]
-        twin_texts = [twin_text(rng, twins[i], twin_captions[i], samples[i].scene, partial)
-                      for i in picked]
+        twin_texts = [
+            twin_text(rng, twins[i], twin_captions[i], samples[i].scene, partial) for i in picked
+        ]
         with torch.no_grad():
             ids, pad = tok.batch(texts + twin_texts)
             txt = model.text_tokens(ids, pad)
@@ -171,18 +213,31 @@ def train_cross_encoder(model: JointModel, tok: WordTokenizer, samples: Sequence
             top = sim.topk(min(ranks, len(samples) - 1), dim=1).indices.tolist()
         hard = [ranked_negative(rng, top[r], d, scenes) for r, (_t, d) in enumerate(said)]
         shift = torch.roll(idx, 1)
-        keep_shift = torch.tensor([not world.satisfies(d, samples[j].scene)
-                                   for (_t, d), j in zip(said, shift.tolist(), strict=True)])
+        keep_shift = torch.tensor(
+            [
+                not world.satisfies(d, samples[j].scene)
+                for (_t, d), j in zip(said, shift.tolist(), strict=True)
+            ]
+        )
         keep_hard = torch.tensor([h >= 0 for h in hard])
         rows = torch.arange(batch)
         t_idx = torch.cat([rows, rows[keep_shift], rows[keep_hard], rows, rows + batch])
         hard_idx = torch.tensor(hard)[keep_hard]
-        img = torch.cat([states[idx], states[shift[keep_shift]], states[hard_idx],
-                         twin_states[idx], states[idx]]).float()
-        where = grounding_targets(texts, [samples[i].scene for i in picked],
-                                  [samples[i].layout for i in picked])
-        loss, g = bce_and_grounding(model, txt[t_idx], pad[t_idx], img, batch, ground, where,
-                                    ground_weight, ground_layer)
+        img = torch.cat(
+            [
+                states[idx],
+                states[shift[keep_shift]],
+                states[hard_idx],
+                twin_states[idx],
+                states[idx],
+            ]
+        ).float()
+        where = grounding_targets(
+            texts, [samples[i].scene for i in picked], [samples[i].layout for i in picked]
+        )
+        loss, g = bce_and_grounding(
+            model, txt[t_idx], pad[t_idx], img, batch, ground, where, ground_weight, ground_layer
+        )
         if g is not None:
             ema["ground"] = 0.98 * ema.get("ground", g) + 0.02 * g
         opt.zero_grad(set_to_none=True)

@@ -23,8 +23,9 @@ from models.losses import softmax_triplet_loss
 from models.tokenizer import WordTokenizer
 
 
-def han_scores(head: HAN, words: torch.Tensor, word_mask: torch.Tensor,
-               regions: torch.Tensor) -> torch.Tensor:
+def han_scores(
+    head: HAN, words: torch.Tensor, word_mask: torch.Tensor, regions: torch.Tensor
+) -> torch.Tensor:
     """(B, B) S_AVG of every sentence (rows) against every image (columns)."""
     b = words.shape[0]
     w = words.repeat_interleave(b, dim=0)
@@ -34,9 +35,18 @@ def han_scores(head: HAN, words: torch.Tensor, word_mask: torch.Tensor,
     return head(w, wm, r, rm).view(b, b)
 
 
-def train_han(model: JointModel, tok: WordTokenizer, samples: Sequence[world.Sample],
-              steps: int, batch: int, lr: float, p: float, margin: float,
-              rng: random.Random, progress: bool = True) -> HAN:
+def train_han(
+    model: JointModel,
+    tok: WordTokenizer,
+    samples: Sequence[world.Sample],
+    steps: int,
+    batch: int,
+    lr: float,
+    p: float,
+    margin: float,
+    rng: random.Random,
+    progress: bool = True,
+) -> HAN:
     """Train a HAN head for `steps` steps of `batch` pairs (half scenes, half their twins)."""
     from tqdm import tqdm
 
@@ -51,7 +61,8 @@ def train_han(model: JointModel, tok: WordTokenizer, samples: Sequence[world.Sam
         twins = [world.perturb(rng, s) for s in scenes]
         images = [samples[i].image for i in picked] + [world.render(rng, t) for t in twins]
         texts = [rng.choice(samples[i].captions) for i in picked] + [
-            world.captions(rng, t, 1)[0] for t in twins]
+            world.captions(rng, t, 1)[0] for t in twins
+        ]
         with torch.no_grad():
             ids, pad = tok.batch(texts)
             words = model.text_tokens(ids, pad)

@@ -22,26 +22,45 @@ from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE
 LAMBDAS = tuple(round(0.1 * i, 1) for i in range(11))
 
 
-def sweep(model: BuiltinModel, images: int, candidates: int,
-          queries: int = 300) -> dict[str, dict[str, float]]:
+def sweep(
+    model: BuiltinModel, images: int, candidates: int, queries: int = 300
+) -> dict[str, dict[str, float]]:
     """{"ADD_λ": {"t2i R@1", "i2t R@1", "P@1", "P@10", "score"}} on the validation split."""
     val = list(world.generate(images, HELD_OUT_SEED_BASE - 1, n_captions=5))
-    full = evaluate(model, [s.image for s in val], [s.captions for s in val],
-                    candidates=candidates, sweep=LAMBDAS)
-    part = partial_precision(model, [s.image for s in val], [s.scene for s in val],
-                             world.partial_queries(queries, HELD_OUT_SEED_BASE - 2),
-                             candidates=candidates, lambdas=LAMBDAS)
+    full = evaluate(
+        model,
+        [s.image for s in val],
+        [s.captions for s in val],
+        candidates=candidates,
+        sweep=LAMBDAS,
+    )
+    part = partial_precision(
+        model,
+        [s.image for s in val],
+        [s.scene for s in val],
+        world.partial_queries(queries, HELD_OUT_SEED_BASE - 2),
+        candidates=candidates,
+        lambdas=LAMBDAS,
+    )
     out = {}
     for lam in LAMBDAS:
         key = f"ADD_{lam}"
         t2i, i2t = full[key]["t2i"]["R@1"], full[key]["i2t"]["R@1"]
         p1 = 100 * part[key]["P@1"]
-        out[key] = {"t2i R@1": round(t2i, 2), "i2t R@1": round(i2t, 2), "P@1": part[key]["P@1"],
-                    "P@10": part[key]["P@10"], "score": round((t2i + i2t + p1) / 3, 2)}
+        out[key] = {
+            "t2i R@1": round(t2i, 2),
+            "i2t R@1": round(i2t, 2),
+            "P@1": part[key]["P@1"],
+            "P@10": part[key]["P@10"],
+            "score": round((t2i + i2t + p1) / 3, 2),
+        }
     for mode in ("dot", "ce_only"):
-        out[mode] = {"t2i R@1": round(full[mode]["t2i"]["R@1"], 2),
-                     "i2t R@1": round(full[mode]["i2t"]["R@1"], 2), "P@1": part[mode]["P@1"],
-                     "P@10": part[mode]["P@10"]}
+        out[mode] = {
+            "t2i R@1": round(full[mode]["t2i"]["R@1"], 2),
+            "i2t R@1": round(full[mode]["i2t"]["R@1"], 2),
+            "P@1": part[mode]["P@1"],
+            "P@10": part[mode]["P@10"],
+        }
     return out
 
 

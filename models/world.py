@@ -43,13 +43,22 @@ REL_WORDS = {
     "below": ("below", "under", "beneath"),
 }
 REL_ITS = {
-    "left of": "to its left", "right of": "to its right", "above": "above it", "below": "below it",
+    "left of": "to its left",
+    "right of": "to its right",
+    "above": "above it",
+    "below": "below it",
 }
 # 3x3 grid cells: name -> (column, row)
 POSITIONS = {
-    "top left": (0, 0), "top": (1, 0), "top right": (2, 0),
-    "left": (0, 1), "center": (1, 1), "right": (2, 1),
-    "bottom left": (0, 2), "bottom": (1, 2), "bottom right": (2, 2),
+    "top left": (0, 0),
+    "top": (1, 0),
+    "top right": (2, 0),
+    "left": (0, 1),
+    "center": (1, 1),
+    "right": (2, 1),
+    "bottom left": (0, 2),
+    "bottom": (1, 2),
+    "bottom right": (2, 2),
 }
 POS_PHRASES = {
     "top left": ("in the top left", "in the upper left corner"),
@@ -92,8 +101,13 @@ class Scene:
     def from_json(cls, data: dict[str, Any]) -> Scene:
         """The scene `to_json` wrote (what a demo corpus's meta stores)."""
         b = data.get("b")
-        return cls(data["kind"], Thing(**data["a"]), Thing(**b) if b else None,
-                   data.get("relation"), data.get("position"))
+        return cls(
+            data["kind"],
+            Thing(**data["a"]),
+            Thing(**b) if b else None,
+            data.get("relation"),
+            data.get("position"),
+        )
 
 
 # ---------------------------------------------------------------- sampling
@@ -137,22 +151,37 @@ def _caption_variants(rng: random.Random, s: Scene) -> list[str]:
     """Every paraphrase template, each filled with its own random synonyms."""
     if s.kind == "single":
         single = (
-            "{a} {pos}", "there is {a} {pos}", "{pos} there is {a}",
-            "a picture of {a} {pos}", "{a} placed {pos}", "{pos} you can see {a}",
+            "{a} {pos}",
+            "there is {a} {pos}",
+            "{pos} there is {a}",
+            "a picture of {a} {pos}",
+            "{a} placed {pos}",
+            "{pos} you can see {a}",
         )
-        return [t.format(a=_phrase(rng, s.a), pos=rng.choice(POS_PHRASES[s.position or "center"]))
-                for t in single]
+        return [
+            t.format(a=_phrase(rng, s.a), pos=rng.choice(POS_PHRASES[s.position or "center"]))
+            for t in single
+        ]
     assert s.b is not None and s.relation is not None
     be = "are" if s.a.count > 1 else "is"
     pair = (
-        "{a} {r} {b}", "{b} {inv} {a}", "there " + be + " {a} {r} {b}", "{b} with {a} {its}",
-        "a picture of {a} {r} {b}", "{a} " + be + " {r} {b}",
+        "{a} {r} {b}",
+        "{b} {inv} {a}",
+        "there " + be + " {a} {r} {b}",
+        "{b} with {a} {its}",
+        "a picture of {a} {r} {b}",
+        "{a} " + be + " {r} {b}",
     )
-    return [t.format(a=_phrase(rng, s.a), b=_phrase(rng, s.b),
-                     r=rng.choice(REL_WORDS[s.relation]),
-                     inv=rng.choice(REL_WORDS[INVERSE[s.relation]]),
-                     its=REL_ITS[s.relation])
-            for t in pair]
+    return [
+        t.format(
+            a=_phrase(rng, s.a),
+            b=_phrase(rng, s.b),
+            r=rng.choice(REL_WORDS[s.relation]),
+            inv=rng.choice(REL_WORDS[INVERSE[s.relation]]),
+            its=REL_ITS[s.relation],
+        )
+        for t in pair
+    ]
 
 
 def captions(rng: random.Random, s: Scene, n: int) -> list[str]:
@@ -188,8 +217,10 @@ def grounding(caption: str, scene: Scene) -> list[tuple[int, str]]:
 def centre(layout: Layout, thing: Thing) -> tuple[float, float]:
     """Mean centre of the drawn shapes of `thing` (a group's members), in [0, 1] image units."""
     xs = [(x, y) for t, x, y, _r in layout if t == thing]
-    return (sum(x for x, _ in xs) / len(xs) / IMAGE_SIZE, sum(y for _, y in xs) / len(xs)
-            / IMAGE_SIZE)
+    return (
+        sum(x for x, _ in xs) / len(xs) / IMAGE_SIZE,
+        sum(y for _, y in xs) / len(xs) / IMAGE_SIZE,
+    )
 
 
 def perturb(rng: random.Random, s: Scene, binding: float = 0.6) -> Scene:
@@ -274,11 +305,15 @@ def _place(rng: random.Random, s: Scene) -> list[tuple[Thing, float, float, floa
     raise RuntimeError(f"could not place scene {s}")  # pragma: no cover - sizes always fit
 
 
-def _relation_holds(rel: str, a: tuple[float, float], b: tuple[float, float], gap: float,
-                    group: bool) -> bool:
+def _relation_holds(
+    rel: str, a: tuple[float, float], b: tuple[float, float], gap: float, group: bool
+) -> bool:
     dx, dy = a[0] - b[0], a[1] - b[1]
     main, other = {
-        "left of": (-dx, dy), "right of": (dx, dy), "above": (-dy, dx), "below": (dy, dx),
+        "left of": (-dx, dy),
+        "right of": (dx, dy),
+        "above": (-dy, dx),
+        "below": (dy, dx),
     }[rel]
     # clearly on that side: beyond touching distance and mostly along that axis
     return main > gap + 2 and abs(other) < (0.9 if group else 0.6) * main
@@ -303,8 +338,9 @@ def render_layout(rng: random.Random, s: Scene) -> tuple[Image.Image, Layout]:
     return img, placed
 
 
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, fill: tuple[int, int, int],
-                x: float, y: float, r: float) -> None:
+def _draw_shape(
+    draw: ImageDraw.ImageDraw, shape: str, fill: tuple[int, int, int], x: float, y: float, r: float
+) -> None:
     if shape == "circle":
         draw.ellipse((x - r, y - r, x + r, y + r), fill=fill)
     elif shape == "square":
@@ -351,8 +387,9 @@ def png_bytes(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def write_corpus(out: Path, n_images: int, seed: int, n_captions: int = 5,
-                 progress: bool = True) -> Path:
+def write_corpus(
+    out: Path, n_images: int, seed: int, n_captions: int = 5, progress: bool = True
+) -> Path:
     """Write `out/manifest.jsonl` and `out/images/*.png`; return the manifest path."""
     from tqdm import tqdm
 
@@ -362,13 +399,18 @@ def write_corpus(out: Path, n_images: int, seed: int, n_captions: int = 5,
     width = max(4, len(str(n_images - 1)))
     with manifest.open("w", encoding="utf-8") as fh:
         samples = generate(n_images, seed, n_captions)
-        for i, sample in enumerate(tqdm(samples, total=n_images, desc="rendering",
-                                        unit="img", disable=not progress)):
+        for i, sample in enumerate(
+            tqdm(samples, total=n_images, desc="rendering", unit="img", disable=not progress)
+        ):
             name = f"{i:0{width}d}"
             rel = f"images/{name}.png"
             (out / rel).write_bytes(png_bytes(sample.image))
-            line = {"id": f"img-{name}", "image": rel, "captions": sample.captions,
-                    "meta": {"scene": sample.scene.to_json(), "seed": seed}}
+            line = {
+                "id": f"img-{name}",
+                "image": rel,
+                "captions": sample.captions,
+                "meta": {"scene": sample.scene.to_json(), "seed": seed},
+            }
             fh.write(json.dumps(line, sort_keys=True) + "\n")
     return manifest
 
@@ -377,12 +419,32 @@ def vocabulary() -> list[str]:
     """Every word the grammar can produce, sorted."""
     plurals = {s + ("es" if s == "cross" else "s") for s in SHAPES}
     words: set[str] = set(SHAPES) | plurals | set(COLOURS)
-    for group in (*SIZE_WORDS.values(), *REL_WORDS.values(), REL_ITS.values(),
-                  *POS_PHRASES.values(), *COUNT_WORDS.values()):
+    for group in (
+        *SIZE_WORDS.values(),
+        *REL_WORDS.values(),
+        REL_ITS.values(),
+        *POS_PHRASES.values(),
+        *COUNT_WORDS.values(),
+    ):
         for phrase in group:
             words.update(phrase.split())
-    words.update(["a", "one", "there", "is", "are", "with", "picture", "of", "placed", "you",
-                  "can", "see", "it"])
+    words.update(
+        [
+            "a",
+            "one",
+            "there",
+            "is",
+            "are",
+            "with",
+            "picture",
+            "of",
+            "placed",
+            "you",
+            "can",
+            "see",
+            "it",
+        ]
+    )
     return sorted(words)
 
 
@@ -421,8 +483,10 @@ class Desc:
 
 def full_desc(s: Scene) -> Desc:
     """Everything a full caption of `s` says."""
+
     def part(t: Thing) -> Part:
         return Part(t.shape, t.colour, t.size, t.count)
+
     return Desc(part(s.a), part(s.b) if s.b is not None else None, s.relation, s.position)
 
 
@@ -448,12 +512,14 @@ def satisfies(desc: Desc | str, scene: Scene) -> bool:
     if d.relation is None:
         return forward or backward
     return (forward and d.relation == scene.relation) or (
-        backward and d.relation == INVERSE[scene.relation or "above"])
+        backward and d.relation == INVERSE[scene.relation or "above"]
+    )
 
 
 def partial_desc(rng: random.Random, s: Scene) -> Desc:
     """A description of `s` that may leave out the size, the position, a group's count, the
     second thing or the relation (and, beside another thing, a colour); `s` always fits it."""
+
     def part(t: Thing, may_drop_colour: bool) -> Part:
         colour = None if may_drop_colour and rng.random() < 0.15 else t.colour
         size = t.size if rng.random() < 0.4 else None
@@ -488,19 +554,33 @@ def describe(rng: random.Random, d: Desc) -> str:
     if d.b is None:
         if d.position is not None:
             pos = rng.choice(POS_PHRASES[d.position])
-            return rng.choice((f"{a} {pos}", f"there {be} {a} {pos}", f"{pos} there {be} {a}",
-                               f"a picture of {a} {pos}"))
+            return rng.choice(
+                (
+                    f"{a} {pos}",
+                    f"there {be} {a} {pos}",
+                    f"{pos} there {be} {a}",
+                    f"a picture of {a} {pos}",
+                )
+            )
         return rng.choice((a, f"there {be} {a}", f"a picture of {a}", f"you can see {a}"))
     b = _np(rng, d.b)
     if d.relation is None:
         # "with" and no relation words: both are there (the grammar has no "and"; the parser
         # reads one when a person types it)
-        return rng.choice((f"{a} with {b}", f"there {be} {a} with {b}",
-                           f"a picture of {a} with {b}"))
+        return rng.choice(
+            (f"{a} with {b}", f"there {be} {a} with {b}", f"a picture of {a} with {b}")
+        )
     r, inv = rng.choice(REL_WORDS[d.relation]), rng.choice(REL_WORDS[INVERSE[d.relation]])
-    return rng.choice((f"{a} {r} {b}", f"{b} {inv} {a}", f"there {be} {a} {r} {b}",
-                       f"{b} with {a} {REL_ITS[d.relation]}", f"a picture of {a} {r} {b}",
-                       f"{a} {be} {r} {b}"))
+    return rng.choice(
+        (
+            f"{a} {r} {b}",
+            f"{b} {inv} {a}",
+            f"there {be} {a} {r} {b}",
+            f"{b} with {a} {REL_ITS[d.relation]}",
+            f"a picture of {a} {r} {b}",
+            f"{a} {be} {r} {b}",
+        )
+    )
 
 
 def partial_caption(rng: random.Random, s: Scene) -> tuple[str, Desc]:
@@ -519,8 +599,15 @@ def partial_queries(n: int, seed: int) -> list[tuple[str, Desc]]:
 _PLURALS = {s + ("es" if s == "cross" else "s"): s for s in SHAPES}
 _SIZE_OF = {w: k for k, ws in SIZE_WORDS.items() for w in ws}
 _NUMBER = {"two": 2, "2": 2, "three": 3, "3": 3}
-_REL_OF = {"left": "left of", "right": "right of", "above": "above", "over": "above",
-           "below": "below", "under": "below", "beneath": "below"}
+_REL_OF = {
+    "left": "left of",
+    "right": "right of",
+    "above": "above",
+    "over": "above",
+    "below": "below",
+    "under": "below",
+    "beneath": "below",
+}
 
 
 def _noun_phrases(words: list[str]) -> list[tuple[int, int, Part]]:
@@ -550,8 +637,13 @@ def _noun_phrases(words: list[str]) -> list[tuple[int, int, Part]]:
 
 
 def _position(words: list[str]) -> str | None:
-    vert = "top" if {"top", "upper"} & set(words) else "bottom" if {"bottom", "lower"} & set(
-        words) else None
+    vert = (
+        "top"
+        if {"top", "upper"} & set(words)
+        else "bottom"
+        if {"bottom", "lower"} & set(words)
+        else None
+    )
     horiz = "left" if "left" in words else "right" if "right" in words else None
     if vert and horiz:
         return f"{vert} {horiz}"
@@ -585,8 +677,9 @@ def _parse(words: list[str]) -> tuple[Desc | None, list[tuple[int, int, Part]], 
     return Desc(p1, p2), nps, False
 
 
-def negative_scene(rng: random.Random, s: Scene, desc: Desc, binding: float = 0.6,
-                   tries: int = 20) -> Scene:
+def negative_scene(
+    rng: random.Random, s: Scene, desc: Desc, binding: float = 0.6, tries: int = 20
+) -> Scene:
     """A scene close to `s` (`perturb`ed once) that does not fit `desc`: a hard negative for a
     caption of `s` must differ in something the caption says. When no single perturbation
     breaks `desc` within `tries`, every thing gets a shape the description does not name."""

@@ -64,7 +64,8 @@ def make_index(factory: str, dim: int) -> faiss.Index:
         raise FactoryError(
             f"FAISS cannot build index factory string {factory!r} for dimension {dim}: {first}. "
             "Examples: Flat, IVF1024,Flat, IVF4096_HNSW32,SQ8, IVF1024,PQ16 "
-            f"(PQ m must divide {dim}), HNSW32") from exc
+            f"(PQ m must divide {dim}), HNSW32"
+        ) from exc
 
 
 def min_training_points(index: faiss.Index) -> int:
@@ -88,7 +89,8 @@ def check_factory(factory: str, dim: int, n: int) -> None:
     if need > n:
         raise FactoryError(
             f"index factory {factory!r} needs at least {need} training vectors but this build "
-            f"has {n}; use fewer IVF lists / PQ bits, or Flat for a corpus this small")
+            f"has {n}; use fewer IVF lists / PQ bits, or Flat for a corpus this small"
+        )
 
 
 def training_size(index: faiss.Index, n: int) -> int:
@@ -124,15 +126,17 @@ def build_index(factory: str, vectors: np.ndarray, seed: int = TRAIN_SEED) -> fa
     if not index.is_trained:
         need = min_training_points(index)
         if n < need:
-            raise FactoryError(f"index factory {factory!r} needs at least {need} training "
-                               f"vectors, got {n}")
+            raise FactoryError(
+                f"index factory {factory!r} needs at least {need} training vectors, got {n}"
+            )
         _seed(index, seed)
         sample = vectors[training_sample(n, training_size(index, n), seed)]
         try:
             index.train(sample)
         except RuntimeError as exc:
-            raise FactoryError(f"training {factory!r} on {len(sample)} vectors failed: "
-                               f"{exc}") from exc
+            raise FactoryError(
+                f"training {factory!r} on {len(sample)} vectors failed: {exc}"
+            ) from exc
     if "HNSW" in factory:
         threads = faiss.omp_get_max_threads()
         faiss.omp_set_num_threads(1)
@@ -226,8 +230,9 @@ def place(index: faiss.Index, device: str) -> Any:
     """`index` ready to search on `device`: on a CUDA device a Flat index moves to the GPU,
     through faiss-gpu where it is importable, else as a `TorchFlat`; IVF and HNSW indexes
     stay FAISS on the CPU (their GPU forms need faiss-gpu and tuning of their own)."""
-    if not device.startswith("cuda") or not isinstance(faiss.downcast_index(index),
-                                                       faiss.IndexFlat):
+    if not device.startswith("cuda") or not isinstance(
+        faiss.downcast_index(index), faiss.IndexFlat
+    ):
         return index
     if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
         res = _faiss.StandardGpuResources()
@@ -237,8 +242,9 @@ def place(index: faiss.Index, device: str) -> Any:
     return TorchFlat(index.reconstruct_n(0, index.ntotal), device)
 
 
-def search(index: Any, queries: np.ndarray, k: int,
-           knobs: SearchKnobs | None = None) -> tuple[np.ndarray, np.ndarray]:
+def search(
+    index: Any, queries: np.ndarray, k: int, knobs: SearchKnobs | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(scores, rows) of the top-k by inner product, with per-call parameters; thread-safe.
     `index` is a FAISS index or what `place` made of one."""
     q = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
@@ -250,8 +256,13 @@ def search(index: Any, queries: np.ndarray, k: int,
     return index.search(q, k, params=params.params)
 
 
-def recall_at_k(index: faiss.Index, vectors: np.ndarray, queries: np.ndarray, k: int = 10,
-                knobs: SearchKnobs | None = None) -> float:
+def recall_at_k(
+    index: faiss.Index,
+    vectors: np.ndarray,
+    queries: np.ndarray,
+    k: int = 10,
+    knobs: SearchKnobs | None = None,
+) -> float:
     """Recall@k of `index` against exact inner-product search over `vectors`.
 
     A returned row counts when its exact score reaches the exact k-th best score, so rows

@@ -1,13 +1,13 @@
 """The on-disk index format, shared by the builder (writes) and the service (reads).
 
-    DIR/<version>/manifest.json   what was built, by which model, counts, hashes
-    DIR/<version>/image.faiss     image vectors (row i = images table row i)
-    DIR/<version>/text.faiss      caption vectors (row i = texts table row i)
-    DIR/<version>/image_tokens.npy  float16 patch tokens per image, for re-ranking
-    DIR/<version>/items.sqlite    ids, paths, captions and meta per row
-    DIR/<version>/image_vectors.npy, text_vectors.npy  float32 vectors (row i = row i), kept
-                                  so `duet build --append/--delete` need not re-encode
-    DIR/current -> <version>      symlink, replaced atomically
+DIR/<version>/manifest.json   what was built, by which model, counts, hashes
+DIR/<version>/image.faiss     image vectors (row i = images table row i)
+DIR/<version>/text.faiss      caption vectors (row i = texts table row i)
+DIR/<version>/image_tokens.npy  float16 patch tokens per image, for re-ranking
+DIR/<version>/items.sqlite    ids, paths, captions and meta per row
+DIR/<version>/image_vectors.npy, text_vectors.npy  float32 vectors (row i = row i), kept
+                              so `duet build --append/--delete` need not re-encode
+DIR/current -> <version>      symlink, replaced atomically
 """
 
 from __future__ import annotations
@@ -150,11 +150,14 @@ def write_items(path: Path, images: Iterable[ImageRow], texts: Iterable[TextRow]
     con = sqlite3.connect(path)
     try:
         con.executescript(SCHEMA)
-        con.executemany("INSERT INTO images VALUES (?, ?, ?, ?)",
-                        ((i, r.id, r.path, json.dumps(r.meta)) for i, r in enumerate(images)))
-        con.executemany("INSERT INTO texts VALUES (?, ?, ?, ?, ?)",
-                        ((i, r.id, r.text, r.image_id, json.dumps(r.meta))
-                         for i, r in enumerate(texts)))
+        con.executemany(
+            "INSERT INTO images VALUES (?, ?, ?, ?)",
+            ((i, r.id, r.path, json.dumps(r.meta)) for i, r in enumerate(images)),
+        )
+        con.executemany(
+            "INSERT INTO texts VALUES (?, ?, ?, ?, ?)",
+            ((i, r.id, r.text, r.image_id, json.dumps(r.meta)) for i, r in enumerate(texts)),
+        )
         con.commit()
     finally:
         con.close()
@@ -180,8 +183,9 @@ class ItemStore:
         return [ImageRow(got[r][0], got[r][1], json.loads(got[r][2])) for r in rows]
 
     def texts(self, rows: Sequence[int]) -> list[TextRow]:
-        got = self._rows("SELECT row, id, text, image_id, meta FROM texts WHERE row IN ({marks})",
-                         rows)
+        got = self._rows(
+            "SELECT row, id, text, image_id, meta FROM texts WHERE row IN ({marks})", rows
+        )
         return [TextRow(got[r][0], got[r][1], got[r][2], json.loads(got[r][3])) for r in rows]
 
     def check(self, images: int, texts: int) -> None:
@@ -190,8 +194,10 @@ class ItemStore:
         with self._lock:
             try:
                 problems = [r[0] for r in self._con.execute("PRAGMA quick_check").fetchall()]
-                spans = {t: self._con.execute(f"SELECT COUNT(*), MIN(row), MAX(row) FROM {t}")
-                         .fetchone() for t in ("images", "texts")}
+                spans = {
+                    t: self._con.execute(f"SELECT COUNT(*), MIN(row), MAX(row) FROM {t}").fetchone()
+                    for t in ("images", "texts")
+                }
             except sqlite3.Error as exc:
                 raise IndexLoadError(f"{ITEMS} is unreadable: {exc}") from exc
         if problems != ["ok"]:
@@ -200,8 +206,10 @@ class ItemStore:
             want = (n, 0, n - 1) if n else (0, None, None)
             if tuple(spans[table]) != want:
                 count, lo, hi = spans[table]
-                raise IndexLoadError(f"{ITEMS}: table {table} has {count} rows ({lo}..{hi}); "
-                                     f"the index has {n} (rows 0..{n - 1})")
+                raise IndexLoadError(
+                    f"{ITEMS}: table {table} has {count} rows ({lo}..{hi}); "
+                    f"the index has {n} (rows 0..{n - 1})"
+                )
 
     def close(self) -> None:
         self._con.close()
@@ -250,22 +258,30 @@ class IndexVersion:
             except OSError as exc:
                 raise IndexLoadError(f"index {self.path}: cannot read {name}: {exc}") from exc
             if actual != digest:
-                raise IndexLoadError(f"index {self.path}: {name} differs from what the build "
-                                     f"wrote (sha256 {actual[:12]}..., {MANIFEST} says "
-                                     f"{digest[:12]}...); rebuild or restore it")
+                raise IndexLoadError(
+                    f"index {self.path}: {name} differs from what the build "
+                    f"wrote (sha256 {actual[:12]}..., {MANIFEST} says "
+                    f"{digest[:12]}...); rebuild or restore it"
+                )
         self.store.check(self.image_index.ntotal, self.text_index.ntotal)
         arrays = [(IMAGE_TOKENS, self.image_tokens)]
-        arrays += [(name, np.load(self.path / name, mmap_mode="r"))
-                   for name in (IMAGE_VECTORS, TEXT_VECTORS) if (self.path / name).is_file()]
+        arrays += [
+            (name, np.load(self.path / name, mmap_mode="r"))
+            for name in (IMAGE_VECTORS, TEXT_VECTORS)
+            if (self.path / name).is_file()
+        ]
         for name, arr in arrays:
             for start in range(0, len(arr), 4096):
-                if not np.isfinite(arr[start:start + 4096]).all():
-                    raise IndexLoadError(f"index {self.path}: {name} holds NaN or infinite "
-                                         f"values (from row {start}); rebuild the version")
+                if not np.isfinite(arr[start : start + 4096]).all():
+                    raise IndexLoadError(
+                        f"index {self.path}: {name} holds NaN or infinite "
+                        f"values (from row {start}); rebuild the version"
+                    )
 
     @classmethod
-    def open(cls, path: Path, expect_fingerprint: str | None = None,
-             device: str = "cpu") -> IndexVersion:
+    def open(
+        cls, path: Path, expect_fingerprint: str | None = None, device: str = "cpu"
+    ) -> IndexVersion:
         """Load a version directory; refuse it if another model built it. On a CUDA `device`
         Flat indexes search on the GPU (`ann.place`)."""
         path = Path(path)
@@ -287,8 +303,17 @@ class IndexVersion:
         except (OSError, RuntimeError, ValueError, sqlite3.Error) as exc:
             raise IndexLoadError(f"index {path} is incomplete or corrupt: {exc}") from exc
         counts = manifest.get("counts", {})
-        if (image_index.ntotal != counts.get("images") or text_index.ntotal != counts.get("texts")
-                or tokens.shape[0] != image_index.ntotal):
+        if (
+            image_index.ntotal != counts.get("images")
+            or text_index.ntotal != counts.get("texts")
+            or tokens.shape[0] != image_index.ntotal
+        ):
             raise IndexLoadError(f"index {path}: counts in {MANIFEST} do not match the files")
-        return cls(path, manifest, ann.place(image_index, device), ann.place(text_index, device),
-                   tokens, store)
+        return cls(
+            path,
+            manifest,
+            ann.place(image_index, device),
+            ann.place(text_index, device),
+            tokens,
+            store,
+        )

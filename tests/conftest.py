@@ -26,18 +26,34 @@ DUET = [sys.executable, "-m", "duet.cli"]
 
 # Fixtures that start real processes, build indexes or train: a test using one is `slow`,
 # and `make test-fast` (pytest -m "not slow") leaves it to `make test`.
-SLOW_FIXTURES = {"index_dir", "corpus", "service", "fuzzed_service", "redis_server", "ckpt",
-                 "clip_index"}
+SLOW_FIXTURES = {
+    "index_dir",
+    "corpus",
+    "service",
+    "fuzzed_service",
+    "redis_server",
+    "ckpt",
+    "clip_index",
+}
 # ... and so does every test of these modules (training, docker/k8s tooling, checkpoints)
-SLOW_MODULES = {"test_train", "test_deploy", "test_hf", "test_index_scale", "test_builder_scale",
-                "test_karpathy", "test_paper_tables"}
+SLOW_MODULES = {
+    "test_train",
+    "test_deploy",
+    "test_hf",
+    "test_index_scale",
+    "test_builder_scale",
+    "test_karpathy",
+    "test_paper_tables",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = getattr(item, "module", None)
-        if (SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
-                or getattr(module, "__name__", "").rpartition(".")[2] in SLOW_MODULES):
+        if (
+            SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+            or getattr(module, "__name__", "").rpartition(".")[2] in SLOW_MODULES
+        ):
             item.add_marker(pytest.mark.slow)
 
 
@@ -70,8 +86,22 @@ def start_redis(tmp: Path, port: int | None = None) -> RedisServer:
         pytest.skip("redis-server not installed (apt-get install redis-server)")
     port = port or free_port()
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -127,12 +157,19 @@ def start_service(index_dir: Path, log: Path, **env: str) -> Service:
     The request deadline is generous unless a test sets its own: tests of other features must
     not see load-shedding 429s because a shared CI machine is slow for a moment."""
     port = free_port()
-    full_env = {**os.environ, "DUET_INDEX_DIR": str(index_dir), "DUET_PORT": str(port),
-                "DUET_HOST": "127.0.0.1", "PYTHONPATH": str(REPO),
-                "DUET_REQUEST_TIMEOUT_MS": "30000", **env}
+    full_env = {
+        **os.environ,
+        "DUET_INDEX_DIR": str(index_dir),
+        "DUET_PORT": str(port),
+        "DUET_HOST": "127.0.0.1",
+        "PYTHONPATH": str(REPO),
+        "DUET_REQUEST_TIMEOUT_MS": "30000",
+        **env,
+    }
     fh = log.open("wb")
-    proc = subprocess.Popen([*DUET, "serve"], env=full_env, stdout=fh, stderr=subprocess.STDOUT,
-                            cwd=REPO)
+    proc = subprocess.Popen(
+        [*DUET, "serve"], env=full_env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

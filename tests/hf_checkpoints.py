@@ -13,13 +13,23 @@ import torch
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
 IMAGE = 32
 PATCH = 8
-SENTENCES = ["a small red circle", "two large blue squares", "a green triangle left of a cross",
-             "three yellow diamonds", "a purple star above an orange circle"] * 20
+SENTENCES = [
+    "a small red circle",
+    "two large blue squares",
+    "a green triangle left of a cross",
+    "three yellow diamonds",
+    "a purple star above an orange circle",
+] * 20
 
 
 def _tiny(**extra: float) -> dict[str, float]:
-    return {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-            "num_attention_heads": 2, **extra}
+    return {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        **extra,
+    }
 
 
 def _vision() -> dict[str, float]:
@@ -40,11 +50,20 @@ def make_clip(out: Path) -> Path:
     (out / "vocab.json").write_text(json.dumps(vocab))
     (out / "merges.txt").write_text("#version: 0.2\n")
     tok = tf.CLIPTokenizer(str(out / "vocab.json"), str(out / "merges.txt"))
-    cfg = tf.CLIPConfig(text_config=_tiny(vocab_size=len(vocab), max_position_embeddings=77,
-                                          bos_token_id=bos, eos_token_id=eos, pad_token_id=eos),
-                        vision_config=_vision(), projection_dim=16)
-    images = tf.CLIPImageProcessor(size={"shortest_edge": IMAGE},
-                                   crop_size={"height": IMAGE, "width": IMAGE})
+    cfg = tf.CLIPConfig(
+        text_config=_tiny(
+            vocab_size=len(vocab),
+            max_position_embeddings=77,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        ),
+        vision_config=_vision(),
+        projection_dim=16,
+    )
+    images = tf.CLIPImageProcessor(
+        size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE}
+    )
     tf.CLIPModel(cfg).save_pretrained(out)
     tf.CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(out)
     return out
@@ -58,14 +77,30 @@ def make_siglip(out: Path) -> Path:
     torch.manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(SENTENCES), model_writer=model,
-                                   vocab_size=40, model_type="unigram", eos_id=1, unk_id=2,
-                                   pad_id=0, bos_id=-1, hard_vocab_limit=False, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SENTENCES),
+        model_writer=model,
+        vocab_size=40,
+        model_type="unigram",
+        eos_id=1,
+        unk_id=2,
+        pad_id=0,
+        bos_id=-1,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     (out / "spiece.model").write_bytes(model.getvalue())
     tok = tf.SiglipTokenizer(str(out / "spiece.model"), model_max_length=16)
-    cfg = tf.SiglipConfig(text_config=_tiny(vocab_size=40, max_position_embeddings=16,
-                                            pad_token_id=0, eos_token_id=1, bos_token_id=1),
-                          vision_config=_vision())
+    cfg = tf.SiglipConfig(
+        text_config=_tiny(
+            vocab_size=40,
+            max_position_embeddings=16,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=1,
+        ),
+        vision_config=_vision(),
+    )
     images = tf.SiglipImageProcessor(size={"height": IMAGE, "width": IMAGE})
     tf.SiglipModel(cfg).save_pretrained(out)
     tf.SiglipProcessor(image_processor=images, tokenizer=tok).save_pretrained(out)
@@ -82,11 +117,20 @@ def make_blip(out: Path) -> Path:
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *CHARS, *words]
     (out / "vocab.txt").write_text("\n".join(vocab) + "\n")
     tok = tf.BertTokenizer(str(out / "vocab.txt"), model_max_length=32)
-    cfg = tf.BlipConfig(text_config=_tiny(vocab_size=len(vocab), max_position_embeddings=32,
-                                          encoder_hidden_size=32, pad_token_id=0,
-                                          bos_token_id=2, sep_token_id=3, eos_token_id=3,
-                                          is_decoder=True),  # cross-attention to the image
-                        vision_config=_vision(), projection_dim=16)
+    cfg = tf.BlipConfig(
+        text_config=_tiny(
+            vocab_size=len(vocab),
+            max_position_embeddings=32,
+            encoder_hidden_size=32,
+            pad_token_id=0,
+            bos_token_id=2,
+            sep_token_id=3,
+            eos_token_id=3,
+            is_decoder=True,
+        ),  # cross-attention to the image
+        vision_config=_vision(),
+        projection_dim=16,
+    )
     images = tf.BlipImageProcessor(size={"height": IMAGE, "width": IMAGE})
     tf.BlipForImageTextRetrieval(cfg).save_pretrained(out)
     tf.BlipProcessor(image_processor=images, tokenizer=tok).save_pretrained(out)

@@ -39,9 +39,27 @@ async def test_baseline_script_ranks_as_duet_does(index_dir: Path) -> None:
 def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "performance.md"
     res = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "serve_load.py"), "--index-dir", str(index_dir),
-         "--seconds", "0.5", "--rounds", "1", "--concurrency", "1,2", "--overload", "8",
-         "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "serve_load.py"),
+            "--index-dir",
+            str(index_dir),
+            "--seconds",
+            "0.5",
+            "--rounds",
+            "1",
+            "--concurrency",
+            "1,2",
+            "--overload",
+            "8",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     report = out.read_text()
     for row in ("| re-ranked | 1 |", "| re-ranked | 2 |", "| dot only | 1 |", "| dot only | 2 |"):

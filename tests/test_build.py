@@ -29,13 +29,19 @@ def _copy_corpus(src: Path, dst: Path, n: int) -> Path:
     return manifest
 
 
-def test_build_writes_a_version_and_points_current(index_dir: Path, corpus: Path,
-                                                   model: BuiltinModel) -> None:
+def test_build_writes_a_version_and_points_current(
+    index_dir: Path, corpus: Path, model: BuiltinModel
+) -> None:
     current = indexio.resolve_current(index_dir)
     assert (index_dir / "current").is_symlink()
     names = {p.name for p in current.iterdir()}
-    assert {"manifest.json", "image.faiss", "text.faiss", "items.sqlite",
-            "image_tokens.npy"} <= names
+    assert {
+        "manifest.json",
+        "image.faiss",
+        "text.faiss",
+        "items.sqlite",
+        "image_tokens.npy",
+    } <= names
     manifest = json.loads((current / "manifest.json").read_text())
     assert manifest["model"]["fingerprint"] == model.fingerprint
     assert manifest["counts"] == {"images": 40, "texts": 200}
@@ -49,8 +55,9 @@ def test_build_writes_a_version_and_points_current(index_dir: Path, corpus: Path
     assert row.id.startswith(row.image_id + "#")
 
 
-def test_rebuild_makes_a_new_version_and_keeps_the_old(tmp_path: Path, corpus: Path,
-                                                       model: BuiltinModel) -> None:
+def test_rebuild_makes_a_new_version_and_keeps_the_old(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
     manifest = _copy_corpus(corpus, tmp_path / "c", 5)
     first = build(manifest, tmp_path / "idx", model, progress=False)
     second = build(manifest, tmp_path / "idx", model, progress=False)
@@ -63,8 +70,9 @@ def test_rebuild_makes_a_new_version_and_keeps_the_old(tmp_path: Path, corpus: P
     assert not list((tmp_path / "idx").glob(".building-*"))
 
 
-def test_missing_image_stops_the_build_naming_the_line(tmp_path: Path, corpus: Path,
-                                                       model: BuiltinModel) -> None:
+def test_missing_image_stops_the_build_naming_the_line(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
     manifest = _copy_corpus(corpus, tmp_path / "c", 6)
     (tmp_path / "c" / "images" / "0003.png").unlink()
     with pytest.raises(CorpusError) as err:
@@ -90,9 +98,21 @@ def test_cli_build_error_is_clear(tmp_path: Path, corpus: Path) -> None:
     manifest = _copy_corpus(corpus, tmp_path / "c", 3)
     (tmp_path / "c" / "images" / "0002.png").unlink()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*DUET, "build", "--corpus", str(manifest), "--out",
-                           str(tmp_path / "idx"), "--no-progress"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [
+            *DUET,
+            "build",
+            "--corpus",
+            str(manifest),
+            "--out",
+            str(tmp_path / "idx"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "manifest.jsonl:3" in proc.stderr and "--skip-bad" in proc.stderr
 
@@ -100,6 +120,7 @@ def test_cli_build_error_is_clear(tmp_path: Path, corpus: Path) -> None:
 @pytest.mark.parametrize("cmd", ["serve", "build", "train", "demo-corpus"])
 def test_every_command_has_help(cmd: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*DUET, cmd, "--help"], capture_output=True, text=True, env=env,
-                          timeout=60)
+    proc = subprocess.run(
+        [*DUET, cmd, "--help"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert proc.returncode == 0 and "usage: duet " + cmd in proc.stdout

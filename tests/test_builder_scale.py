@@ -90,8 +90,12 @@ def test_per_call_params_do_not_touch_the_shared_index() -> None:
     ivf = ann.build_index("IVF64,Flat", vecs)
     hnsw: Any = ann.build_index("HNSW32", vecs)
     own_nprobe, own_ef = faiss.extract_index_ivf(ivf).nprobe, hnsw.hnsw.efSearch
-    cases = [(ivf, ann.SearchKnobs(nprobe=1)), (ivf, ann.SearchKnobs(nprobe=64)),
-             (hnsw, ann.SearchKnobs(ef_search=16)), (hnsw, ann.SearchKnobs(ef_search=256))]
+    cases = [
+        (ivf, ann.SearchKnobs(nprobe=1)),
+        (ivf, ann.SearchKnobs(nprobe=64)),
+        (hnsw, ann.SearchKnobs(ef_search=16)),
+        (hnsw, ann.SearchKnobs(ef_search=256)),
+    ]
     expected = [ann.search(index, queries, 10, knobs)[1] for index, knobs in cases]
     assert not np.array_equal(expected[0], expected[1])  # nprobe matters here
     results: dict[int, list[np.ndarray]] = {i: [] for i in range(len(cases))}
@@ -123,8 +127,9 @@ def test_service_search_uses_its_settings_per_call() -> None:
     vecs, query = _unit(4000), _unit(1, seed=3)
     index = ann.build_index("IVF64,Flat", vecs)
     faiss.extract_index_ivf(index).nprobe = 64  # what the pipeline must not rely on or touch
-    fake = SimpleNamespace(search_knobs=ann.SearchKnobs(settings.index_nprobe,
-                                                        settings.index_ef_search))
+    fake = SimpleNamespace(
+        search_knobs=ann.SearchKnobs(settings.index_nprobe, settings.index_ef_search)
+    )
     cand = SearchPipeline._top(fake, query, index, 10)  # type: ignore[arg-type]
     _, want = ann.search(index, query, 10, ann.SearchKnobs(nprobe=1))
     assert cand.rows.tolist() == want[0][want[0] >= 0].tolist()
@@ -161,8 +166,10 @@ def test_autocast_path_matches_fp32(model: BuiltinModel, corpus: Path) -> None:
     """The GPU path's autocast code, run on CPU in bf16: same shapes, dtypes, close vectors."""
     from index_builder.encode import Encoder, PlanItem, decode
 
-    items = [PlanItem(i, str(i), str(corpus.parent / f"images/{i:04d}.png"), None, i + 1, ())
-             for i in range(4)]
+    items = [
+        PlanItem(i, str(i), str(corpus.parent / f"images/{i:04d}.png"), None, i + 1, ())
+        for i in range(4)
+    ]
     pixels = torch.stack([p for p in (decode(it, 64).pixels for it in items) if p is not None])
     exact = Encoder(model, torch.device("cpu"))
     mixed = Encoder(model, torch.device("cpu"))
@@ -179,16 +186,34 @@ def test_autocast_path_matches_fp32(model: BuiltinModel, corpus: Path) -> None:
 # -- factories through `duet build` --------------------------------------------------------
 
 
-@pytest.mark.parametrize(("factory", "message"), [
-    ("IVF,Bogus", "cannot build index factory string 'IVF,Bogus'"),
-    ("IVF1024,Flat", "needs at least 1024 training vectors"),
-])
-def test_bad_factory_exits_2_before_encoding(tmp_path: Path, corpus: Path, factory: str,
-                                             message: str) -> None:
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        ("IVF,Bogus", "cannot build index factory string 'IVF,Bogus'"),
+        ("IVF1024,Flat", "needs at least 1024 training vectors"),
+    ],
+)
+def test_bad_factory_exits_2_before_encoding(
+    tmp_path: Path, corpus: Path, factory: str, message: str
+) -> None:
     manifest = _corpus(corpus, tmp_path / "c", _lines(corpus)[:3])
-    proc = subprocess.run([*DUET, "build", "--corpus", str(manifest), "--out",
-                           str(tmp_path / "idx"), "--no-progress", "--factory", factory],
-                          capture_output=True, text=True, env=ENV, timeout=120)
+    proc = subprocess.run(
+        [
+            *DUET,
+            "build",
+            "--corpus",
+            str(manifest),
+            "--out",
+            str(tmp_path / "idx"),
+            "--no-progress",
+            "--factory",
+            factory,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert not (tmp_path / "idx" / "current").exists()
@@ -196,8 +221,9 @@ def test_bad_factory_exits_2_before_encoding(tmp_path: Path, corpus: Path, facto
 
 
 @pytest.mark.parametrize("factory", FAMILIES)
-def test_each_family_builds_and_serves(tmp_path: Path, index_dir: Path, model: BuiltinModel,
-                                       factory: str) -> None:
+def test_each_family_builds_and_serves(
+    tmp_path: Path, index_dir: Path, model: BuiltinModel, factory: str
+) -> None:
     """Re-index the session index's stored vectors with each factory (--delete of nothing)."""
     out = tmp_path / "idx"
     out.mkdir()
@@ -205,8 +231,7 @@ def test_each_family_builds_and_serves(tmp_path: Path, index_dir: Path, model: B
     (out / base.name).symlink_to(base)
     indexio.point_current(out, base.name)
     (tmp_path / "none.txt").write_text("")
-    report = build(None, out, model, progress=False, factory=factory,
-                   delete=tmp_path / "none.txt")
+    report = build(None, out, model, progress=False, factory=factory, delete=tmp_path / "none.txt")
     assert report.encoded == 0
     m = report.manifest
     assert m["index_type"] == factory and m["counts"] == {"images": 40, "texts": 200}
@@ -226,16 +251,34 @@ def test_each_family_builds_and_serves(tmp_path: Path, index_dir: Path, model: B
 
 # -- resumable builds -----------------------------------------------------------------------
 
-RESUME_ARGS = ["--factory", "IVF4,Flat", "--shard-size", "4", "--batch-size", "4",
-               "--workers", "0", "--no-progress"]
+RESUME_ARGS = [
+    "--factory",
+    "IVF4,Flat",
+    "--shard-size",
+    "4",
+    "--batch-size",
+    "4",
+    "--workers",
+    "0",
+    "--no-progress",
+]
 
 
 @pytest.mark.slow
-def test_killed_build_resumes_to_identical_files(tmp_path: Path, corpus: Path,
-                                                 model: BuiltinModel) -> None:
+def test_killed_build_resumes_to_identical_files(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
     manifest = _corpus(corpus, tmp_path / "c", _lines(corpus))
-    ref = build(manifest, tmp_path / "ref", model, batch_size=4, progress=False,
-                factory="IVF4,Flat", shard_size=4, workers=0)
+    ref = build(
+        manifest,
+        tmp_path / "ref",
+        model,
+        batch_size=4,
+        progress=False,
+        factory="IVF4,Flat",
+        shard_size=4,
+        workers=0,
+    )
     out = tmp_path / "idx"
     cmd = [*DUET, "build", "--corpus", str(manifest), "--out", str(out), *RESUME_ARGS]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -258,8 +301,9 @@ def test_killed_build_resumes_to_identical_files(tmp_path: Path, corpus: Path,
     assert not list(out.glob(".shards/*/shard-*"))  # cleaned up after success
 
 
-def test_failed_build_resumes_but_a_changed_corpus_does_not(tmp_path: Path, corpus: Path,
-                                                            model: BuiltinModel) -> None:
+def test_failed_build_resumes_but_a_changed_corpus_does_not(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
     manifest = _corpus(corpus, tmp_path / "c", _lines(corpus)[:4])
     img = tmp_path / "c" / json.loads(_lines(corpus)[3])["image"]
     good = img.read_bytes()
@@ -283,14 +327,19 @@ def test_failed_build_resumes_but_a_changed_corpus_does_not(tmp_path: Path, corp
 
 def _hits(version: Path, model: BuiltinModel, queries: list[str]) -> list[list[tuple[str, float]]]:
     loaded = indexio.IndexVersion.open(version)
-    scores, rows = ann.search(loaded.image_index, model.encode_texts(queries), 5,
-                              ann.SearchKnobs(nprobe=4))
+    scores, rows = ann.search(
+        loaded.image_index, model.encode_texts(queries), 5, ann.SearchKnobs(nprobe=4)
+    )
     out = []
     for s, r in zip(scores, rows, strict=True):
         ids = [row.id for row in loaded.store.images([int(x) for x in r])]
         out.append(list(zip(ids, s.tolist(), strict=True)))
-    tscores, trows = ann.search(loaded.text_index, np.load(version / indexio.IMAGE_VECTORS)[:3],
-                                5, ann.SearchKnobs(nprobe=4))
+    tscores, trows = ann.search(
+        loaded.text_index,
+        np.load(version / indexio.IMAGE_VECTORS)[:3],
+        5,
+        ann.SearchKnobs(nprobe=4),
+    )
     for s, r in zip(tscores, trows, strict=True):
         ids = [row.id for row in loaded.store.texts([int(x) for x in r])]
         out.append(list(zip(ids, s.tolist(), strict=True)))
@@ -299,8 +348,9 @@ def _hits(version: Path, model: BuiltinModel, queries: list[str]) -> list[list[t
 
 
 @pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat"])
-def test_append_then_delete_matches_a_fresh_build(tmp_path: Path, corpus: Path,
-                                                  model: BuiltinModel, factory: str) -> None:
+def test_append_then_delete_matches_a_fresh_build(
+    tmp_path: Path, corpus: Path, model: BuiltinModel, factory: str
+) -> None:
     lines = _lines(corpus)
     c = tmp_path / "c"
     base = _corpus(corpus, c, lines[:20], "base.jsonl")
@@ -327,8 +377,9 @@ def test_append_then_delete_matches_a_fresh_build(tmp_path: Path, corpus: Path,
     assert {r.id for r in store.images(list(range(25)))}.isdisjoint(gone)
 
 
-def test_append_with_duplicate_ids_exits_2_and_writes_nothing(tmp_path: Path, corpus: Path,
-                                                              model: BuiltinModel) -> None:
+def test_append_with_duplicate_ids_exits_2_and_writes_nothing(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
     lines = _lines(corpus)
     c = tmp_path / "c"
     base = _corpus(corpus, c, lines[:4], "base.jsonl")
@@ -337,9 +388,13 @@ def test_append_with_duplicate_ids_exits_2_and_writes_nothing(tmp_path: Path, co
     first = build(base, out, model, progress=False, workers=0)
     with pytest.raises(BuildError, match="already in the current version"):
         build(dup, out, model, progress=False, append=True)
-    proc = subprocess.run([*DUET, "build", "--append", str(dup), "--out", str(out),
-                           "--no-progress"], capture_output=True, text=True, env=ENV,
-                          timeout=120)
+    proc = subprocess.run(
+        [*DUET, "build", "--append", str(dup), "--out", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "already in the current version" in proc.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted([first.version, "current"])
     (tmp_path / "unknown.txt").write_text("no-such-id\n")
@@ -351,17 +406,26 @@ def test_append_with_duplicate_ids_exits_2_and_writes_nothing(tmp_path: Path, co
 
 
 @pytest.mark.slow
-def test_ray_engine_writes_the_same_index_as_local(tmp_path: Path, corpus: Path,
-                                                   model: BuiltinModel) -> None:
+def test_ray_engine_writes_the_same_index_as_local(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
     ray = pytest.importorskip("ray")
     manifest = _corpus(corpus, tmp_path / "c", _lines(corpus)[:12])
-    local = build(manifest, tmp_path / "local", model, batch_size=4, progress=False,
-                  shard_size=4, workers=0)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    local = build(
+        manifest, tmp_path / "local", model, batch_size=4, progress=False, shard_size=4, workers=0
+    )
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        remote = build(manifest, tmp_path / "ray", model, batch_size=4, progress=False,
-                       shard_size=4, engine="ray", ray_actors=2)
+        remote = build(
+            manifest,
+            tmp_path / "ray",
+            model,
+            batch_size=4,
+            progress=False,
+            shard_size=4,
+            engine="ray",
+            ray_actors=2,
+        )
     finally:
         ray.shutdown()
     assert remote.encoded == 12 and remote.manifest["build"]["engine"] == "ray"

@@ -14,11 +14,19 @@ def _count(m: Metrics, result: str) -> float:
 
 
 def test_key_depends_on_every_part() -> None:
-    base = dict(model="m", index="v1", endpoint="text", query="a", top_k=10, candidates=50,
-                rerank=True)
+    base = dict(
+        model="m", index="v1", endpoint="text", query="a", top_k=10, candidates=50, rerank=True
+    )
     keys = {cache_key(**base)}
-    for k, v in (("model", "m2"), ("index", "v2"), ("endpoint", "image"), ("query", "b"),
-                 ("top_k", 5), ("candidates", 20), ("rerank", False)):
+    for k, v in (
+        ("model", "m2"),
+        ("index", "v2"),
+        ("endpoint", "image"),
+        ("query", "b"),
+        ("top_k", 5),
+        ("candidates", 20),
+        ("rerank", False),
+    ):
         keys.add(cache_key(**{**base, k: v}))
     assert len(keys) == 8
     assert cache_key(**base) == cache_key(**dict(reversed(list(base.items()))))

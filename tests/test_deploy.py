@@ -86,8 +86,9 @@ def test_compose_schema_check_catches_a_broken_file(tmp_path: Path) -> None:
 
 
 def _devices(service: dict[str, Any]) -> list[dict[str, Any]]:
-    devices: list[dict[str, Any]] = (service.get("deploy", {}).get("resources", {})
-                                     .get("reservations", {}).get("devices", []))
+    devices: list[dict[str, Any]] = (
+        service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    )
     return devices
 
 
@@ -102,8 +103,15 @@ def test_compose_gpu_and_cpu_hosts() -> None:
         assert gpu[name]["networks"]["default"]["aliases"] == ["api"]
     # a CPU host: .env.example with DUET_FLAVOR=cpu
     cpu_env = {**os.environ, "DUET_FLAVOR": "cpu", "COMPOSE_PROFILES": "cpu"}
-    res = run(tool("docker-compose"), "--env-file", str(REPO / ".env.example"), "-f",
-              str(COMPOSE), "config", env=cpu_env)
+    res = run(
+        tool("docker-compose"),
+        "--env-file",
+        str(REPO / ".env.example"),
+        "-f",
+        str(COMPOSE),
+        "config",
+        env=cpu_env,
+    )
     assert res.returncode == 0, res.stderr
     cpu = yaml.safe_load(res.stdout)["services"]
     assert cpu["api-cpu"]["image"] == "duet:cpu" and _devices(cpu["api-cpu"]) == []
@@ -112,8 +120,15 @@ def test_compose_gpu_and_cpu_hosts() -> None:
 
 def test_compose_services_come_up_in_order() -> None:
     svc = compose_config("gpu", "build")["services"]
-    assert {"redis", "index-init", "api", "api-cpu", "index-builder", "prometheus",
-            "grafana"} <= set(svc)
+    assert {
+        "redis",
+        "index-init",
+        "api",
+        "api-cpu",
+        "index-builder",
+        "prometheus",
+        "grafana",
+    } <= set(svc)
     redis_cmd = svc["redis"]["command"]
     pairs = dict(zip(redis_cmd[1::2], redis_cmd[2::2], strict=False))
     assert pairs["--save"] == "" and pairs["--appendonly"] == "no"  # a cache: no persistence
@@ -122,7 +137,8 @@ def test_compose_services_come_up_in_order() -> None:
         assert svc[name]["healthcheck"]["test"], f"{name} has no healthcheck"
     assert svc["api"]["depends_on"] == {
         "redis": {"condition": "service_healthy"},
-        "index-init": {"condition": "service_completed_successfully"}}
+        "index-init": {"condition": "service_completed_successfully"},
+    }
     assert svc["grafana"]["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
     assert svc["api"]["healthcheck"]["test"] == ["CMD", "duet", "healthcheck"]
     for name in ("index-init", "index-builder", "index-builder-cpu"):  # jobs, not servers
@@ -153,15 +169,20 @@ def volumes(service: dict[str, Any]) -> list[tuple[str, str, bool]]:
 
 
 def test_every_setting_is_in_env_example_compose_and_k8s() -> None:
-    env_example = {line.split("=", 1)[0] for line in (REPO / ".env.example").read_text()
-                   .splitlines() if "=" in line and not line.startswith("#")}
+    env_example = {
+        line.split("=", 1)[0]
+        for line in (REPO / ".env.example").read_text().splitlines()
+        if "=" in line and not line.startswith("#")
+    }
     assert set(SETTINGS) <= env_example, set(SETTINGS) - env_example
     api_env = compose_config("gpu")["services"]["api"]["environment"]
     assert set(SETTINGS) <= set(api_env), set(SETTINGS) - set(api_env)
-    configmap = next(d for d in load_yaml_docs(DEPLOY / "k8s" / "config.yaml")
-                     if d["kind"] == "ConfigMap")
-    api = next(d for d in load_yaml_docs(DEPLOY / "k8s" / "api.yaml")
-               if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    configmap = next(
+        d for d in load_yaml_docs(DEPLOY / "k8s" / "config.yaml") if d["kind"] == "ConfigMap"
+    )
+    api = next(d for d in load_yaml_docs(DEPLOY / "k8s" / "api.yaml") if d["kind"] == "Deployment")[
+        "spec"
+    ]["template"]["spec"]["containers"][0]
     secret_env = {e["name"] for e in api["env"] if "secretKeyRef" in e["valueFrom"]}
     assert secret_env == {"DUET_ADMIN_TOKEN"}  # a secret, not in the ConfigMap
     assert set(SETTINGS) == set(configmap["data"]) | secret_env
@@ -213,7 +234,7 @@ def test_dockerfile_gpu_and_cpu_images_run_the_same_way() -> None:
     stages = [a for k, a in ins if k == "FROM"]
     assert "${PYTHON_IMAGE} AS os-cpu" in stages and "${CUDA_IMAGE} AS os-gpu" in stages
     assert stages[-1] == "os-${FLAVOR} AS runtime"
-    runtime = ins[max(i for i, (k, _) in enumerate(ins) if k == "FROM"):]
+    runtime = ins[max(i for i, (k, _) in enumerate(ins) if k == "FROM") :]
     final = {k: a for k, a in runtime}
     user = final["USER"].split(":")[0]
     assert user.isdigit() and int(user) != 0, "the runtime image must not run as root"
@@ -228,12 +249,18 @@ def test_dockerfile_gpu_and_cpu_images_run_the_same_way() -> None:
 
 
 def test_docker_context_has_the_code_and_weights_and_nothing_else() -> None:
-    ignore = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
+    ignore = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert ignore[0] == "**"  # everything is excluded unless listed
     allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
-    copied = {a.split()[0] for k, a in dockerfile_instructions()
-              if k == "COPY" and not a.startswith("--from")} - {"pyproject.toml"}
+    copied = {
+        a.split()[0]
+        for k, a in dockerfile_instructions()
+        if k == "COPY" and not a.startswith("--from")
+    } - {"pyproject.toml"}
     assert copied | {"pyproject.toml", "README.md"} <= allowed, copied - allowed
     assert not {".venv", "indexes", "data", ".git"} & allowed
     assert "models" in allowed  # models/weights/ ships inside the image
@@ -270,10 +297,13 @@ def test_k8s_api_probes_gpu_and_volume() -> None:
     job = docs[("Job", "duet-index-builder")]["spec"]["template"]["spec"]
     assert job["containers"][0]["args"][0] == "build"
     assert {v["persistentVolumeClaim"]["claimName"] for v in job["volumes"]} == {
-        "duet-indexes", "duet-corpus"}
+        "duet-indexes",
+        "duet-corpus",
+    }
     assert ("Service", "duet-api") in docs and ("Service", "duet-redis") in docs
     assert docs[("ConfigMap", "duet-config")]["data"]["DUET_REDIS_URL"].startswith(
-        "redis://duet-redis:")
+        "redis://duet-redis:"
+    )
 
 
 # -- Prometheus and Grafana ------------------------------------------------------------------
@@ -303,10 +333,18 @@ def dashboard_exprs() -> list[str]:
 
 def test_alerts_cover_what_ops_must_hear_about() -> None:
     names = {r["alert"] for r in alert_rules()}
-    assert {"DuetDown", "DuetNotReady", "DuetSearchLatencyP99High", "DuetHigh5xxRate",
-            "DuetCacheErrors", "DuetQueueSaturated"} <= names
-    headings = {github_anchor(m) for m in re.findall(r"^#+ (.+)$", (REPO / "README.md")
-                                                      .read_text(), flags=re.M)}
+    assert {
+        "DuetDown",
+        "DuetNotReady",
+        "DuetSearchLatencyP99High",
+        "DuetHigh5xxRate",
+        "DuetCacheErrors",
+        "DuetQueueSaturated",
+    } <= names
+    headings = {
+        github_anchor(m)
+        for m in re.findall(r"^#+ (.+)$", (REPO / "README.md").read_text(), flags=re.M)
+    }
     for rule in alert_rules():
         assert rule["annotations"]["summary"] and rule["labels"]["severity"]
         anchor = rule["annotations"]["runbook"].removeprefix("README.md#")
@@ -320,9 +358,17 @@ def github_anchor(heading: str) -> str:
 
 def test_dashboard_exprs_parse(tmp_path: Path) -> None:
     """promtool parses every dashboard expression (as recording rules)."""
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:expr{i}", "expr": e.replace("$__rate_interval", "5m")}
-        for i, e in enumerate(dashboard_exprs())]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:expr{i}", "expr": e.replace("$__rate_interval", "5m")}
+                    for i, e in enumerate(dashboard_exprs())
+                ],
+            }
+        ]
+    }
     path = tmp_path / "dashboard_rules.yml"
     path.write_text(yaml.safe_dump(rules))
     res = run(tool("promtool"), "check", "rules", str(path))
@@ -331,22 +377,30 @@ def test_dashboard_exprs_parse(tmp_path: Path) -> None:
 
 def test_dashboard_panels_and_datasource() -> None:
     dash = json.loads(DASHBOARD.read_text())
-    ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources"
-                         / "prometheus.yml").read_text())["datasources"][0]
+    ds = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"][0]
     assert ds["url"] == "http://prometheus:9090"
     for panel in dash["panels"]:
         assert panel["datasource"]["uid"] == ds["uid"]
         assert all(t["datasource"]["uid"] == ds["uid"] for t in panel["targets"])
     exprs = " ".join(dashboard_exprs())
-    for needle in ("rate(duet_request_seconds_count", "histogram_quantile(0.99",
-                   "histogram_quantile(0.5", "duet_stage_seconds_bucket",
-                   'duet_cache_requests_total{result="hit"}', "duet_rerank_batch_size",
-                   "duet_index_items", "duet_index_info"):
+    for needle in (
+        "rate(duet_request_seconds_count",
+        "histogram_quantile(0.99",
+        "histogram_quantile(0.5",
+        "duet_stage_seconds_bucket",
+        'duet_cache_requests_total{result="hit"}',
+        "duet_rerank_batch_size",
+        "duet_index_items",
+        "duet_index_info",
+    ):
         assert needle in exprs, needle
     # the provider reads the directory compose mounts the dashboards into, the home dashboard
     # is in it, and Grafana's own data directory is the persistent volume
-    board = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards"
-                            / "duet.yml").read_text())["providers"][0]
+    board = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "duet.yml").read_text()
+    )["providers"][0]
     grafana = compose_config()["services"]["grafana"]
     mounts = {target: source for source, target, _ in volumes(grafana)}
     assert Path(mounts[board["options"]["path"]]) == DASHBOARD.parent
@@ -355,8 +409,22 @@ def test_dashboard_panels_and_datasource() -> None:
     assert mounts["/var/lib/grafana"] == "grafana"
 
 
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
-                "or", "unless", "offset", "inf", "nan", "le"}
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+    "le",
+}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -368,7 +436,7 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
     names = set()
     for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
-        word, rest = m.group(0), expr[m.end():].lstrip()
+        word, rest = m.group(0), expr[m.end() :].lstrip()
         if rest.startswith("(") or word.lower() in PROMQL_WORDS:
             continue  # a function call or a keyword
         if m.start() > 0 and (expr[m.start() - 1].isdigit() or expr[m.start() - 1] == "."):
@@ -378,14 +446,18 @@ def metric_names(expr: str) -> set[str]:
 
 
 def test_metric_name_extraction() -> None:
-    assert metric_names('histogram_quantile(0.99, sum by (le, endpoint) (rate('
-                        'duet_request_seconds_bucket{endpoint=~"/search/.*"}[5m]))) > 0.25'
-                        ) == {"duet_request_seconds_bucket"}
-    assert metric_names('sum(rate(a_total{result="error"}[5m])) / sum(rate(b[$__rate_interval]))'
-                        ) == {"a_total", "b"}
+    assert metric_names(
+        "histogram_quantile(0.99, sum by (le, endpoint) (rate("
+        'duet_request_seconds_bucket{endpoint=~"/search/.*"}[5m]))) > 0.25'
+    ) == {"duet_request_seconds_bucket"}
+    assert metric_names(
+        'sum(rate(a_total{result="error"}[5m])) / sum(rate(b[$__rate_interval]))'
+    ) == {"a_total", "b"}
     assert metric_names('up{job="duet"} == 0') == {"up"}
     assert metric_names("duet_queue_depth / duet_queue_capacity > 0.8") == {
-        "duet_queue_depth", "duet_queue_capacity"}
+        "duet_queue_depth",
+        "duet_queue_capacity",
+    }
 
 
 def exported_names(metrics_text: str) -> set[str]:
@@ -393,8 +465,11 @@ def exported_names(metrics_text: str) -> set[str]:
     names = set()
     for m in re.finditer(r"^# TYPE (\S+) (\S+)$", metrics_text, flags=re.M):
         name, kind = m.groups()
-        suffixes = {"histogram": ["_bucket", "_count", "_sum", "_created"],
-                    "counter": ["_total", "_created"], "summary": ["_count", "_sum"]}
+        suffixes = {
+            "histogram": ["_bucket", "_count", "_sum", "_created"],
+            "counter": ["_total", "_created"],
+            "summary": ["_count", "_sum"],
+        }
         names |= {name} | {name + s for s in suffixes.get(kind, [])}
     return names
 
@@ -418,8 +493,16 @@ def test_dashboard_and_alerts_name_only_exported_metrics(service: Service) -> No
 def test_healthcheck_command(service: Service) -> None:
     ok = run(sys.executable, "-m", "duet.cli", "healthcheck", "--url", f"{service.url}/healthz")
     assert ok.returncode == 0, ok.stderr
-    down = run(sys.executable, "-m", "duet.cli", "healthcheck", "--url",
-               f"http://127.0.0.1:{free_port()}/healthz", "--timeout", "1")
+    down = run(
+        sys.executable,
+        "-m",
+        "duet.cli",
+        "healthcheck",
+        "--url",
+        f"http://127.0.0.1:{free_port()}/healthz",
+        "--timeout",
+        "1",
+    )
     assert down.returncode == 1 and "unhealthy" in down.stderr
 
 
@@ -443,9 +526,15 @@ def test_prometheus_scrapes_a_running_duet(service: Service, tmp_path: Path) -> 
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     log = (tmp_path / "prometheus.log").open("wb")
     proc = subprocess.Popen(
-        [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT)
+        [
+            binary,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         with service.client() as c:
@@ -468,8 +557,12 @@ def test_prometheus_scrapes_a_running_duet(service: Service, tmp_path: Path) -> 
         rules = httpx.get(f"{base}/api/v1/rules", timeout=5).json()["data"]["groups"]
         loaded = {r["name"] for g in rules for r in g["rules"]}
         assert loaded == {r["alert"] for r in alert_rules()}
-        assert all(r["health"] == "ok" for g in rules for r in g["rules"]
-                   if r.get("lastEvaluation", "").startswith("2")), rules
+        assert all(
+            r["health"] == "ok"
+            for g in rules
+            for r in g["rules"]
+            if r.get("lastEvaluation", "").startswith("2")
+        ), rules
     finally:
         proc.terminate()
         proc.wait(timeout=15)
@@ -482,12 +575,25 @@ def test_demo_index_builds_once_even_when_started_twice_at_once(tmp_path: Path) 
     The test holds the lock while both start, so both reach it before either has built."""
     out = tmp_path / "indexes"
     out.mkdir()
-    cmd = [sys.executable, "-m", "duet.cli", "demo-index", "--out", str(out), "--images", "12",
-           "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "duet.cli",
+        "demo-index",
+        "--out",
+        str(out),
+        "--images",
+        "12",
+        "--no-progress",
+    ]
     with (out / ".demo-index.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for _ in range(2)]
+        procs = [
+            subprocess.Popen(
+                cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(2)
+        ]
         time.sleep(3)  # both import and wait on the lock
         assert not (out / "current").exists() and all(p.poll() is None for p in procs)
     outputs = [p.communicate(timeout=120) for p in procs]

@@ -52,11 +52,17 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="module")
-def service(index_dir: Path, redis: RedisServer,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+def service(
+    index_dir: Path, redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
     log = tmp_path_factory.mktemp("logs") / "serve.log"
-    svc = start_service(index_dir, log, DUET_REDIS_URL=redis.url,
-                        DUET_MAX_IMAGE_BYTES="200000", DUET_MAX_IMAGE_PIXELS="1000000")
+    svc = start_service(
+        index_dir,
+        log,
+        DUET_REDIS_URL=redis.url,
+        DUET_MAX_IMAGE_BYTES="200000",
+        DUET_MAX_IMAGE_PIXELS="1000000",
+    )
     yield svc
     stop_service(svc)
 
@@ -94,8 +100,9 @@ def test_image_finds_one_of_its_captions(service: Service, corpus: Path) -> None
     with service.client() as c:
         for item in items[:10]:
             data = (corpus.parent / str(item["image"])).read_bytes()
-            r = c.post("/search/image", files={"image": ("q.png", data, "image/png")},
-                       data={"top_k": "10"})
+            r = c.post(
+                "/search/image", files={"image": ("q.png", data, "image/png")}, data={"top_k": "10"}
+            )
             assert r.status_code == 200, r.text
             hits = r.json()["hits"]
             found += any(h["meta"]["image_id"] == item["id"] for h in hits)
@@ -106,36 +113,50 @@ def test_image_finds_one_of_its_captions(service: Service, corpus: Path) -> None
 def test_json_base64_image_equals_multipart(service: Service, corpus: Path) -> None:
     data = (corpus.parent / "images" / "0003.png").read_bytes()
     with service.client() as c:
-        a = c.post("/search/image", files={"image": ("q.png", data, "image/png")},
-                   data={"top_k": "5", "rerank": "false"}).json()
-        b = c.post("/search/image", json={"image_b64": base64.b64encode(data).decode(),
-                                          "top_k": 5, "rerank": False}).json()
+        a = c.post(
+            "/search/image",
+            files={"image": ("q.png", data, "image/png")},
+            data={"top_k": "5", "rerank": "false"},
+        ).json()
+        b = c.post(
+            "/search/image",
+            json={"image_b64": base64.b64encode(data).decode(), "top_k": 5, "rerank": False},
+        ).json()
     assert [h["id"] for h in a["hits"]] == [h["id"] for h in b["hits"]]
 
 
 def test_rerank_false_returns_dot_order(service: Service) -> None:
     with service.client() as c:
-        body = c.post("/search/text", json={"query": "a big blue square above a red circle",
-                                            "top_k": 8, "rerank": False}).json()
+        body = c.post(
+            "/search/text",
+            json={"query": "a big blue square above a red circle", "top_k": 8, "rerank": False},
+        ).json()
     dots = [h["retrieval_score"] for h in body["hits"]]
     assert dots == sorted(dots, reverse=True)
-    assert all(h["rerank_score"] is None and h["score"] == h["retrieval_score"]
-               for h in body["hits"])
+    assert all(
+        h["rerank_score"] is None and h["score"] == h["retrieval_score"] for h in body["hits"]
+    )
     assert "rerank" not in body["timings_ms"]
 
 
 def test_rerank_orders_by_cross_encoder(service: Service) -> None:
     with service.client() as c:
-        body = c.post("/search/text", json={"query": "two small green triangles left of a "
-                                            "large red diamond", "top_k": 10,
-                                            "candidates": 20}).json()
+        body = c.post(
+            "/search/text",
+            json={
+                "query": "two small green triangles left of a large red diamond",
+                "top_k": 10,
+                "candidates": 20,
+            },
+        ).json()
     hits = body["hits"]
     assert all(h["rerank_score"] is not None and 0.0 <= h["rerank_score"] <= 1.0 for h in hits)
     # ordered by ADD_lambda fusion of the dot product and the cross-encoder probability
     lam = DEFAULT_FUSION_LAMBDA
     for h in hits:
-        assert h["score"] == pytest.approx(lam * h["retrieval_score"]
-                                           + (1 - lam) * h["rerank_score"], abs=1e-6)
+        assert h["score"] == pytest.approx(
+            lam * h["retrieval_score"] + (1 - lam) * h["rerank_score"], abs=1e-6
+        )
     scores = [h["score"] for h in hits]
     assert scores == sorted(scores, reverse=True)
     assert body["timings_ms"]["rerank"] > 0
@@ -147,8 +168,9 @@ def test_second_identical_request_is_cached(service: Service) -> None:
         before = _metric(c.get("/metrics").text, "duet_cache_requests_total", result="hit")
         first = c.post("/search/text", json=query).json()
         # same query after normalisation (case, spacing) is the same cache entry
-        second = c.post("/search/text", json={**query, "query": "  A tiny purple CROSS in the "
-                                               "top left "}).json()
+        second = c.post(
+            "/search/text", json={**query, "query": "  A tiny purple CROSS in the top left "}
+        ).json()
         after = _metric(c.get("/metrics").text, "duet_cache_requests_total", result="hit")
     assert first["cached"] is False and second["cached"] is True
     assert second["hits"] == first["hits"]
@@ -178,16 +200,19 @@ def test_index_version_metric_matches_readyz(service: Service) -> None:
     assert _metric(text, "duet_index_info", version=version) == 1
 
 
-@pytest.mark.parametrize("body", [
-    {"query": ""},
-    {"query": "   "},
-    {"query": "a red circle " * 100},
-    {"query": "a red circle", "top_k": 0},
-    {"query": "a red circle", "top_k": 20, "candidates": 10},
-    {"query": "a red circle", "rerank": "maybe"},
-    {"query": "a red circle", "colour": "red"},
-    {},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"query": ""},
+        {"query": "   "},
+        {"query": "a red circle " * 100},
+        {"query": "a red circle", "top_k": 0},
+        {"query": "a red circle", "top_k": 20, "candidates": 10},
+        {"query": "a red circle", "rerank": "maybe"},
+        {"query": "a red circle", "colour": "red"},
+        {},
+    ],
+)
 def test_bad_text_queries_are_422(service: Service, body: dict[str, object]) -> None:
     with service.client() as c:
         r = c.post("/search/text", json=body)
@@ -207,13 +232,16 @@ def _png(size: tuple[int, int], noise: bool = False) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize(("payload", "status", "code"), [
-    (b"this is not an image", 400, "invalid_image"),
-    (_png((64, 64))[:60], 400, "invalid_image"),  # truncated
-    (b"", 400, "invalid_image"),
-    (_png((1200, 1200)), 413, "image_too_large"),  # 1.44 M pixels > DUET_MAX_IMAGE_PIXELS
-    (_png((300, 300), noise=True), 413, "image_too_large"),  # ~270 kB > DUET_MAX_IMAGE_BYTES
-])
+@pytest.mark.parametrize(
+    ("payload", "status", "code"),
+    [
+        (b"this is not an image", 400, "invalid_image"),
+        (_png((64, 64))[:60], 400, "invalid_image"),  # truncated
+        (b"", 400, "invalid_image"),
+        (_png((1200, 1200)), 413, "image_too_large"),  # 1.44 M pixels > DUET_MAX_IMAGE_PIXELS
+        (_png((300, 300), noise=True), 413, "image_too_large"),  # ~270 kB > DUET_MAX_IMAGE_BYTES
+    ],
+)
 def test_bad_images_are_4xx(service: Service, payload: bytes, status: int, code: str) -> None:
     with service.client() as c:
         r = c.post("/search/image", files={"image": ("x.png", payload, "image/png")})
@@ -225,14 +253,21 @@ def test_bad_images_are_4xx(service: Service, payload: bytes, status: int, code:
 
 def test_other_bad_image_requests(service: Service) -> None:
     with service.client() as c:
-        assert c.post("/search/image", content=b"xx",
-                      headers={"content-type": "text/plain"}).status_code == 415
+        assert (
+            c.post(
+                "/search/image", content=b"xx", headers={"content-type": "text/plain"}
+            ).status_code
+            == 415
+        )
         r = c.post("/search/image", json={"image_b64": "!!not base64!!"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image"
         r = c.post("/search/image", data={"top_k": "3"}, files={"other": ("x", b"1")})
         assert r.status_code == 422
-        r = c.post("/search/image", files={"image": ("x.png", _png((64, 64)), "image/png")},
-                   data={"top_k": "-1"})
+        r = c.post(
+            "/search/image",
+            files={"image": ("x.png", _png((64, 64)), "image/png")},
+            data={"top_k": "-1"},
+        )
         assert r.status_code == 422 and "top_k" in r.json()["error"]["message"]
         r = c.post("/search/image", json=[1, 2])
         assert r.status_code == 422
@@ -243,17 +278,19 @@ def test_other_bad_image_requests(service: Service) -> None:
         assert c.get("/nope").json()["error"]["code"] == "not_found"
 
 
-@pytest.mark.parametrize(("body", "where"), [
-    ({"query": "a red circle", "top_k": True}, "top_k"),  # JSON types are not coerced
-    ({"query": "a red circle", "top_k": "5"}, "top_k"),
-    ({"query": "a red circle", "candidates": 50.0}, "candidates"),
-    ({"query": "\x00"}, "no words"),  # nothing the model reads
-    ({"query": "\u200b\u200b\u200b"}, "no words"),
-    ({"query": "\U0001f431" * 100}, "no words"),  # the builtin model reads a-z and 0-9 only
-    ({"query": "!!! ???"}, "no words"),
-])
-def test_text_queries_refused_with_422(service: Service, body: dict[str, Any],
-                                       where: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        ({"query": "a red circle", "top_k": True}, "top_k"),  # JSON types are not coerced
+        ({"query": "a red circle", "top_k": "5"}, "top_k"),
+        ({"query": "a red circle", "candidates": 50.0}, "candidates"),
+        ({"query": "\x00"}, "no words"),  # nothing the model reads
+        ({"query": "\u200b\u200b\u200b"}, "no words"),
+        ({"query": "\U0001f431" * 100}, "no words"),  # the builtin model reads a-z and 0-9 only
+        ({"query": "!!! ???"}, "no words"),
+    ],
+)
+def test_text_queries_refused_with_422(service: Service, body: dict[str, Any], where: str) -> None:
     with service.client() as c:
         r = c.post("/search/text", json=body)
     assert r.status_code == 422, r.text
@@ -275,8 +312,7 @@ def test_health_and_ready(service: Service) -> None:
     assert ready["items"] == {"images": 40, "texts": 200}
 
 
-def test_redis_killed_mid_test_requests_still_succeed(
-        index_dir: Path, tmp_path: Path) -> None:
+def test_redis_killed_mid_test_requests_still_succeed(index_dir: Path, tmp_path: Path) -> None:
     redis = start_redis(tmp_path)
     svc = start_service(index_dir, tmp_path / "serve.log", DUET_REDIS_URL=redis.url)
     try:
@@ -339,11 +375,29 @@ def test_index_from_another_model_is_refused(corpus: Path, tmp_path: Path) -> No
     save_model(JointModel(JointConfig(vocab_size=tok.vocab_size)), tok, other)
     out = tmp_path / "idx"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run([*DUET, "build", "--corpus", str(corpus), "--out", str(out),
-                    "--model-dir", str(other), "--no-progress"], check=True, env=env,
-                   capture_output=True)
-    proc = subprocess.run([*DUET, "serve"], env={**env, "DUET_INDEX_DIR": str(out)},
-                          capture_output=True, text=True, timeout=60)
+    subprocess.run(
+        [
+            *DUET,
+            "build",
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(out),
+            "--model-dir",
+            str(other),
+            "--no-progress",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    proc = subprocess.run(
+        [*DUET, "serve"],
+        env={**env, "DUET_INDEX_DIR": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "was built by model" in proc.stderr and "rebuild the index" in proc.stderr
 
@@ -354,39 +408,58 @@ def test_missing_index_says_how_to_build(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "duet build" in proc.stderr
 
 
-@pytest.mark.parametrize(("env", "says"), [
-    ({"DUET_RERANK_MAX_BATCH": "lots"}, "DUET_RERANK_MAX_BATCH"),
-    ({"DUET_DEVICE": "tpu"}, "DUET_DEVICE"),
-])
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"DUET_RERANK_MAX_BATCH": "lots"}, "DUET_RERANK_MAX_BATCH"),
+        ({"DUET_DEVICE": "tpu"}, "DUET_DEVICE"),
+    ],
+)
 def test_bad_setting_is_a_clear_error(index_dir: Path, env: dict[str, str], says: str) -> None:
     full = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(index_dir), **env}
     proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("command", [
-    ["build", "--corpus", "CORPUS", "--out", "OUT"],
-    ["eval", "--index", "INDEX", "--modes", "dot"],
-    ["demo-index", "--out", "OUT", "--images", "2"],
-])
-def test_every_command_reads_the_same_dotenv(command: list[str], corpus: Path, index_dir: Path,
-                                             tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["build", "--corpus", "CORPUS", "--out", "OUT"],
+        ["eval", "--index", "INDEX", "--modes", "dot"],
+        ["demo-index", "--out", "OUT", "--images", "2"],
+    ],
+)
+def test_every_command_reads_the_same_dotenv(
+    command: list[str], corpus: Path, index_dir: Path, tmp_path: Path
+) -> None:
     """One configuration path (issue 14): a .env in the working directory configures build,
     eval and demo-index as it configures serve, so they cannot encode with other models than
     the service serves. Here it names a model directory that does not exist."""
     (tmp_path / ".env").write_text(f"DUET_MODEL_DIR={tmp_path / 'no-such-model'}\n")
-    args = [{"CORPUS": str(corpus), "OUT": str(tmp_path / "out"),
-             "INDEX": str(index_dir)}.get(a, a) for a in command]
+    args = [
+        {"CORPUS": str(corpus), "OUT": str(tmp_path / "out"), "INDEX": str(index_dir)}.get(a, a)
+        for a in command
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUET_")}
-    proc = subprocess.run([*DUET, *args], env={**env, "PYTHONPATH": str(REPO)}, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*DUET, *args],
+        env={**env, "PYTHONPATH": str(REPO)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "no-such-model" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_refused(index_dir: Path) -> None:
-    full = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(index_dir),
-            "DUET_DEVICE": "cuda"}
+    full = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "DUET_INDEX_DIR": str(index_dir),
+        "DUET_DEVICE": "cuda",
+    }
     proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr

@@ -24,8 +24,13 @@ Tickets = Sequence[Ticket[int, int]]
 
 
 def _engine(fn: object, **kw: object) -> Engine[int, int]:
-    opts: dict[str, object] = {"workers": 1, "max_batch": 64, "max_queue": 100,
-                               "timeout_s": 10.0, **kw}
+    opts: dict[str, object] = {
+        "workers": 1,
+        "max_batch": 64,
+        "max_queue": 100,
+        "timeout_s": 10.0,
+        **kw,
+    }
     return Engine(fn, **opts)  # type: ignore[arg-type]
 
 
@@ -61,8 +66,9 @@ async def test_a_failing_batch_fails_every_caller_and_unanswered_ones_too() -> N
     for fn, errors in ((boom, (MemoryError, MemoryError)), (forgets, (None, RuntimeError))):
         eng = _engine(fn)
         eng.start()
-        got = await asyncio.wait_for(asyncio.gather(eng.submit(1, 0.0), eng.submit(2, 0.0),
-                                                    return_exceptions=True), 5)
+        got = await asyncio.wait_for(
+            asyncio.gather(eng.submit(1, 0.0), eng.submit(2, 0.0), return_exceptions=True), 5
+        )
         for g, err in zip(got, errors, strict=True):
             assert (g == 1) if err is None else isinstance(g, err), got
         eng.stop()
@@ -173,11 +179,15 @@ async def test_a_deadline_too_short_for_every_candidate_re_ranks_fewer(index_dir
             # estimates that exactly fill the deadline: whatever the encode stage takes is
             # then missing from the re-rank budget
             pipeline.throughput = Throughput({"query": 0.0, "pair": 0.999 / 30})
-            r = await client.post("/search/text", json={"query": "a red circle above a square",
-                                                        "top_k": 5, "candidates": 30})
+            r = await client.post(
+                "/search/text",
+                json={"query": "a red circle above a square", "top_k": 5, "candidates": 30},
+            )
             body = r.json()
-            again = await client.post("/search/text", json={
-                "query": "a red circle above a square", "top_k": 5, "candidates": 30})
+            again = await client.post(
+                "/search/text",
+                json={"query": "a red circle above a square", "top_k": 5, "candidates": 30},
+            )
         degraded = app.state.metrics.degraded._value.get()
     assert r.status_code == 200, r.text
     assert body["degraded"] is True and 0 < body["reranked"] < 30
@@ -192,14 +202,19 @@ async def test_full_answers_say_how_many_were_re_ranked(index_dir: Path) -> None
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://duet") as client:
-            full = (await client.post("/search/text", json={"query": "a blue square",
-                                                            "candidates": 20})).json()
-            dot = (await client.post("/search/text", json={"query": "a blue square",
-                                                           "rerank": False})).json()
-            cached = (await client.post("/search/text", json={"query": "a blue square",
-                                                              "candidates": 20})).json()
-            odd = [(await client.post("/search/text", json={"query": "a red dog on a beach"})
-                    ).json() for _ in range(2)]
+            full = (
+                await client.post("/search/text", json={"query": "a blue square", "candidates": 20})
+            ).json()
+            dot = (
+                await client.post("/search/text", json={"query": "a blue square", "rerank": False})
+            ).json()
+            cached = (
+                await client.post("/search/text", json={"query": "a blue square", "candidates": 20})
+            ).json()
+            odd = [
+                (await client.post("/search/text", json={"query": "a red dog on a beach"})).json()
+                for _ in range(2)
+            ]
     assert (full["degraded"], full["reranked"]) == (False, 20)
     assert (dot["degraded"], dot["reranked"]) == (False, None)
     assert cached["cached"] and cached["reranked"] == 20
@@ -211,13 +226,13 @@ async def test_full_answers_say_how_many_were_re_ranked(index_dir: Path) -> None
 
 
 @pytest.mark.slow
-def test_overload_over_real_sockets_sheds_with_retry_after(index_dir: Path,
-                                                           tmp_path: Path) -> None:
+def test_overload_over_real_sockets_sheds_with_retry_after(index_dir: Path, tmp_path: Path) -> None:
     """Far more concurrent clients than the deadline allows: some are refused with 429 and a
     Retry-After, none gets a 5xx, the admitted ones answer within the deadline's reach, and
     /healthz answers throughout."""
-    svc = start_service(index_dir, tmp_path / "serve.log", DUET_REQUEST_TIMEOUT_MS="300",
-                        DUET_INDEX_POLL_S="0")
+    svc = start_service(
+        index_dir, tmp_path / "serve.log", DUET_REQUEST_TIMEOUT_MS="300", DUET_INDEX_POLL_S="0"
+    )
 
     async def load() -> tuple[list[httpx.Response], list[float], list[int]]:
         limits = httpx.Limits(max_connections=200)
@@ -232,8 +247,10 @@ def test_overload_over_real_sockets_sheds_with_retry_after(index_dir: Path,
 
             async def one(i: int) -> tuple[httpx.Response, float]:
                 t0 = time.perf_counter()
-                r = await client.post("/search/text", json={
-                    "query": f"a red circle left of a blue square {i}", "candidates": 200})
+                r = await client.post(
+                    "/search/text",
+                    json={"query": f"a red circle left of a blue square {i}", "candidates": 200},
+                )
                 return r, time.perf_counter() - t0
 
             prober = asyncio.ensure_future(probe())
@@ -256,8 +273,7 @@ def test_overload_over_real_sockets_sheds_with_retry_after(index_dir: Path,
     assert health and set(health) == {200}
 
 
-async def test_an_idle_engine_takes_a_request_even_when_its_estimate_exceeds_the_deadline(
-) -> None:
+async def test_an_idle_engine_takes_a_request_even_when_its_estimate_exceeds_the_deadline() -> None:
     def fn(tickets: Tickets) -> None:
         for t in tickets:
             t.resolve(t.payload)

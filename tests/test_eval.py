@@ -30,8 +30,9 @@ def test_norm_add_normalises_each_querys_candidates() -> None:
 def test_recalls_match_brute_force(index_dir: Path, model: BuiltinModel) -> None:
     _, pool = load_pool(index_dir, model.fingerprint)
     assert pool.sizes == {"images": 40, "texts": 200}
-    res = evaluate_index(pool, model, candidates=40, modes=("dot", "coop", "ce-full"),
-                         ce_full_queries=8)
+    res = evaluate_index(
+        pool, model, candidates=40, modes=("dot", "coop", "ce-full"), ce_full_queries=8
+    )
     # dot: brute-force argsort of the stored vectors
     sim = pool.text_vecs @ pool.image_vecs.T
     ranks = np.argsort(-sim, axis=1, kind="stable")
@@ -49,8 +50,9 @@ def test_recalls_match_brute_force(index_dir: Path, model: BuiltinModel) -> None
     assert all(res["modes"][m]["ms_per_query"]["t2i"] > 0 for m in res["modes"])
 
 
-def test_sweeps_and_distractors(index_dir: Path, tmp_path: Path, model: BuiltinModel,
-                                corpus: Path) -> None:
+def test_sweeps_and_distractors(
+    index_dir: Path, tmp_path: Path, model: BuiltinModel, corpus: Path
+) -> None:
     from index_builder.build import build
     from models.trainconfig import HELD_OUT_SEED_BASE
     from models.world import write_corpus
@@ -66,12 +68,14 @@ def test_sweeps_and_distractors(index_dir: Path, tmp_path: Path, model: BuiltinM
         assert b["modes"]["dot"][d]["R@10"] <= a["modes"]["dot"][d]["R@10"]
     assert set(a["sweeps"]["M"]) == {"10", "20"}
     assert a["sweeps"]["M"]["20"]["t2i"] == a["modes"]["coop"]["t2i"]  # M=20 is the default
-    assert set(a["sweeps"]["fusion"]) == {f"{f}_{lam}" for f in ("ADD", "NORM_ADD")
-                                          for lam in (0.1, 0.5, 0.9)} | {"ADD_0.8"}
+    assert set(a["sweeps"]["fusion"]) == {
+        f"{f}_{lam}" for f in ("ADD", "NORM_ADD") for lam in (0.1, 0.5, 0.9)
+    } | {"ADD_0.8"}
 
 
-def test_late_and_han_modes_rerank_the_same_candidates(index_dir: Path,
-                                                       model: BuiltinModel) -> None:
+def test_late_and_han_modes_rerank_the_same_candidates(
+    index_dir: Path, model: BuiltinModel
+) -> None:
     from models.han import HAN, HANConfig, HANReranker
     from models.late import late_scores
 
@@ -80,37 +84,62 @@ def test_late_and_han_modes_rerank_the_same_candidates(index_dir: Path,
     assert tt.tokens.shape[:2] == tt.mask.shape and tt.mask.any(axis=1).all()
     torch.manual_seed(0)
     han = HANReranker(HAN(HANConfig()), model)
-    res = evaluate_index(pool, None, candidates=10, modes=("dot", "late", "han"),
-                         token_scorers={"late": evaluation.late_scorer(0.0),
-                                        "han": evaluation.han_scorer(han)},
-                         text_tokens=tt)
+    res = evaluate_index(
+        pool,
+        None,
+        candidates=10,
+        modes=("dot", "late", "han"),
+        token_scorers={"late": evaluation.late_scorer(0.0), "han": evaluation.han_scorer(han)},
+        text_tokens=tt,
+    )
     # theta = 0 is the bi-encoder alone: same order as dot inside its top 10
     for d in ("t2i", "i2t"):
         assert res["modes"]["late"][d] == res["modes"]["dot"][d]
     # han: brute force over the top-10 with HANReranker.score_pairs on the caption strings
     cand, _ = evaluation.top_m(pool.image_vecs, pool.text_vecs, 10)
-    scores = np.stack([han.score_pairs([pool.texts[j] for j in cand[i]],
-                                       np.repeat(pool.image_tokens[i : i + 1], 10, axis=0))
-                       for i in range(40)])
+    scores = np.stack(
+        [
+            han.score_pairs(
+                [pool.texts[j] for j in cand[i]],
+                np.repeat(pool.image_tokens[i : i + 1], 10, axis=0),
+            )
+            for i in range(40)
+        ]
+    )
     best = cand[np.arange(40), scores.argmax(axis=1)]
     want = 100 * np.mean(pool.owner[best] == np.arange(40))
     assert res["modes"]["han"]["i2t"]["R@1"] == pytest.approx(want, abs=0.01)
     # late with theta 1 is S_l alone: checked on one text query against models.late
-    res1 = evaluate_index(pool, None, candidates=10, modes=("late",),
-                          token_scorers={"late": evaluation.late_scorer(1.0)}, text_tokens=tt)
+    res1 = evaluate_index(
+        pool,
+        None,
+        candidates=10,
+        modes=("late",),
+        token_scorers={"late": evaluation.late_scorer(1.0)},
+        text_tokens=tt,
+    )
     t_cand, t_dots = evaluation.top_m(pool.text_vecs, pool.image_vecs, 10)
     q_tok, q_mask = model.text_token_features(pool.texts)
-    s_l = np.stack([late_scores(t_dots[q], np.repeat(q_tok[q : q + 1], 10, axis=0),
-                                np.repeat(q_mask[q : q + 1], 10, axis=0),
-                                pool.image_tokens[t_cand[q]].astype(np.float32), 1.0)
-                    for q in range(200)])
+    s_l = np.stack(
+        [
+            late_scores(
+                t_dots[q],
+                np.repeat(q_tok[q : q + 1], 10, axis=0),
+                np.repeat(q_mask[q : q + 1], 10, axis=0),
+                pool.image_tokens[t_cand[q]].astype(np.float32),
+                1.0,
+            )
+            for q in range(200)
+        ]
+    )
     top = t_cand[np.arange(200), s_l.argmax(axis=1)]
     want = 100 * np.mean(pool.owner[:200] == top)
     assert res1["modes"]["late"]["t2i"]["R@1"] == pytest.approx(want, abs=0.01)
 
 
-def test_ce_full_refuses_a_large_pool(index_dir: Path, model: BuiltinModel,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ce_full_refuses_a_large_pool(
+    index_dir: Path, model: BuiltinModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(evaluation, "CE_FULL_MAX_POOL", 39)  # 40 images: one too many
     _, pool = load_pool(index_dir, model.fingerprint)
     with pytest.raises(EvalError, match="at most 39 images"):
@@ -118,16 +147,26 @@ def test_ce_full_refuses_a_large_pool(index_dir: Path, model: BuiltinModel,
 
 
 def test_cli_json_and_errors(index_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "duet.cli", "eval", "--index", str(index_dir), "--json",
-           "--modes", "dot,coop"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "duet.cli",
+        "eval",
+        "--index",
+        str(index_dir),
+        "--json",
+        "--modes",
+        "dot,coop",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
     assert body["pool"] == {"images": 40, "texts": 200}
     assert set(body["modes"]["coop"]["t2i"]) == {"R@1", "R@5", "R@10"}
     assert {"t2i", "i2t"} <= set(body["modes"]["dot"]["ms_per_query"])
-    bad = subprocess.run([*cmd[:-1], "dot,late-ish"], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
+    bad = subprocess.run(
+        [*cmd[:-1], "dot,late-ish"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert bad.returncode == 2 and "late-ish" in bad.stderr
 
 
@@ -140,13 +179,24 @@ def test_cli_han_without_a_head_says_how_to_get_one(index_dir: Path, tmp_path: P
     bare.mkdir()
     for name in ("model.safetensors", "config.json", "vocab.json"):
         shutil.copy(DEFAULT_WEIGHTS / name, bare / name)
-    cmd = [sys.executable, "-m", "duet.cli", "eval", "--index", str(index_dir), "--json",
-           "--model-dir", str(bare)]
-    out = subprocess.run([*cmd, "--modes", "dot,han"], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
+    cmd = [
+        sys.executable,
+        "-m",
+        "duet.cli",
+        "eval",
+        "--index",
+        str(index_dir),
+        "--json",
+        "--model-dir",
+        str(bare),
+    ]
+    out = subprocess.run(
+        [*cmd, "--modes", "dot,han"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert out.returncode == 2 and "duet train" in out.stderr
     # by default han is simply left out when the model has no head
-    out = subprocess.run([*cmd, "--modes", "dot,late"], capture_output=True, text=True,
-                         cwd=REPO, timeout=300)
+    out = subprocess.run(
+        [*cmd, "--modes", "dot,late"], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert set(json.loads(out.stdout)["modes"]) == {"dot", "late"}

@@ -25,23 +25,36 @@ from tests.conftest import Service, start_service, stop_service
 
 # the two search routes x (valid, invalid) + /admin/reload, 200 examples each: over 1,000
 EXAMPLES = 200
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
 SENT: Counter[str] = Counter()
 
 
 @pytest.fixture(scope="module")
-def fuzzed_service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[Service]:
-    svc = start_service(index_dir, tmp_path_factory.mktemp("fuzz") / "serve.log",
-                        DUET_ADMIN_TOKEN="fuzz-token", DUET_MAX_IMAGE_BYTES="200000")
+def fuzzed_service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = start_service(
+        index_dir,
+        tmp_path_factory.mktemp("fuzz") / "serve.log",
+        DUET_ADMIN_TOKEN="fuzz-token",
+        DUET_MAX_IMAGE_BYTES="200000",
+    )
     yield svc
     stop_service(svc)
     assert "Traceback" not in svc.log.read_text()
 
 
-OPERATIONS = [("POST", "/search/text"), ("POST", "/search/image"), ("GET", "/healthz"),
-              ("GET", "/readyz"), ("GET", "/metrics"), ("POST", "/admin/reload")]
+OPERATIONS = [
+    ("POST", "/search/text"),
+    ("POST", "/search/image"),
+    ("GET", "/healthz"),
+    ("GET", "/readyz"),
+    ("GET", "/metrics"),
+    ("POST", "/admin/reload"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +67,9 @@ def api_schema(fuzzed_service: Service) -> Any:
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 @pytest.mark.parametrize(("method", "path"), OPERATIONS)
-def test_every_operation_answers_as_documented(api_schema: Any, fuzzed_service: Service,
-                                               method: str, path: str,
-                                               mode: GenerationMode) -> None:
+def test_every_operation_answers_as_documented(
+    api_schema: Any, fuzzed_service: Service, method: str, path: str, mode: GenerationMode
+) -> None:
     """Requests valid by the schema, then invalid ones (wrong types, missing fields, values
     out of range, other media types)."""
     operation = api_schema[path][method]
@@ -64,8 +77,14 @@ def test_every_operation_answers_as_documented(api_schema: Any, fuzzed_service: 
         pytest.skip("no body or parameters to get wrong (only an optional header)")
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     def fuzz(case: Any) -> None:
         SENT[f"{method} {path} {mode.value}"] += 1
         case.call_and_validate(base_url=fuzzed_service.url, checks=CHECKS, timeout=60)

@@ -47,5 +47,4 @@ def test_flat_search_on_the_gpu_equals_the_cpu() -> None:
     got_s, got_r = ann.search(on_gpu, queries, 20)
     np.testing.assert_array_equal(got_r, want_r)
     np.testing.assert_allclose(got_s, want_s, rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(ann.search(ann.TorchFlat(items, "cuda"), queries, 20)[1],
-                                  want_r)
+    np.testing.assert_array_equal(ann.search(ann.TorchFlat(items, "cuda"), queries, 20)[1], want_r)

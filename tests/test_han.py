@@ -22,8 +22,9 @@ def test_align_and_match_hand_computed() -> None:
     words = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
     regions = torch.tensor([[[2.0, 0.0], [0.0, 3.0], [1.0, 1.0]]])
     beta = 2.0
-    got = align_and_match(words, torch.ones(1, 2, dtype=torch.bool), regions,
-                          torch.ones(1, 3, dtype=torch.bool), beta)
+    got = align_and_match(
+        words, torch.ones(1, 2, dtype=torch.bool), regions, torch.ones(1, 3, dtype=torch.bool), beta
+    )
     # by hand: word 1's cosines to the regions are 1, 0, 1/sqrt2
     c = 1 / math.sqrt(2)
     a = np.exp(beta * np.array([1.0, 0.0, c]))
@@ -33,8 +34,9 @@ def test_align_and_match_hand_computed() -> None:
     # word 2 is word 1 mirrored (x <-> y) against regions 2, 1, 3 with lengths 3, 2, sqrt2
     a2 = np.exp(beta * np.array([0.0, 1.0, c]))
     a2 /= a2.sum()
-    aligned2 = a2[0] * np.array([2.0, 0.0]) + a2[1] * np.array([0.0, 3.0]) + a2[2] * np.array(
-        [1, 1])
+    aligned2 = (
+        a2[0] * np.array([2.0, 0.0]) + a2[1] * np.array([0.0, 3.0]) + a2[2] * np.array([1, 1])
+    )
     r2 = aligned2[1] / np.linalg.norm(aligned2)
     assert float(got[0]) == pytest.approx((r1 + r2) / 2, abs=1e-6)
 
@@ -54,8 +56,7 @@ def test_padding_and_order_do_not_change_the_score() -> None:
     torch.testing.assert_close(model(pw, pwm, pr, prm), base, atol=1e-5, rtol=1e-5)
     # regions are a set: their order does not matter
     perm = torch.tensor([2, 0, 3, 1])
-    torch.testing.assert_close(model(words, wm, regions[:, perm], rm), base, atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(model(words, wm, regions[:, perm], rm), base, atol=1e-5, rtol=1e-5)
 
 
 def test_han_trains_with_the_softmax_triplet_loss() -> None:
@@ -94,8 +95,12 @@ def test_batch_score_matrix_is_every_pair() -> None:
     for i in range(3):
         for j in range(3):
             with torch.no_grad():
-                want = model(words[i : i + 1], mask[i : i + 1], regions[j : j + 1],
-                             torch.ones(1, 5, dtype=torch.bool))
+                want = model(
+                    words[i : i + 1],
+                    mask[i : i + 1],
+                    regions[j : j + 1],
+                    torch.ones(1, 5, dtype=torch.bool),
+                )
             assert float(got[i, j]) == pytest.approx(float(want[0]), abs=1e-5)
 
 
@@ -117,14 +122,17 @@ def test_saved_head_scores_what_it_scored_before(model: BuiltinModel, tmp_path: 
     loaded = HANReranker.load(tmp_path, model)
     assert loaded is not None
     texts = ["a red circle above a blue square", "a small green cross in the center"]
-    tokens = model.encode_images([world.render(random.Random(i),
-                                               world.sample_scene(random.Random(i)))
-                                  for i in range(2)])[1]
+    tokens = model.encode_images(
+        [world.render(random.Random(i), world.sample_scene(random.Random(i))) for i in range(2)]
+    )[1]
     words, mask = model.text_token_features(texts)
     with torch.no_grad():
-        want = head(torch.from_numpy(words), torch.from_numpy(mask),
-                    torch.from_numpy(tokens.astype(np.float32)),
-                    torch.ones(2, tokens.shape[1], dtype=torch.bool)).numpy()
+        want = head(
+            torch.from_numpy(words),
+            torch.from_numpy(mask),
+            torch.from_numpy(tokens.astype(np.float32)),
+            torch.ones(2, tokens.shape[1], dtype=torch.bool),
+        ).numpy()
     np.testing.assert_allclose(loaded.score_pairs(texts, tokens), want, atol=1e-5)
     assert loaded.score_pairs([], tokens[:0]).shape == (0,)
 
@@ -132,7 +140,17 @@ def test_saved_head_scores_what_it_scored_before(model: BuiltinModel, tmp_path: 
 def test_train_han_runs_on_the_models_features(model: BuiltinModel) -> None:
     samples = list(world.generate(12, seed=5, n_captions=2))
     torch.manual_seed(3)
-    head = train_han(model.model, model.tokenizer, samples, steps=3, batch=8, lr=1e-3, p=8.0,
-                     margin=0.2, rng=random.Random(0), progress=False)
+    head = train_han(
+        model.model,
+        model.tokenizer,
+        samples,
+        steps=3,
+        batch=8,
+        lr=1e-3,
+        p=8.0,
+        margin=0.2,
+        rng=random.Random(0),
+        progress=False,
+    )
     assert not head.training
     assert head.word_proj.in_features == model.model.cfg.d_model

@@ -19,20 +19,26 @@ TEXTS = ["a small red circle", "two large blue squares", "a green triangle"]
 @pytest.fixture(scope="module")
 def images() -> list[Image.Image]:
     rng = np.random.default_rng(0)
-    return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
-            for h, w in ((64, 64), (40, 72), (32, 32))]
+    return [
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+        for h, w in ((64, 64), (40, 72), (32, 32))
+    ]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {"clip": make_clip(root / "clip"), "siglip": make_siglip(root / "siglip"),
-            "blip": make_blip(root / "blip")}
+    return {
+        "clip": make_clip(root / "clip"),
+        "siglip": make_siglip(root / "siglip"),
+        "blip": make_blip(root / "blip"),
+    }
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
-def test_dual_encoder_matches_the_library_forward(kind: str, checkpoints: dict[str, Path],
-                                                  images: list[Image.Image]) -> None:
+def test_dual_encoder_matches_the_library_forward(
+    kind: str, checkpoints: dict[str, Path], images: list[Image.Image]
+) -> None:
     enc = HFDualEncoder(checkpoints[kind])
     texts = enc.encode_texts(TEXTS)
     vecs, tokens = enc.encode_images(images)
@@ -41,8 +47,9 @@ def test_dual_encoder_matches_the_library_forward(kind: str, checkpoints: dict[s
     assert tokens.shape == (3, *enc.token_shape) and tokens.dtype == np.float16
     # the model's own forward computes the same embeddings (its text_embeds / image_embeds)
     padding = "max_length" if kind == "siglip" else True
-    inputs = enc.processor(text=TEXTS, images=images, padding=padding, truncation=True,
-                           return_tensors="pt")
+    inputs = enc.processor(
+        text=TEXTS, images=images, padding=padding, truncation=True, return_tensors="pt"
+    )
     with torch.inference_mode():
         out = enc.model(**inputs)
     want_t = torch.nn.functional.normalize(out.text_embeds, dim=-1).numpy()
@@ -52,8 +59,9 @@ def test_dual_encoder_matches_the_library_forward(kind: str, checkpoints: dict[s
     assert enc.fingerprint.startswith(f"hf-{kind}:")
 
 
-def test_blip_reranker_matches_the_library_itm_head(checkpoints: dict[str, Path],
-                                                   images: list[Image.Image]) -> None:
+def test_blip_reranker_matches_the_library_itm_head(
+    checkpoints: dict[str, Path], images: list[Image.Image]
+) -> None:
     rr = HFBlipReranker(checkpoints["blip"])
     tokens = rr.image_tokens(images)
     assert tokens.shape == (3, *rr.token_shape) and tokens.dtype == np.float16
@@ -68,8 +76,9 @@ def test_blip_reranker_matches_the_library_itm_head(checkpoints: dict[str, Path]
     assert not np.allclose(got[[0, 2]], swapped[[0, 2]], atol=1e-6)
 
 
-def test_wrong_checkpoint_kind_is_a_clear_error(checkpoints: dict[str, Path],
-                                                tmp_path: Path) -> None:
+def test_wrong_checkpoint_kind_is_a_clear_error(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
     with pytest.raises(ModelLoadError, match=r"not a CLIP or SIGLIP checkpoint.*'blip'"):
         HFDualEncoder(checkpoints["blip"])
     with pytest.raises(ModelLoadError, match=r"not a BLIP checkpoint.*'clip'"):

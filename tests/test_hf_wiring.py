@@ -42,8 +42,11 @@ QUERY = "a small red circle left of a large blue square"
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {"clip": make_clip(root / "clip"), "siglip": make_siglip(root / "siglip"),
-            "blip": make_blip(root / "blip")}
+    return {
+        "clip": make_clip(root / "clip"),
+        "siglip": make_siglip(root / "siglip"),
+        "blip": make_blip(root / "blip"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +55,15 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _build(corpus: Path, out: Path, *options: str) -> None:
-    assert main(["build", "--corpus", str(corpus), "--out", str(out), "--no-progress",
-                 *options]) == 0
+    assert (
+        main(["build", "--corpus", str(corpus), "--out", str(out), "--no-progress", *options]) == 0
+    )
 
 
 @pytest.fixture(scope="module")
-def clip_index(tmp_path_factory: pytest.TempPathFactory, ckpt: dict[str, Path],
-               corpus: Path) -> Path:
+def clip_index(
+    tmp_path_factory: pytest.TempPathFactory, ckpt: dict[str, Path], corpus: Path
+) -> Path:
     """The CLI's `duet build --encoder CLIP --reranker BLIP`."""
     out = tmp_path_factory.mktemp("idx-clip")
     _build(corpus, out, "--encoder", str(ckpt["clip"]), "--reranker", str(ckpt["blip"]))
@@ -66,12 +71,20 @@ def clip_index(tmp_path_factory: pytest.TempPathFactory, ckpt: dict[str, Path],
 
 
 @pytest.fixture(scope="module")
-def service(clip_index: Path, ckpt: dict[str, Path],
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+def service(
+    clip_index: Path, ckpt: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
     log = tmp_path_factory.mktemp("logs") / "serve.log"
-    svc = start_service(clip_index, log, DUET_ENCODER=str(ckpt["clip"]),
-                        DUET_RERANKER=str(ckpt["blip"]), DUET_INDEX_POLL_S="0",
-                        DUET_REDIS_URL="", DUET_ADMIN_TOKEN=TOKEN, DUET_DEVICE="cpu")
+    svc = start_service(
+        clip_index,
+        log,
+        DUET_ENCODER=str(ckpt["clip"]),
+        DUET_RERANKER=str(ckpt["blip"]),
+        DUET_INDEX_POLL_S="0",
+        DUET_REDIS_URL="",
+        DUET_ADMIN_TOKEN=TOKEN,
+        DUET_DEVICE="cpu",
+    )
     yield svc
     stop_service(svc)
 
@@ -84,9 +97,16 @@ def direct(ckpt: dict[str, Path], corpus: Path) -> dict[str, Any]:
     images = [Image.open(corpus.parent / it["image"]).convert("RGB") for it in items]
     captions = [(f"{it['id']}#{n}", c) for it in items for n, c in enumerate(it["captions"])]
     vecs, _ = enc.encode_images(images)
-    return {"enc": enc, "blip": blip, "ids": [it["id"] for it in items], "images": images,
-            "image_vecs": vecs, "tokens": blip.image_tokens(images), "captions": captions,
-            "text_vecs": enc.encode_texts([c for _, c in captions])}
+    return {
+        "enc": enc,
+        "blip": blip,
+        "ids": [it["id"] for it in items],
+        "images": images,
+        "image_vecs": vecs,
+        "tokens": blip.image_tokens(images),
+        "captions": captions,
+        "text_vecs": enc.encode_texts([c for _, c in captions]),
+    }
 
 
 def _post(c: httpx.Client, path: str, **kw: Any) -> dict[str, Any]:
@@ -105,8 +125,9 @@ def _check_ranking(hits: list[dict[str, Any]], expected: dict[str, float]) -> No
 
 
 # -- build -----------------------------------------------------------------------------------
-def test_build_stores_the_encoder_vectors_and_the_blip_tokens(clip_index: Path,
-                                                               direct: dict[str, Any]) -> None:
+def test_build_stores_the_encoder_vectors_and_the_blip_tokens(
+    clip_index: Path, direct: dict[str, Any]
+) -> None:
     path = indexio.resolve_current(clip_index)
     manifest = indexio.read_manifest(path)
     enc, blip = direct["enc"], direct["blip"]
@@ -118,12 +139,17 @@ def test_build_stores_the_encoder_vectors_and_the_blip_tokens(clip_index: Path,
     assert manifest["dim"] == enc.dim and manifest["counts"]["images"] == N_IMAGES
     version = indexio.IndexVersion.open(path, expect_fingerprint=model["fingerprint"])
     try:
-        np.testing.assert_allclose(np.load(path / indexio.IMAGE_VECTORS), direct["image_vecs"],
-                                   atol=1e-5)
-        np.testing.assert_allclose(np.load(path / indexio.TEXT_VECTORS), direct["text_vecs"],
-                                   atol=1e-5)
-        np.testing.assert_allclose(np.asarray(version.image_tokens, np.float32),
-                                   direct["tokens"].astype(np.float32), atol=2e-3)
+        np.testing.assert_allclose(
+            np.load(path / indexio.IMAGE_VECTORS), direct["image_vecs"], atol=1e-5
+        )
+        np.testing.assert_allclose(
+            np.load(path / indexio.TEXT_VECTORS), direct["text_vecs"], atol=1e-5
+        )
+        np.testing.assert_allclose(
+            np.asarray(version.image_tokens, np.float32),
+            direct["tokens"].astype(np.float32),
+            atol=2e-3,
+        )
     finally:
         version.close()
 
@@ -134,8 +160,7 @@ def test_text_search_is_clip_then_blip(service: Service, direct: dict[str, Any])
     dots = dict(zip(direct["ids"], direct["image_vecs"] @ q, strict=True))
     logits = direct["blip"].score_pairs([QUERY] * N_IMAGES, direct["tokens"])
     ce = dict(zip(direct["ids"], sigmoid(logits), strict=True))
-    fused = {i: DEFAULT_FUSION_LAMBDA * dots[i] + (1 - DEFAULT_FUSION_LAMBDA) * ce[i]
-             for i in dots}
+    fused = {i: DEFAULT_FUSION_LAMBDA * dots[i] + (1 - DEFAULT_FUSION_LAMBDA) * ce[i] for i in dots}
     with httpx.Client(base_url=service.url, timeout=30) as c:
         plain = _post(c, "/search/text", json={"query": QUERY, "top_k": 5, "reranker": "none"})
         reranked = _post(c, "/search/text", json={"query": QUERY, "top_k": 5})  # ce = BLIP
@@ -156,22 +181,36 @@ def test_text_search_is_clip_then_blip(service: Service, direct: dict[str, Any])
     assert ready["rerankers"] == {"available": ["ce", "none"], "default": "ce"}
 
 
-def test_image_search_is_clip_then_blip(service: Service, corpus: Path,
-                                        direct: dict[str, Any]) -> None:
+def test_image_search_is_clip_then_blip(
+    service: Service, corpus: Path, direct: dict[str, Any]
+) -> None:
     data = (corpus.parent / "images" / "0005.png").read_bytes()
     v, _ = direct["enc"].encode_images([direct["images"][5]])
     ids = [i for i, _ in direct["captions"]]
     texts = [c for _, c in direct["captions"]]
     dots = dict(zip(ids, direct["text_vecs"] @ v[0], strict=True))
     tokens = direct["blip"].image_tokens([direct["images"][5]])
-    ce = dict(zip(ids, sigmoid(direct["blip"].score_pairs(
-        texts, np.repeat(tokens, len(texts), axis=0))), strict=True))
+    ce = dict(
+        zip(
+            ids,
+            sigmoid(direct["blip"].score_pairs(texts, np.repeat(tokens, len(texts), axis=0))),
+            strict=True,
+        )
+    )
     with httpx.Client(base_url=service.url, timeout=30) as c:
-        plain = _post(c, "/search/image", files={"image": ("q.png", data, "image/png")},
-                      data={"top_k": "5", "reranker": "none"})
+        plain = _post(
+            c,
+            "/search/image",
+            files={"image": ("q.png", data, "image/png")},
+            data={"top_k": "5", "reranker": "none"},
+        )
         # every caption a candidate: the expected top-5 is over all of them
-        reranked = _post(c, "/search/image", files={"image": ("q.png", data, "image/png")},
-                         data={"top_k": "5", "candidates": "200", "fusion": "none"})
+        reranked = _post(
+            c,
+            "/search/image",
+            files={"image": ("q.png", data, "image/png")},
+            data={"top_k": "5", "candidates": "200", "fusion": "none"},
+        )
     for h in plain["hits"]:
         assert h["retrieval_score"] == pytest.approx(dots[h["id"]], abs=1e-5)
     _check_ranking(plain["hits"], dots)
@@ -183,8 +222,12 @@ def test_image_search_is_clip_then_blip(service: Service, corpus: Path,
 
 
 def test_serving_an_index_of_another_encoder_is_refused(
-        clip_index: Path, ckpt: dict[str, Path], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    clip_index: Path,
+    ckpt: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     served = tmp_path / "served"
     served.mkdir()
     (served / "current").symlink_to(indexio.resolve_current(clip_index))
@@ -198,17 +241,24 @@ def test_serving_an_index_of_another_encoder_is_refused(
     assert "DUET_ENCODER" in err and "rebuild the index" in err
 
 
-@pytest.mark.parametrize("case", ["encoder-is-blip", "reranker-is-clip", "missing", "late",
-                                  "han", "han-untrained"])
+@pytest.mark.parametrize(
+    "case", ["encoder-is-blip", "reranker-is-clip", "missing", "late", "han", "han-untrained"]
+)
 def test_wrong_choices_exit_2_naming_the_variable(
-        case: str, ckpt: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    case: str,
+    ckpt: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     encoder, reranker, want = {
-        "encoder-is-blip": (ckpt["blip"], "builtin",
-                            "DUET_ENCODER={}: not a CLIP or SIGLIP checkpoint (its config.json "
-                            "says model_type 'blip')"),
-        "reranker-is-clip": ("builtin", ckpt["clip"],
-                             "DUET_RERANKER={}: not a BLIP checkpoint"),
+        "encoder-is-blip": (
+            ckpt["blip"],
+            "builtin",
+            "DUET_ENCODER={}: not a CLIP or SIGLIP checkpoint (its config.json "
+            "says model_type 'blip')",
+        ),
+        "reranker-is-clip": ("builtin", ckpt["clip"], "DUET_RERANKER={}: not a BLIP checkpoint"),
         "missing": (tmp_path / "nope", "builtin", "DUET_ENCODER={}: no such directory"),
         "late": (ckpt["clip"], "late", "DUET_RERANKER=late needs token-level text features"),
         "han": (ckpt["clip"], "han", "DUET_RERANKER=han needs token-level text features"),
@@ -230,27 +280,44 @@ def test_wrong_choices_exit_2_naming_the_variable(
 
 def test_duet_serve_exits_2_for_a_wrong_kind(ckpt: dict[str, Path], tmp_path: Path) -> None:
     """The real process: exit status 2 and the message, before any index is read."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DUET_ENCODER": str(ckpt["blip"]),
-           "DUET_INDEX_DIR": str(tmp_path)}
-    proc = subprocess.run([*DUET, "serve"], capture_output=True, text=True, env=env,
-                          timeout=120, cwd=REPO)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "DUET_ENCODER": str(ckpt["blip"]),
+        "DUET_INDEX_DIR": str(tmp_path),
+    }
+    proc = subprocess.run(
+        [*DUET, "serve"], capture_output=True, text=True, env=env, timeout=120, cwd=REPO
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"duet: error: DUET_ENCODER={ckpt['blip']}: not a CLIP or SIGLIP" in proc.stderr
 
 
 # -- eval --------------------------------------------------------------------------------------
-def test_eval_scores_the_index_with_blip(clip_index: Path, ckpt: dict[str, Path],
-                                         capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["eval", "--index", str(clip_index), "--encoder", str(ckpt["clip"]), "--reranker",
-            str(ckpt["blip"]), "--modes", "dot,coop", "--candidates", "5", "--json"]
+def test_eval_scores_the_index_with_blip(
+    clip_index: Path, ckpt: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "eval",
+        "--index",
+        str(clip_index),
+        "--encoder",
+        str(ckpt["clip"]),
+        "--reranker",
+        str(ckpt["blip"]),
+        "--modes",
+        "dot,coop",
+        "--candidates",
+        "5",
+        "--json",
+    ]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["models"]["reranker"]["name"] == "hf-blip-itm"
     assert set(result["modes"]) == {"dot", "coop"}
     assert result["pool"] == {"images": N_IMAGES, "texts": 5 * N_IMAGES}
     # another encoder is refused; none evaluates dot only
-    assert main([*args[:3], "--encoder", str(ckpt["siglip"]), "--reranker",
-                 str(ckpt["blip"])]) == 2
+    assert main([*args[:3], "--encoder", str(ckpt["siglip"]), "--reranker", str(ckpt["blip"])]) == 2
     assert "was built by model" in capsys.readouterr().err
     assert main([*args[:5], "--reranker", "none", "--modes", "dot,coop"]) == 2
     assert "only --modes dot" in capsys.readouterr().err
@@ -259,17 +326,21 @@ def test_eval_scores_the_index_with_blip(clip_index: Path, ckpt: dict[str, Path]
 # -- reranker none, defaults, the builtin model -------------------------------------------------
 async def _ask(models: Models, index_dir: Path, *bodies: dict[str, Any]) -> list[httpx.Response]:
     """POST /search/text with each body (plus QUERY) to an in-process app serving `models`."""
-    index = indexio.IndexVersion.open(indexio.resolve_current(index_dir),
-                                      expect_fingerprint=models.fingerprint)
+    index = indexio.IndexVersion.open(
+        indexio.resolve_current(index_dir), expect_fingerprint=models.fingerprint
+    )
     app = create_app(Settings(index_dir=index_dir, index_poll_s=0), Resources(models, index))
     transport = httpx.ASGITransport(app=app)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=transport, base_url="http://duet") as client:
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://duet") as client,
+    ):
         return [await client.post("/search/text", json={"query": QUERY, **b}) for b in bodies]
 
 
 async def test_reranker_none_stores_no_tokens_and_serves_the_dot_order(
-        ckpt: dict[str, Path], corpus: Path, tmp_path: Path) -> None:
+    ckpt: dict[str, Path], corpus: Path, tmp_path: Path
+) -> None:
     _build(corpus, tmp_path, "--encoder", str(ckpt["siglip"]), "--reranker", "none")
     path = indexio.resolve_current(tmp_path)
     manifest = indexio.read_manifest(path)
@@ -277,8 +348,9 @@ async def test_reranker_none_stores_no_tokens_and_serves_the_dot_order(
     assert manifest["model"]["reranker"] == {"name": "none", "fingerprint": "none"}
     models = load_models(str(ckpt["siglip"]), "none")
     assert models.fingerprint == manifest["model"]["fingerprint"]
-    default, ce, fused = await _ask(models, tmp_path, {"top_k": 3}, {"reranker": "ce"},
-                                    {"fusion": "add"})
+    default, ce, fused = await _ask(
+        models, tmp_path, {"top_k": 3}, {"reranker": "ce"}, {"fusion": "add"}
+    )
     assert default.status_code == 200, default.text
     assert all(h["rerank_score"] is None for h in default.json()["hits"])
     assert ce.status_code == 422 and "not configured (DUET_RERANKER=none)" in ce.text
@@ -291,23 +363,26 @@ async def test_reranker_late_is_the_default_of_requests(corpus: Path, tmp_path: 
     assert models.fingerprint == builtin.fingerprint  # the same index serves builtin and late
     assert reranker_menu(models).default == "late"
     _build(corpus, tmp_path, "--reranker", "late")
-    default, late, ce = await _ask(models, tmp_path, {"theta": 0.3},
-                                   {"reranker": "late", "theta": 0.3}, {"reranker": "ce"})
+    default, late, ce = await _ask(
+        models, tmp_path, {"theta": 0.3}, {"reranker": "late", "theta": 0.3}, {"reranker": "ce"}
+    )
     assert default.status_code == 200, default.text
     assert default.json()["hits"] == late.json()["hits"]
     assert ce.status_code == 200 and ce.json()["hits"] != late.json()["hits"]
 
 
 def test_clip_with_the_builtin_cross_encoder_stores_builtin_tokens(
-        ckpt: dict[str, Path], corpus: Path, tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt: dict[str, Path], corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _build(corpus, tmp_path, "--encoder", str(ckpt["clip"]), "--reranker", "builtin")
     path = indexio.resolve_current(tmp_path)
     builtin = BuiltinModel.load()
     first = Image.open(corpus.parent / "images" / "0000.png")
-    np.testing.assert_allclose(np.load(path / indexio.IMAGE_TOKENS)[0].astype(np.float32),
-                               builtin.encode_images([first])[1][0].astype(np.float32),
-                               atol=1e-3)
+    np.testing.assert_allclose(
+        np.load(path / indexio.IMAGE_TOKENS)[0].astype(np.float32),
+        builtin.encode_images([first])[1][0].astype(np.float32),
+        atol=1e-3,
+    )
     assert indexio.read_manifest(path)["model"]["reranker"]["fingerprint"] == builtin.fingerprint
     # an append must encode with the models that built the base
     assert main(["build", "--append", str(corpus), "--out", str(tmp_path)]) == 2
@@ -338,19 +413,23 @@ def test_cache_identity_is_what_the_models_read(ckpt: dict[str, Path]) -> None:
     builtin = load_models("builtin", "builtin")
     assert builtin.query_identity("  A Red, circle! ") == "a red circle"
     assert builtin.query_identity("c++") == builtin.query_identity("c#") == "c"
-    for models in (load_models(str(ckpt["clip"]), "builtin"),
-                   load_models("builtin", str(ckpt["blip"]))):
+    for models in (
+        load_models(str(ckpt["clip"]), "builtin"),
+        load_models("builtin", str(ckpt["blip"])),
+    ):
         for text in ("c++", "c#", "日本の猫", "猫", " a red circle"):
             assert models.query_identity(text) == text
 
 
 # -- reload (last: it re-points the served index directory) -------------------------------------
 def test_reload_refuses_a_version_built_with_another_encoder(
-        service: Service, clip_index: Path, corpus: Path, ckpt: dict[str, Path]) -> None:
+    service: Service, clip_index: Path, corpus: Path, ckpt: dict[str, Path]
+) -> None:
     with httpx.Client(base_url=service.url, timeout=30) as c:
         serving = c.get("/readyz").json()["index_version"]
-        _build(corpus, clip_index, "--encoder", str(ckpt["siglip"]), "--reranker",
-               str(ckpt["blip"]))
+        _build(
+            corpus, clip_index, "--encoder", str(ckpt["siglip"]), "--reranker", str(ckpt["blip"])
+        )
         siglip = indexio.read_manifest(indexio.resolve_current(clip_index))
         assert siglip["model"]["encoder"]["name"] == "hf-siglip"
         r = c.post("/admin/reload", headers={"authorization": f"Bearer {TOKEN}"})

@@ -22,12 +22,15 @@ def test_good_image_becomes_rgb() -> None:
     assert img.mode == "RGB" and img.size == (10, 20)
 
 
-@pytest.mark.parametrize(("data", "error"), [
-    (b"", InvalidImage),
-    (b"GIF89a but not really", InvalidImage),
-    (_png((32, 32))[:40], InvalidImage),
-    (_png((100, 100)), ImageTooLarge),  # 10,000 pixels > 5,000
-])
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [
+        (b"", InvalidImage),
+        (b"GIF89a but not really", InvalidImage),
+        (_png((32, 32))[:40], InvalidImage),
+        (_png((100, 100)), ImageTooLarge),  # 10,000 pixels > 5,000
+    ],
+)
 def test_bad_images(data: bytes, error: type[DuetError]) -> None:
     with pytest.raises(error) as exc:
         decode_image(data, max_bytes=100_000, max_pixels=5_000)

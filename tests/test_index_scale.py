@@ -17,7 +17,8 @@ from tests.conftest import REPO
 def _load() -> ModuleType:
     """The benchmark is a script, not a package module: load it from its path."""
     spec = importlib.util.spec_from_file_location(
-        "index_scale", REPO / "benchmarks" / "index_scale.py")
+        "index_scale", REPO / "benchmarks" / "index_scale.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -31,14 +32,20 @@ index_scale = _load()
 def test_quick_run_measures_every_type(tmp_path: Path) -> None:
     out, png = tmp_path / "scale.md", tmp_path / "scale.png"
     out.write_text(f"# kept above\n\n{index_scale.BEGIN}\nold\n{index_scale.END}\n\nkept below\n")
-    assert index_scale.main(["--sizes", "1000", "--queries", "100", "--out", str(out),
-                             "--plot", str(png)]) == 0
+    assert (
+        index_scale.main(
+            ["--sizes", "1000", "--queries", "100", "--out", str(out), "--plot", str(png)]
+        )
+        == 0
+    )
 
     text = out.read_text()
     assert text.startswith("# kept above") and text.endswith("kept below\n")
     assert "\nold\n" not in text
-    rows = {m[1]: m[2].split(" | ") for m in re.finditer(r"^\| `([^`]+)` \| (.*) \|$", text,
-                                                         re.MULTILINE)}
+    rows = {
+        m[1]: m[2].split(" | ")
+        for m in re.finditer(r"^\| `([^`]+)` \| (.*) \|$", text, re.MULTILINE)
+    }
     assert set(rows) == set(index_scale.DEFAULT_TYPES)
     # columns after type: N, params, build s, vectors/s, p50, p99, recall@10, bytes, queries
     recall = {t: float(cells[6]) for t, cells in rows.items()}

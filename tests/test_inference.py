@@ -11,8 +11,13 @@ from models.inference import CrossEncoderRuntime
 from models.joint import JointConfig, JointModel
 
 
-def _reference(model: JointModel, states: torch.Tensor, pad: torch.Tensor, owner: torch.Tensor,
-               img: torch.Tensor) -> torch.Tensor:
+def _reference(
+    model: JointModel,
+    states: torch.Tensor,
+    pad: torch.Tensor,
+    owner: torch.Tensor,
+    img: torch.Tensor,
+) -> torch.Tensor:
     with torch.inference_mode():
         return model.itm_logits(states[owner], pad[owner], img)
 
@@ -30,8 +35,9 @@ def test_runtime_equals_the_training_forward(fusion_layers: int) -> None:
     owner = torch.tensor([2, 0, 1, 0, 2, 2, 1])
     img = torch.randn(len(owner), cfg.grid * cfg.grid, cfg.d_model)
     got = CrossEncoderRuntime(model).logits(states, (~pad).sum(1).tolist(), owner, img)
-    np.testing.assert_allclose(got.numpy(), _reference(model, states, pad, owner, img).numpy(),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        got.numpy(), _reference(model, states, pad, owner, img).numpy(), rtol=1e-4, atol=1e-5
+    )
     # a reduced-precision path (a GPU's fp16 / bf16; bf16 also runs on the CPU) stays close
     low = CrossEncoderRuntime(model, "bf16").logits(states, (~pad).sum(1).tolist(), owner, img)
     np.testing.assert_allclose(low.numpy(), got.numpy(), atol=0.1)

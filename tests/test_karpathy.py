@@ -35,11 +35,15 @@ def _karpathy(manifest: Path, out: Path, dataset: str, coco: bool) -> Path:
         folder, name = row["image"].split("/")
         sentences = []
         for cap in row["captions"]:
-            sentences.append({"raw": cap, "tokens": cap.split(), "imgid": imgid,
-                              "sentid": sentid})
+            sentences.append({"raw": cap, "tokens": cap.split(), "imgid": imgid, "sentid": sentid})
             sentid += 1
-        entry = {"filename": name, "imgid": imgid, "split": SPLITS[imgid],
-                 "sentids": [s["sentid"] for s in sentences], "sentences": sentences}
+        entry = {
+            "filename": name,
+            "imgid": imgid,
+            "split": SPLITS[imgid],
+            "sentids": [s["sentid"] for s in sentences],
+            "sentences": sentences,
+        }
         if coco:
             entry.update(filepath=folder, cocoid=1000 + imgid)
         images.append(entry)
@@ -64,21 +68,28 @@ def _duet(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*DUET, *args], capture_output=True, text=True, env=ENV, timeout=120)
 
 
-def test_reader_selects_splits_with_stable_ids_and_all_captions(kcorpus: Path,
-                                                                tmp_path: Path) -> None:
+def test_reader_selects_splits_with_stable_ids_and_all_captions(
+    kcorpus: Path, tmp_path: Path
+) -> None:
     caps = _captions(kcorpus)
-    sel, entries = read_corpus(kcorpus.parent / "flickr.json", "test",
-                               images_root=kcorpus.parent / "images")
+    sel, entries = read_corpus(
+        kcorpus.parent / "flickr.json", "test", images_root=kcorpus.parent / "images"
+    )
     items = list(entries)
     assert not [e for e in items if isinstance(e, CorpusError)]
     assert [it.id for it in items] == [f"flickr30k-{i:04d}" for i in range(8, 12)]
     assert [it.captions for it in items] == caps[8:]  # type: ignore[union-attr]
     assert all(it.image is not None and it.image.is_file() for it in items)  # type: ignore
-    assert sel.as_json() == {"format": "karpathy", "dataset": "flickr30k", "split": "test",
-                             "images_root": str((kcorpus.parent / "images").resolve())}
+    assert sel.as_json() == {
+        "format": "karpathy",
+        "dataset": "flickr30k",
+        "split": "test",
+        "images_root": str((kcorpus.parent / "images").resolve()),
+    }
     # restval is its own split name; train,restval is the usual training set
-    _, train = read_corpus(kcorpus.parent / "flickr.json", "train,restval",
-                           kcorpus.parent / "images")
+    _, train = read_corpus(
+        kcorpus.parent / "flickr.json", "train,restval", kcorpus.parent / "images"
+    )
     assert len(list(train)) == 6
     _, every = read_corpus(kcorpus.parent / "flickr.json", "all", kcorpus.parent / "images")
     assert len(list(every)) == 12
@@ -87,19 +98,32 @@ def test_reader_selects_splits_with_stable_ids_and_all_captions(kcorpus: Path,
     _, entries = read_corpus(coco, "val")
     val = list(entries)
     assert [(it.id, it.image_rel, it.meta["cocoid"]) for it in val] == [  # type: ignore
-        ("coco-0006", "images/0006.png", 1006), ("coco-0007", "images/0007.png", 1007)]
+        ("coco-0006", "images/0006.png", 1006),
+        ("coco-0007", "images/0007.png", 1007),
+    ]
     assert val[0].image == kcorpus.parent / "images" / "0006.png"  # type: ignore[union-attr]
 
 
-def test_cli_build_test_split_then_eval(kcorpus: Path, tmp_path: Path,
-                                        model: BuiltinModel) -> None:
+def test_cli_build_test_split_then_eval(kcorpus: Path, tmp_path: Path, model: BuiltinModel) -> None:
     idx = tmp_path / "idx-test"
-    proc = _duet("build", "--corpus", str(kcorpus.parent / "flickr.json"), "--split", "test",
-                 "--images-root", str(kcorpus.parent / "images"), "--out", str(idx),
-                 "--no-progress", "--workers", "0")
+    proc = _duet(
+        "build",
+        "--corpus",
+        str(kcorpus.parent / "flickr.json"),
+        "--split",
+        "test",
+        "--images-root",
+        str(kcorpus.parent / "images"),
+        "--out",
+        str(idx),
+        "--no-progress",
+        "--workers",
+        "0",
+    )
     assert proc.returncode == 0, proc.stderr
-    version = indexio.IndexVersion.open(indexio.resolve_current(idx),
-                                        expect_fingerprint=model.fingerprint)
+    version = indexio.IndexVersion.open(
+        indexio.resolve_current(idx), expect_fingerprint=model.fingerprint
+    )
     manifest = json.loads((version.path / "manifest.json").read_text())
     assert manifest["counts"] == {"images": 4, "texts": 20}
     assert manifest["corpus_selection"]["split"] == "test"
@@ -121,10 +145,18 @@ def test_cli_build_test_split_then_eval(kcorpus: Path, tmp_path: Path,
     assert "--split val --out" in wrong.stderr
 
 
-def test_cli_bad_file_or_image_exits_2_naming_the_problem(kcorpus: Path, tmp_path: Path,
-                                                          model: BuiltinModel) -> None:
-    root = ["--images-root", str(kcorpus.parent / "images"), "--out", str(tmp_path / "i"),
-            "--no-progress", "--workers", "0"]
+def test_cli_bad_file_or_image_exits_2_naming_the_problem(
+    kcorpus: Path, tmp_path: Path, model: BuiltinModel
+) -> None:
+    root = [
+        "--images-root",
+        str(kcorpus.parent / "images"),
+        "--out",
+        str(tmp_path / "i"),
+        "--no-progress",
+        "--workers",
+        "0",
+    ]
     broken = tmp_path / "broken.json"
     broken.write_text((kcorpus.parent / "flickr.json").read_text()[:-40])
     proc = _duet("build", "--corpus", str(broken), "--split", "test", *root)
@@ -135,17 +167,27 @@ def test_cli_bad_file_or_image_exits_2_naming_the_problem(kcorpus: Path, tmp_pat
     images = tmp_path / "images"
     images.mkdir()
     for i in (8, 10, 11):
-        (images / f"{i:04d}.png").write_bytes((kcorpus.parent / "images" / f"{i:04d}.png")
-                                              .read_bytes())
+        (images / f"{i:04d}.png").write_bytes(
+            (kcorpus.parent / "images" / f"{i:04d}.png").read_bytes()
+        )
     rest = [*root[2:]]
-    proc = _duet("build", "--corpus", flickr, "--split", "test", "--images-root", str(images),
-                 *rest)
+    proc = _duet(
+        "build", "--corpus", flickr, "--split", "test", "--images-root", str(images), *rest
+    )
     assert proc.returncode == 2
     assert "flickr.json:images[9] (0009.png): cannot read image '0009.png'" in proc.stderr
     assert "--skip-bad" in proc.stderr
     assert not (tmp_path / "i" / "current").exists()
-    report = build(Path(flickr), tmp_path / "i", model, progress=False, skip_bad=True,
-                   split="test", images_root=images, workers=0)
+    report = build(
+        Path(flickr),
+        tmp_path / "i",
+        model,
+        progress=False,
+        skip_bad=True,
+        split="test",
+        images_root=images,
+        workers=0,
+    )
     assert (report.images, report.texts) == (3, 15) and len(report.skipped) == 1
     assert "images[9] (0009.png)" in report.skipped[0]
 
@@ -154,8 +196,11 @@ def test_file_level_errors(kcorpus: Path, tmp_path: Path, model: BuiltinModel) -
     flickr = kcorpus.parent / "flickr.json"
     with pytest.raises(CorpusFileError, match=r"choose its split with --split test.*test 4"):
         read_corpus(flickr)
-    with pytest.raises(CorpusFileError, match="unknown split tset: use train, restval, val, "
-                       r"test.*\(this file has: train 5, restval 1, val 2, test 4\)"):
+    with pytest.raises(
+        CorpusFileError,
+        match="unknown split tset: use train, restval, val, "
+        r"test.*\(this file has: train 5, restval 1, val 2, test 4\)",
+    ):
         read_corpus(flickr, "tset")
     with pytest.raises(CorpusFileError, match="no images in split restval"):
         doc = json.loads(flickr.read_text())
@@ -174,9 +219,16 @@ def test_file_level_errors(kcorpus: Path, tmp_path: Path, model: BuiltinModel) -
     doc["images"][9]["sentences"] = []
     doc["images"][0]["sentences"] = "not even a list"  # train: not selected
     (tmp_path / "bad.json").write_text(json.dumps(doc))
-    report = build(tmp_path / "bad.json", tmp_path / "idx", model, progress=False,
-                   skip_bad=True, split="test", images_root=kcorpus.parent / "images",
-                   workers=0)
+    report = build(
+        tmp_path / "bad.json",
+        tmp_path / "idx",
+        model,
+        progress=False,
+        skip_bad=True,
+        split="test",
+        images_root=kcorpus.parent / "images",
+        workers=0,
+    )
     assert report.images == 3 and len(report.skipped) == 1
     assert 'images[9] (0009.png): malformed entry: "sentences"' in report.skipped[0]
 
@@ -192,6 +244,14 @@ def test_split_and_images_root_key_the_shards(model: BuiltinModel) -> None:
 
     test = CorpusSelection("karpathy", "flickr30k", ("test",), "/data/f30k")
     assert key(test) == key(CorpusSelection("karpathy", "flickr30k", ("test",), "/data/f30k"))
-    assert len({key(test), key(CorpusSelection("karpathy", "flickr30k", ("val",), "/data/f30k")),
+    assert (
+        len(
+            {
+                key(test),
+                key(CorpusSelection("karpathy", "flickr30k", ("val",), "/data/f30k")),
                 key(CorpusSelection("karpathy", "flickr30k", ("test",), "/other")),
-                key(CorpusSelection("manifest"))}) == 4
+                key(CorpusSelection("manifest")),
+            }
+        )
+        == 4
+    )

@@ -26,8 +26,9 @@ def test_item_mask_keeps_padding_out_of_the_max() -> None:
     np.testing.assert_allclose(local_scores(q, mask, items, item_mask), [0.0, 1.0], atol=1e-6)
     np.testing.assert_allclose(local_scores(q, mask, items), [1.0, 1.0], atol=1e-6)
     g = np.array([0.4, 0.4])
-    np.testing.assert_allclose(late_scores(g, q, mask, items, 0.5, item_mask), [0.2, 0.7],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        late_scores(g, q, mask, items, 0.5, item_mask), [0.2, 0.7], atol=1e-6
+    )
 
 
 def test_late_score_mixes_global_and_local() -> None:
@@ -35,8 +36,9 @@ def test_late_score_mixes_global_and_local() -> None:
     mask = np.ones((2, 1), dtype=bool)
     items = np.array([[[1.0, 0.0]], [[1.0, 0.0]]])  # local: 1 and 0
     g = np.array([0.2, 0.8])
-    np.testing.assert_allclose(late_scores(g, q, mask, items, 0.25),
-                               [0.75 * 0.2 + 0.25 * 1.0, 0.75 * 0.8 + 0.0], atol=1e-6)
+    np.testing.assert_allclose(
+        late_scores(g, q, mask, items, 0.25), [0.75 * 0.2 + 0.25 * 1.0, 0.75 * 0.8 + 0.0], atol=1e-6
+    )
     np.testing.assert_allclose(late_scores(g, q, mask, items, 0.0), g, atol=1e-7)
     with pytest.raises(ValueError, match="theta"):
         late_scores(g, q, mask, items, 1.5)

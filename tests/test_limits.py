@@ -24,9 +24,14 @@ INFLIGHT = 24
 
 @pytest.fixture(scope="module")
 def service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    svc = start_service(index_dir, tmp_path_factory.mktemp("limits") / "serve.log",
-                        DUET_HTTP_HEADER_TIMEOUT_S="1", DUET_HTTP_BODY_TIMEOUT_S="2",
-                        DUET_HTTP_MAX_INFLIGHT=str(INFLIGHT), DUET_MAX_IMAGE_BYTES="1000000")
+    svc = start_service(
+        index_dir,
+        tmp_path_factory.mktemp("limits") / "serve.log",
+        DUET_HTTP_HEADER_TIMEOUT_S="1",
+        DUET_HTTP_BODY_TIMEOUT_S="2",
+        DUET_HTTP_MAX_INFLIGHT=str(INFLIGHT),
+        DUET_MAX_IMAGE_BYTES="1000000",
+    )
     yield svc
     stop_service(svc)
 
@@ -84,14 +89,18 @@ def _chunked_flood(svc: Service, path: str, ctype: str, total_mb: int) -> tuple[
     """Send a chunked body of `total_mb` MB until the server answers or closes; returns the
     response and the bytes it accepted."""
     s = _connect(svc)
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
-              "Transfer-Encoding: chunked\r\n\r\n".encode())
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n".encode()
+    )
     piece = b"A" * 65536
     frame = b"%x\r\n" % len(piece) + piece + b"\r\n"
     sent = 0
     if ctype.startswith("multipart"):  # a well-formed start: a file part that never ends
-        head = (b'--xyz\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n'
-                b"Content-Type: image/png\r\n\r\n")
+        head = (
+            b'--xyz\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n'
+            b"Content-Type: image/png\r\n\r\n"
+        )
         s.sendall(b"%x\r\n" % len(head) + head + b"\r\n")
     elif path == "/search/image":
         head = b'{"image_b64": "'
@@ -109,11 +118,14 @@ def _chunked_flood(svc: Service, path: str, ctype: str, total_mb: int) -> tuple[
     return reply, sent
 
 
-@pytest.mark.parametrize(("path", "ctype"), [
-    ("/search/text", "application/json"),
-    ("/search/image", "application/json"),
-    ("/search/image", "multipart/form-data; boundary=xyz"),
-])
+@pytest.mark.parametrize(
+    ("path", "ctype"),
+    [
+        ("/search/text", "application/json"),
+        ("/search/image", "application/json"),
+        ("/search/image", "multipart/form-data; boundary=xyz"),
+    ],
+)
 def test_chunked_body_refused_while_streaming(service: Service, path: str, ctype: str) -> None:
     with _PeakRSS(service.proc.pid) as rss:
         reply, sent = _chunked_flood(service, path, ctype, total_mb=200)
@@ -126,8 +138,10 @@ def test_chunked_body_refused_while_streaming(service: Service, path: str, ctype
 
 def test_declared_length_refused_unread(service: Service) -> None:
     s = _connect(service)
-    s.sendall(b"POST /search/text HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: 999999999\r\n\r\n{}")
+    s.sendall(
+        b"POST /search/text HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 999999999\r\n\r\n{}"
+    )
     reply = _read_all(s)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert b"payload_too_large" in reply and b"DUET_MAX_BODY_BYTES" in reply
@@ -160,8 +174,10 @@ def test_silent_connection_closed(service: Service) -> None:
 def test_slow_body_closed(service: Service) -> None:
     s = _connect(service)
     t0 = time.monotonic()
-    s.sendall(b"POST /search/text HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: 100\r\n\r\n{\"query\": ")
+    s.sendall(
+        b"POST /search/text HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"query": '
+    )
     _read_all(s)
     assert time.monotonic() - t0 < 6
     with service.client() as c:  # and the server is none the worse for it
@@ -180,8 +196,10 @@ def test_inflight_cap_answers_429_and_health_passes(service: Service) -> None:
     held = []
     for _ in range(INFLIGHT):  # requests whose bodies never finish keep a task each in flight
         s = _connect(service)
-        s.sendall(b"POST /search/text HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{")
+        s.sendall(
+            b"POST /search/text HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
         held.append(s)
     time.sleep(0.3)
     try:
@@ -209,8 +227,9 @@ def test_pixel_bombs_keep_memory_bounded(service: Service) -> None:
 
     def post(_: int) -> int:
         with httpx.Client(base_url=service.url, timeout=120) as c:
-            return c.post("/search/image",
-                          files={"image": ("b.png", bomb, "image/png")}).status_code
+            return c.post(
+                "/search/image", files={"image": ("b.png", bomb, "image/png")}
+            ).status_code
 
     with _PeakRSS(service.proc.pid) as rss, ThreadPoolExecutor(16) as pool:
         codes = list(pool.map(post, range(16)))

@@ -44,8 +44,9 @@ def test_batching_does_not_change_results(model: BuiltinModel) -> None:
     together = model.score_pairs(caps, toks)
     alone = np.array([model.score_pairs([c], toks[i : i + 1])[0] for i, c in enumerate(caps)])
     np.testing.assert_allclose(together, alone, atol=1e-4)
-    np.testing.assert_allclose(model.encode_texts(caps)[2], model.encode_texts([caps[2]])[0],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        model.encode_texts(caps)[2], model.encode_texts([caps[2]])[0], atol=1e-5
+    )
 
 
 def test_cross_encoder_prefers_the_true_caption(model: BuiltinModel) -> None:
@@ -83,8 +84,9 @@ def test_gpu_model_matches_cpu(model: BuiltinModel) -> None:
     (gv, gt), (cv, ct) = gpu.encode_images(imgs), model.encode_images(imgs)
     np.testing.assert_allclose(gv, cv, atol=1e-4)
     np.testing.assert_allclose(gt.astype(np.float32), ct.astype(np.float32), atol=1e-2)
-    np.testing.assert_allclose(gpu.score_pairs(texts, ct[:2]), model.score_pairs(texts, ct[:2]),
-                               atol=1e-3)
+    np.testing.assert_allclose(
+        gpu.score_pairs(texts, ct[:2]), model.score_pairs(texts, ct[:2]), atol=1e-3
+    )
 
 
 def test_cmr_loss_hand_computed() -> None:
@@ -94,8 +96,10 @@ def test_cmr_loss_hand_computed() -> None:
     cols = (math.log(1 + math.exp(-1)) + math.log(1 + math.exp(-3))) / 2
     assert cmr_loss(sim).item() == pytest.approx((rows + cols) / 2, rel=1e-6)
     extra = torch.tensor([[0.5], [4.0]])
-    cols_x = (-math.log(math.exp(2) / (math.exp(2) + math.exp(1) + math.exp(0.5)))
-              - math.log(math.exp(3) / (math.exp(0) + math.exp(3) + math.exp(4)))) / 2
+    cols_x = (
+        -math.log(math.exp(2) / (math.exp(2) + math.exp(1) + math.exp(0.5)))
+        - math.log(math.exp(3) / (math.exp(0) + math.exp(3) + math.exp(4)))
+    ) / 2
     assert cmr_loss(sim, extra).item() == pytest.approx((rows + cols_x) / 2, rel=1e-6)
 
 
@@ -105,14 +109,13 @@ def test_ce_bce_loss_hand_computed() -> None:
 
     def softplus(x: float) -> float:
         return math.log(1 + math.exp(x))
+
     # positives weighted by #neg/#pos = 2; both classes count equally
     want = (2 * softplus(-2.0) + softplus(-1.0) + softplus(0.5)) / 4
     assert ce_bce_loss(pos, neg).item() == pytest.approx(want, rel=1e-6)
 
 
-SIM3 = torch.tensor([[0.9, 0.5, 0.2],
-                     [0.7, 0.6, 0.1],
-                     [0.3, 0.65, 0.8]])
+SIM3 = torch.tensor([[0.9, 0.5, 0.2], [0.7, 0.6, 0.1], [0.3, 0.65, 0.8]])
 
 
 def test_triplet_losses_hand_computed() -> None:
@@ -132,9 +135,11 @@ def test_triplet_losses_hand_computed() -> None:
 def test_softmax_triplet_spans_sum_to_max() -> None:
     sim = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
     assert softmax_triplet_loss(sim, 0.2, p=1).item() == pytest.approx(
-        triplet_sum_loss(sim, 0.2).item(), rel=1e-6)
+        triplet_sum_loss(sim, 0.2).item(), rel=1e-6
+    )
     assert softmax_triplet_loss(sim, 0.2, p=200).item() == pytest.approx(
-        triplet_hardest_loss(sim, 0.2).item(), rel=2e-2)
+        triplet_hardest_loss(sim, 0.2).item(), rel=2e-2
+    )
     values = [softmax_triplet_loss(sim, 0.2, p=p).item() for p in (1, 2, 8, 64)]
     assert values == sorted(values, reverse=True)  # p-norms shrink towards the max
 
@@ -143,11 +148,11 @@ def test_cmc_loss_hand_computed() -> None:
     # two pairs in 2-d: images at angles 0 and 90 degrees, texts at 30 and 90 degrees
     def unit(deg: float) -> list[float]:
         return [math.cos(math.radians(deg)), math.sin(math.radians(deg))]
+
     images = torch.tensor([unit(0), unit(90)])
     texts = torch.tensor([unit(30), unit(90)])
     c = math.cos
-    s_it = [[c(math.radians(30)), c(math.radians(90))],
-            [c(math.radians(60)), c(0.0)]]
+    s_it = [[c(math.radians(30)), c(math.radians(90))], [c(math.radians(60)), c(0.0)]]
     # hardest wrong text/image is the other pair for both anchors (B = 2)
     l_r0 = max(0.0, 0.2 - s_it[0][0] + s_it[0][1]) + max(0.0, 0.2 - s_it[0][0] + s_it[1][0])
     l_r1 = max(0.0, 0.2 - s_it[1][1] + s_it[1][0]) + max(0.0, 0.2 - s_it[1][1] + s_it[0][1])
@@ -159,8 +164,11 @@ def test_cmc_loss_hand_computed() -> None:
 
 def test_losses_have_finite_gradients_when_all_hinges_are_zero() -> None:
     sim = torch.eye(4, requires_grad=True)  # every positive far ahead: all hinges zero
-    for loss in (softmax_triplet_loss(sim, 0.2, p=8), triplet_hardest_loss(sim, 0.2),
-                 triplet_sum_loss(sim, 0.2)):
+    for loss in (
+        softmax_triplet_loss(sim, 0.2, p=8),
+        triplet_hardest_loss(sim, 0.2),
+        triplet_sum_loss(sim, 0.2),
+    ):
         (grad,) = torch.autograd.grad(loss, sim)
         assert loss.item() == pytest.approx(0.0, abs=1e-6) and torch.isfinite(grad).all()
 

@@ -77,9 +77,11 @@ def _image_search(c: httpx.Client, data: bytes, **opts: Any) -> dict[str, Any]:
 
 def _cols(body: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     hits = body["hits"]
-    return (np.array([h["retrieval_score"] for h in hits]),
-            np.array([h["rerank_score"] for h in hits], dtype=np.float64),
-            np.array([h["score"] for h in hits]))
+    return (
+        np.array([h["retrieval_score"] for h in hits]),
+        np.array([h["rerank_score"] for h in hits], dtype=np.float64),
+        np.array([h["score"] for h in hits]),
+    )
 
 
 def _ordered(body: dict[str, Any]) -> None:
@@ -88,17 +90,18 @@ def _ordered(body: dict[str, Any]) -> None:
     assert [h["rank"] for h in body["hits"]] == list(range(1, len(scores) + 1))
 
 
-def _ce_text(model: BuiltinModel, index: IndexVersion, rows: dict[str, int],
-             body: dict[str, Any]) -> np.ndarray:
+def _ce_text(
+    model: BuiltinModel, index: IndexVersion, rows: dict[str, int], body: dict[str, Any]
+) -> np.ndarray:
     """The cross-encoder's logits for the query and each hit's stored image tokens."""
     toks = np.asarray(index.image_tokens[[rows[h["id"]] for h in body["hits"]]])
     return model.score_pairs([QUERY] * len(body["hits"]), toks)
 
 
 # -- the cross-encoder with each fusion --------------------------------------------------------
-def test_fusion_none_scores_are_the_ce_probability(service: Service, model: BuiltinModel,
-                                                   index: IndexVersion,
-                                                   image_rows: dict[str, int]) -> None:
+def test_fusion_none_scores_are_the_ce_probability(
+    service: Service, model: BuiltinModel, index: IndexVersion, image_rows: dict[str, int]
+) -> None:
     with service.client() as c:
         body = _text(c, top_k=10, candidates=10, reranker="ce", fusion="none")
     _, rr, score = _cols(body)
@@ -107,8 +110,9 @@ def test_fusion_none_scores_are_the_ce_probability(service: Service, model: Buil
     _ordered(body)
 
 
-def test_add_with_lambda(service: Service, model: BuiltinModel, index: IndexVersion,
-                         image_rows: dict[str, int]) -> None:
+def test_add_with_lambda(
+    service: Service, model: BuiltinModel, index: IndexVersion, image_rows: dict[str, int]
+) -> None:
     with service.client() as c:
         body = _text(c, top_k=10, candidates=10, fusion="add", **{"lambda": 0.3})
         default = _text(c, top_k=10, candidates=10)  # add with DUET_RERANK_FUSION_LAMBDA
@@ -122,8 +126,9 @@ def test_add_with_lambda(service: Service, model: BuiltinModel, index: IndexVers
     assert not np.allclose(sorted(score), sorted(d_score))  # lambda took effect
 
 
-def test_norm_add_matches_norm_fuse(service: Service, model: BuiltinModel, index: IndexVersion,
-                                    image_rows: dict[str, int]) -> None:
+def test_norm_add_matches_norm_fuse(
+    service: Service, model: BuiltinModel, index: IndexVersion, image_rows: dict[str, int]
+) -> None:
     with service.client() as c:  # top_k == candidates: the normalisation set is all returned
         body = _text(c, top_k=12, candidates=12, fusion="norm_add", **{"lambda": 0.4})
     dots, _, score = _cols(body)
@@ -138,8 +143,7 @@ def test_image_endpoint_ce_options(service: Service, model: BuiltinModel, corpus
     with service.client() as c:
         alone = _image_search(c, data, top_k=8, candidates=8, reranker="ce", fusion="none")
         added = _image_search(c, data, top_k=8, candidates=8, fusion="add", **{"lambda": 0.2})
-        normed = _image_search(c, data, top_k=8, candidates=8, fusion="norm_add",
-                               **{"lambda": 0.5})
+        normed = _image_search(c, data, top_k=8, candidates=8, fusion="norm_add", **{"lambda": 0.5})
     _, toks = model.encode_images([Image.open(io.BytesIO(data))])
     texts = [h["meta"]["text"] for h in alone["hits"]]
     probs = sigmoid(model.score_pairs(texts, np.repeat(toks, len(texts), axis=0)))
@@ -156,8 +160,9 @@ def test_image_endpoint_ce_options(service: Service, model: BuiltinModel, corpus
 
 
 # -- late interaction ------------------------------------------------------------------------
-def test_late_text_query_is_s_gl(service: Service, model: BuiltinModel, index: IndexVersion,
-                                 image_rows: dict[str, int]) -> None:
+def test_late_text_query_is_s_gl(
+    service: Service, model: BuiltinModel, index: IndexVersion, image_rows: dict[str, int]
+) -> None:
     with service.client() as c:
         body = _text(c, top_k=10, candidates=10, reranker="late", theta=0.3)
         default = _text(c, top_k=10, candidates=10, reranker="late")
@@ -167,8 +172,13 @@ def test_late_text_query_is_s_gl(service: Service, model: BuiltinModel, index: I
         dots, rr, score = _cols(got)
         toks = np.asarray(index.image_tokens[[image_rows[h["id"]] for h in got["hits"]]])
         n = len(dots)
-        want = late_scores(dots, np.repeat(q, n, axis=0), np.repeat(mask, n, axis=0),
-                           toks.astype(np.float32), theta)
+        want = late_scores(
+            dots,
+            np.repeat(q, n, axis=0),
+            np.repeat(mask, n, axis=0),
+            toks.astype(np.float32),
+            theta,
+        )
         np.testing.assert_allclose(rr, want, atol=TOL)
         np.testing.assert_array_equal(score, rr)  # late's default fusion is none: S_gl alone
         _ordered(got)
@@ -177,13 +187,22 @@ def test_late_text_query_is_s_gl(service: Service, model: BuiltinModel, index: I
     assert not np.allclose(_cols(body)[1], _cols(default)[1])
 
 
-def test_late_image_query_uses_caption_tokens(service: Service, model: BuiltinModel,
-                                              corpus: Path) -> None:
+def test_late_image_query_uses_caption_tokens(
+    service: Service, model: BuiltinModel, corpus: Path
+) -> None:
     data = _image(corpus, 5)
     with service.client() as c:
         body = _image_search(c, data, top_k=10, candidates=10, reranker="late", theta=0.6)
-        added = _image_search(c, data, top_k=10, candidates=10, reranker="late", theta=0.6,
-                              fusion="add", **{"lambda": 0.5})
+        added = _image_search(
+            c,
+            data,
+            top_k=10,
+            candidates=10,
+            reranker="late",
+            theta=0.6,
+            fusion="add",
+            **{"lambda": 0.5},
+        )
     _, toks = model.encode_images([Image.open(io.BytesIO(data))])
     texts = [h["meta"]["text"] for h in body["hits"]]
     items, item_mask = model.text_token_features(texts)
@@ -207,12 +226,14 @@ def han(model: BuiltinModel) -> HANReranker:
     return head
 
 
-def test_han_text_query_is_s_avg(service: Service, han: HANReranker, index: IndexVersion,
-                                 image_rows: dict[str, int]) -> None:
+def test_han_text_query_is_s_avg(
+    service: Service, han: HANReranker, index: IndexVersion, image_rows: dict[str, int]
+) -> None:
     with service.client() as c:
         body = _text(c, top_k=10, candidates=10, reranker="han")
-        fused = _text(c, top_k=10, candidates=10, reranker="han", fusion="norm_add",
-                      **{"lambda": 0.4})
+        fused = _text(
+            c, top_k=10, candidates=10, reranker="han", fusion="norm_add", **{"lambda": 0.4}
+        )
     dots, rr, score = _cols(body)
     toks = np.asarray(index.image_tokens[[image_rows[h["id"]] for h in body["hits"]]])
     np.testing.assert_allclose(rr, han.score_pairs([QUERY] * len(dots), toks), atol=TOL)
@@ -222,16 +243,18 @@ def test_han_text_query_is_s_avg(service: Service, han: HANReranker, index: Inde
     np.testing.assert_allclose(score, norm_add_scores(dots, rr, 0.4), atol=1e-6)
 
 
-def test_han_image_query_scores_the_candidate_captions(service: Service, model: BuiltinModel,
-                                                       han: HANReranker, corpus: Path) -> None:
+def test_han_image_query_scores_the_candidate_captions(
+    service: Service, model: BuiltinModel, han: HANReranker, corpus: Path
+) -> None:
     data = _image(corpus, 7)
     with service.client() as c:
         body = _image_search(c, data, top_k=10, candidates=10, reranker="han")
     _, toks = model.encode_images([Image.open(io.BytesIO(data))])
     texts = [h["meta"]["text"] for h in body["hits"]]
     _, rr, _ = _cols(body)
-    np.testing.assert_allclose(rr, han.score_pairs(texts, np.repeat(toks, len(texts), axis=0)),
-                               atol=TOL)
+    np.testing.assert_allclose(
+        rr, han.score_pairs(texts, np.repeat(toks, len(texts), axis=0)), atol=TOL
+    )
     _ordered(body)
 
 
@@ -242,8 +265,10 @@ def test_reranker_none_is_the_dot_order(service: Service, corpus: Path) -> None:
         text_none = _text(c, top_k=6, reranker="none")
         text_flag = _text(c, top_k=6, rerank=False)
         img_none = _image_search(c, data, top_k=6, reranker="none")
-        img_flag = c.post("/search/image", json={"image_b64": base64.b64encode(data).decode(),
-                                                 "top_k": 6, "rerank": False}).json()
+        img_flag = c.post(
+            "/search/image",
+            json={"image_b64": base64.b64encode(data).decode(), "top_k": 6, "rerank": False},
+        ).json()
     for none, flag in ((text_none, text_flag), (img_none, img_flag)):
         assert [h["id"] for h in none["hits"]] == [h["id"] for h in flag["hits"]]
         dots, _, score = _cols(none)
@@ -266,8 +291,12 @@ BAD: list[tuple[dict[str, Any], int, str, list[str]]] = [
     ({"reranker": "none", "fusion": "add"}, 422, "validation_error", ["fusion needs"]),
     ({"rerank": False, "lambda": 0.2}, 422, "validation_error", ["lambda needs"]),
     ({"fusion": "none", "lambda": 0.2}, 422, "validation_error", ["lambda applies only"]),
-    ({"reranker": "han", "theta": 0.2}, 422, "validation_error",
-     ["theta applies only to reranker=late"]),
+    (
+        {"reranker": "han", "theta": 0.2},
+        422,
+        "validation_error",
+        ["theta applies only to reranker=late"],
+    ),
 ]
 
 
@@ -280,11 +309,12 @@ def _bad_requests(c: httpx.Client, data: bytes, opts: dict[str, Any]) -> list[ht
     ]
 
 
-@pytest.mark.parametrize(("opts", "status", "code", "says"), BAD,
-                         ids=[json.dumps(b[0]) for b in BAD])
-def test_bad_options_are_4xx_naming_what_is_allowed(service: Service, corpus: Path,
-                                                    opts: dict[str, Any], status: int,
-                                                    code: str, says: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("opts", "status", "code", "says"), BAD, ids=[json.dumps(b[0]) for b in BAD]
+)
+def test_bad_options_are_4xx_naming_what_is_allowed(
+    service: Service, corpus: Path, opts: dict[str, Any], status: int, code: str, says: list[str]
+) -> None:
     with service.client() as c:
         for r in _bad_requests(c, _image(corpus), opts):
             assert r.status_code == status, (r.request.url, r.text)
@@ -298,14 +328,21 @@ def test_bad_options_are_4xx_naming_what_is_allowed(service: Service, corpus: Pa
 def test_cache_entries_are_per_option(service: Service, corpus: Path) -> None:
     query = "a tiny purple cross in the top left"
     variants: list[dict[str, Any]] = [
-        {}, {"fusion": "none"}, {"lambda": 0.1}, {"fusion": "norm_add"},
-        {"reranker": "late"}, {"reranker": "late", "theta": 0.9}, {"reranker": "none"},
+        {},
+        {"fusion": "none"},
+        {"lambda": 0.1},
+        {"fusion": "norm_add"},
+        {"reranker": "late"},
+        {"reranker": "late", "theta": 0.9},
+        {"reranker": "none"},
     ]
     with service.client() as c:
-        first = [c.post("/search/text", json={"query": query, "top_k": 5, **v}).json()
-                 for v in variants]
-        again = [c.post("/search/text", json={"query": query, "top_k": 5, **v}).json()
-                 for v in variants]
+        first = [
+            c.post("/search/text", json={"query": query, "top_k": 5, **v}).json() for v in variants
+        ]
+        again = [
+            c.post("/search/text", json={"query": query, "top_k": 5, **v}).json() for v in variants
+        ]
         flag = c.post("/search/text", json={"query": query, "top_k": 5, "rerank": False}).json()
         data = _image(corpus, 7)
         img_ce = _image_search(c, data, top_k=5, fusion="none")
@@ -333,11 +370,13 @@ class _NoTokens:
         self.score_pairs = model.score_pairs
 
 
-async def test_late_is_unavailable_without_token_features(index_dir: Path,
-                                                          model: BuiltinModel) -> None:
+async def test_late_is_unavailable_without_token_features(
+    index_dir: Path, model: BuiltinModel
+) -> None:
     index = IndexVersion.open(resolve_current(index_dir), expect_fingerprint=model.fingerprint)
-    app = create_app(Settings(index_dir=index_dir, index_poll_s=0),
-                     Resources(_NoTokens(model), index))
+    app = create_app(
+        Settings(index_dir=index_dir, index_poll_s=0), Resources(_NoTokens(model), index)
+    )
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://duet") as client:

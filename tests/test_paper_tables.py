@@ -16,7 +16,8 @@ from tests.conftest import REPO
 
 def _load() -> ModuleType:
     spec = importlib.util.spec_from_file_location(
-        "paper_tables", REPO / "benchmarks" / "paper_tables.py")
+        "paper_tables", REPO / "benchmarks" / "paper_tables.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -35,10 +36,14 @@ def _mode(t2i: float, i2t: float, ms: float = 1.0) -> dict[str, Any]:
 
 
 def test_pattern_reads_the_papers_findings_off_the_numbers() -> None:
-    full = {**_mode(70, 70, ms=100.0), "queries": {"t2i": 5, "i2t": 5},
-            "coop_same_queries": {"t2i": _r(69), "i2t": _r(71)}}
-    plain = {"modes": {"dot": _mode(50, 50, ms=0.1), "coop": _mode(61, 62, ms=1.0),
-                       "ce-full": full}}
+    full = {
+        **_mode(70, 70, ms=100.0),
+        "queries": {"t2i": 5, "i2t": 5},
+        "coop_same_queries": {"t2i": _r(69), "i2t": _r(71)},
+    }
+    plain = {
+        "modes": {"dot": _mode(50, 50, ms=0.1), "coop": _mode(61, 62, ms=1.0), "ce-full": full}
+    }
     mixed = {"modes": {"dot": _mode(40, 41), "coop": _mode(58, 60)}}
     checks = {claim: ok for claim, ok, _ in paper_tables.pattern(plain, mixed)}
     assert all(checks.values()), checks
@@ -67,14 +72,31 @@ def test_pattern_checks_the_served_fusion_when_the_sweep_has_it() -> None:
 @pytest.mark.slow
 def test_a_tiny_run_writes_every_table(tmp_path: Path) -> None:
     out = tmp_path / "results.md"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "paper_tables.py"),
-                           "--out", str(out), "--images", "30", "--ce-full-queries", "4"],
-                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "paper_tables.py"),
+            "--out",
+            str(out),
+            "--images",
+            "30",
+            "--ce-full-queries",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     text = out.read_text()
-    for heading in ("What the papers found", "Test split (pool: 30 images, 150 texts)",
-                    "With distractors (pool: 60 images, 300 texts)", "M sweep",
-                    "Score fusion"):
+    for heading in (
+        "What the papers found",
+        "Test split (pool: 30 images, 150 texts)",
+        "With distractors (pool: 60 images, 300 texts)",
+        "M sweep",
+        "Score fusion",
+    ):
         assert heading in text
     for mode in ("dot (bi-encoder)", "coop (", "late (", "han (", "ce-full ("):
         assert f"| {mode}" in text

@@ -25,28 +25,35 @@ from models.trainconfig import HELD_OUT_SEED_BASE
 from models.world import Desc, Part, Scene, Thing
 from tests.conftest import REPO
 
-RED_PAIR = Scene("pair", Thing("circle", "red", "small", 2), Thing("diamond", "blue", "large"),
-                 relation="left of")
+RED_PAIR = Scene(
+    "pair",
+    Thing("circle", "red", "small", 2),
+    Thing("diamond", "blue", "large"),
+    relation="left of",
+)
 
 
-@pytest.mark.parametrize(("query", "fits"), [
-    ("a red circle", False),  # a singular noun is one thing; the scene has two
-    ("red circles", True),
-    ("some small red circles", True),  # "some" is not in the vocabulary; the parser reads it
-    ("two red circles", True),
-    ("three red circles", False),
-    ("a blue diamond", True),
-    ("a small blue diamond", False),
-    ("red circles left of a diamond", True),
-    ("a diamond right of two red circles", True),
-    ("a blue diamond with two red circles to its left", True),
-    ("a blue diamond with two red circles to its right", False),
-    ("red circles above a diamond", False),
-    ("two red circles and a blue diamond", True),
-    ("a blue diamond and a red square", False),
-    ("a blue diamond in the top left", False),  # only single-object scenes have a position
-    ("a dog", False),
-])
+@pytest.mark.parametrize(
+    ("query", "fits"),
+    [
+        ("a red circle", False),  # a singular noun is one thing; the scene has two
+        ("red circles", True),
+        ("some small red circles", True),  # "some" is not in the vocabulary; the parser reads it
+        ("two red circles", True),
+        ("three red circles", False),
+        ("a blue diamond", True),
+        ("a small blue diamond", False),
+        ("red circles left of a diamond", True),
+        ("a diamond right of two red circles", True),
+        ("a blue diamond with two red circles to its left", True),
+        ("a blue diamond with two red circles to its right", False),
+        ("red circles above a diamond", False),
+        ("two red circles and a blue diamond", True),
+        ("a blue diamond and a red square", False),
+        ("a blue diamond in the top left", False),  # only single-object scenes have a position
+        ("a dog", False),
+    ],
+)
 def test_satisfies_by_hand(query: str, fits: bool) -> None:
     assert world.satisfies(query, RED_PAIR) is fits
 
@@ -57,9 +64,11 @@ def test_positions_and_parse_of_what_people_type() -> None:
     assert world.satisfies("a big red square", single)
     assert not world.satisfies("a red square at the bottom", single)
     assert world.parse("a green cross left of a diamond") == Desc(
-        Part("cross", "green"), Part("diamond", None), "left of")
+        Part("cross", "green"), Part("diamond", None), "left of"
+    )
     assert world.parse("two green circles and a red diamond") == Desc(
-        Part("circle", "green", None, 2), Part("diamond", "red"))
+        Part("circle", "green", None, 2), Part("diamond", "red")
+    )
     assert world.parse("a circle, a square and a cross") is None  # three things: not the grammar
 
 
@@ -96,18 +105,23 @@ def test_partials_leave_things_out() -> None:
 
 def test_partial_grounding_names_only_what_it_can() -> None:
     assert world.grounding("a blue diamond", RED_PAIR) == [(2, "b")]
-    assert world.grounding("a diamond with red circles to its left", RED_PAIR) == [(1, "b"),
-                                                                                    (4, "a")]
-    twin = Scene("pair", Thing("circle", "red", "small"), Thing("circle", "blue", "large"),
-                 relation="above")
+    assert world.grounding("a diamond with red circles to its left", RED_PAIR) == [
+        (1, "b"),
+        (4, "a"),
+    ]
+    twin = Scene(
+        "pair", Thing("circle", "red", "small"), Thing("circle", "blue", "large"), relation="above"
+    )
     assert world.grounding("a circle", twin) == []  # both fit: no target rather than a guess
 
 
 def test_partial_queries_are_deterministic() -> None:
     assert world.partial_queries(50, HELD_OUT_SEED_BASE + 5) == world.partial_queries(
-        50, HELD_OUT_SEED_BASE + 5)
+        50, HELD_OUT_SEED_BASE + 5
+    )
     assert world.partial_queries(50, HELD_OUT_SEED_BASE + 5) != world.partial_queries(
-        50, HELD_OUT_SEED_BASE + 6)
+        50, HELD_OUT_SEED_BASE + 6
+    )
 
 
 def test_scene_json_round_trip() -> None:
@@ -150,13 +164,15 @@ def test_cmr_positives_mask_ignores_other_matches() -> None:
     bumped = sim.clone()
     bumped[0, 2] = 50.0  # a second match scored high must not count against either side
     assert cmr_loss(bumped, positives=mask).item() == pytest.approx(
-        cmr_loss(sim, positives=mask).item(), rel=1e-6)
+        cmr_loss(sim, positives=mask).item(), rel=1e-6
+    )
     assert cmr_loss(bumped).item() > cmr_loss(sim).item()
 
 
 def test_precision_by_hand() -> None:
-    fit = np.array([[True, False, True, False], [False, False, False, False],
-                    [False, True, False, False]])
+    fit = np.array(
+        [[True, False, True, False], [False, False, False, False], [False, True, False, False]]
+    )
     ranked = np.array([[1, 0, 2, 3], [0, 1, 2, 3], [1, 0, 2, 3]])
     # query 0: miss then two fits, 2 fit in the pool; query 1: nothing fits, left out
     got = precision(ranked, fit)
@@ -178,17 +194,29 @@ def test_evaluate_partial_matches_brute_force(index_dir: Path, model: BuiltinMod
     # coop re-ranks all 40 images: its order is the cross-encoder's own over the whole pool
     logits = np.stack([model.score_pairs([t] * 40, pool.image_tokens) for t, _d in queries])
     assert res["modes"]["coop"]["P@1"] == pytest.approx(
-        precision(np.argsort(-logits, axis=1, kind="stable"), fit)["P@1"], abs=1e-4)
+        precision(np.argsort(-logits, axis=1, kind="stable"), fit)["P@1"], abs=1e-4
+    )
 
 
 def test_cli_partial(index_dir: Path) -> None:
-    run = [sys.executable, "-m", "duet.cli", "eval", "--index", str(index_dir), "--modes",
-           "dot,coop", "--candidates", "10"]
+    run = [
+        sys.executable,
+        "-m",
+        "duet.cli",
+        "eval",
+        "--index",
+        str(index_dir),
+        "--modes",
+        "dot,coop",
+        "--candidates",
+        "10",
+    ]
     done = subprocess.run([*run, "--partial", "20"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "partial queries: 20" in done.stdout and "| coop |" in done.stdout
-    bad = subprocess.run([*run, "--partial", "5", "--partial-seed", "7"], cwd=REPO,
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [*run, "--partial", "5", "--partial-seed", "7"], cwd=REPO, capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "--partial-seed" in bad.stderr
 
 

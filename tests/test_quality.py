@@ -14,8 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_recall_dot_vs_reranked(model: BuiltinModel) -> None:
     split = list(world.generate(1000, HELD_OUT_SEED_BASE + 2026, n_captions=5))
-    result = evaluate(model, [s.image for s in split], [s.captions for s in split],
-                      candidates=20)
+    result = evaluate(model, [s.image for s in split], [s.captions for s in split], candidates=20)
     print("\n" + format_table(result))
     dot, rr = result["dot"], result["rerank"]
     # re-ranking must lift text->image R@1 over the bi-encoder alone

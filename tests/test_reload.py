@@ -41,18 +41,23 @@ def test_swapped_out_version_stays_open_until_its_last_request_ends(index_dir: P
     newer.close()
 
 
-@pytest.mark.parametrize(("token", "headers", "status", "code"), [
-    (None, {"authorization": f"Bearer {TOKEN}"}, 403, "admin_disabled"),
-    (TOKEN, {}, 401, "unauthorized"),
-    (TOKEN, {"authorization": "Bearer wrong"}, 401, "unauthorized"),
-    (TOKEN, {"authorization": TOKEN}, 401, "unauthorized"),  # scheme missing
-])
+@pytest.mark.parametrize(
+    ("token", "headers", "status", "code"),
+    [
+        (None, {"authorization": f"Bearer {TOKEN}"}, 403, "admin_disabled"),
+        (TOKEN, {}, 401, "unauthorized"),
+        (TOKEN, {"authorization": "Bearer wrong"}, 401, "unauthorized"),
+        (TOKEN, {"authorization": TOKEN}, 401, "unauthorized"),  # scheme missing
+    ],
+)
 async def test_admin_reload_refuses_without_the_token(
-        index_dir: Path, token: str | None, headers: dict[str, str], status: int,
-        code: str) -> None:
+    index_dir: Path, token: str | None, headers: dict[str, str], status: int, code: str
+) -> None:
     app = create_app(Settings(index_dir=index_dir, index_poll_s=0, admin_token=token))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://duet") as client:
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://duet") as client,
+    ):
         r = await client.post("/admin/reload", headers=headers)
     assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == code
@@ -63,8 +68,10 @@ async def test_admin_reload_refuses_without_the_token(
 
 async def test_admin_reload_of_the_served_version_is_a_no_op(index_dir: Path) -> None:
     app = create_app(Settings(index_dir=index_dir, index_poll_s=0, admin_token=TOKEN))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://duet") as client:
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://duet") as client,
+    ):
         r = await client.post("/admin/reload", headers={"authorization": f"Bearer {TOKEN}"})
         ready = (await client.get("/readyz")).json()
     assert r.status_code == 200, r.text
@@ -72,8 +79,9 @@ async def test_admin_reload_of_the_served_version_is_a_no_op(index_dir: Path) ->
     assert ready["reload"] == {"poll_s": 0, "last_swap": None, "last_refused": None}
 
 
-async def test_loading_runs_off_the_event_loop(index_dir: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_loading_runs_off_the_event_loop(
+    index_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The reloader opens a version in a worker thread, never on the loop's thread."""
     import app.reload as reload_mod
 

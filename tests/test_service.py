@@ -22,16 +22,25 @@ async def test_concurrent_requests_share_rerank_batches(index_dir: Path) -> None
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://duet") as client:
-            queries = [f"a {c} circle above a small green square" for c in
-                       ("red", "blue", "yellow", "purple", "orange", "green")]
-            rs = await asyncio.gather(*(client.post("/search/text", json={
-                "query": q, "top_k": 5, "candidates": 20}) for q in queries))
+            queries = [
+                f"a {c} circle above a small green square"
+                for c in ("red", "blue", "yellow", "purple", "orange", "green")
+            ]
+            rs = await asyncio.gather(
+                *(
+                    client.post("/search/text", json={"query": q, "top_k": 5, "candidates": 20})
+                    for q in queries
+                )
+            )
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
         hist = app.state.metrics.rerank_batch_size
         count = hist._sum  # total pairs scored
         samples = {s.name: s.value for m in hist.collect() for s in m.samples}
-        engine = {s.name: s.value for m in app.state.metrics.engine_batch_size.collect()
-                  for s in m.samples}
+        engine = {
+            s.name: s.value
+            for m in app.state.metrics.engine_batch_size.collect()
+            for s in m.samples
+        }
     assert samples["duet_rerank_batch_size_sum"] == 6 * 20 == count.get()
     # six requests, fewer forward passes and engine batches: they were batched together
     assert samples["duet_rerank_batch_size_count"] < 6
@@ -63,18 +72,25 @@ class _BrokenReranker:
         raise MemoryError("simulated failure inside the cross-encoder")
 
 
-async def test_rerank_failure_is_a_json_500_for_every_request(index_dir: Path,
-                                                              model: BuiltinModel) -> None:
+async def test_rerank_failure_is_a_json_500_for_every_request(
+    index_dir: Path, model: BuiltinModel
+) -> None:
     settings = Settings(index_dir=index_dir)
     index = IndexVersion.open(resolve_current(index_dir), expect_fingerprint=model.fingerprint)
     app = create_app(settings, Resources(_BrokenReranker(model), index))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://duet") as client:
-            rs = await asyncio.wait_for(asyncio.gather(*(client.post("/search/text", json={
-                "query": f"a red circle {i}"}) for i in range(4))), timeout=30)
-            ok = await client.post("/search/text", json={"query": "a red circle",
-                                                         "rerank": False})
+            rs = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        client.post("/search/text", json={"query": f"a red circle {i}"})
+                        for i in range(4)
+                    )
+                ),
+                timeout=30,
+            )
+            ok = await client.post("/search/text", json={"query": "a red circle", "rerank": False})
         text = generate_latest(app.state.metrics.registry).decode()
     assert [r.status_code for r in rs] == [500] * 4
     assert all(r.json()["error"]["code"] == "internal_error" for r in rs)
@@ -97,18 +113,30 @@ class _PoisonedEncoder(_BrokenReranker):
         return self._model.encode_texts(texts)
 
 
-async def test_one_failing_query_does_not_fail_its_batch_mates(index_dir: Path,
-                                                               model: BuiltinModel) -> None:
+async def test_one_failing_query_does_not_fail_its_batch_mates(
+    index_dir: Path, model: BuiltinModel
+) -> None:
     index = IndexVersion.open(resolve_current(index_dir), expect_fingerprint=model.fingerprint)
-    app = create_app(Settings(index_dir=index_dir, index_poll_s=0),
-                     Resources(_PoisonedEncoder(model), index))
+    app = create_app(
+        Settings(index_dir=index_dir, index_poll_s=0), Resources(_PoisonedEncoder(model), index)
+    )
     queries = ["a red circle", "a blue square", "poison", "a green cross", "a big diamond"]
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://duet") as client:
-            rs = await asyncio.wait_for(asyncio.gather(*(client.post(
-                "/search/text", json={"query": q, "candidates": 20}) for q in queries)), 30)
-        batches = {s.name: s.value for m in app.state.metrics.engine_batch_size.collect()
-                   for s in m.samples}
+            rs = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        client.post("/search/text", json={"query": q, "candidates": 20})
+                        for q in queries
+                    )
+                ),
+                30,
+            )
+        batches = {
+            s.name: s.value
+            for m in app.state.metrics.engine_batch_size.collect()
+            for s in m.samples
+        }
     assert [r.status_code for r in rs] == [200, 200, 500, 200, 200]
     assert batches["duet_engine_batch_size_count"] < len(queries)  # some shared a batch

@@ -60,16 +60,20 @@ def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
-def test_swap_under_load_never_mixes_versions(corpus: Path, model: BuiltinModel,
-                                              tmp_path: Path) -> None:
+def test_swap_under_load_never_mixes_versions(
+    corpus: Path, model: BuiltinModel, tmp_path: Path
+) -> None:
     idx = tmp_path / "idx"
     v1 = build(corpus, idx, model, progress=False)
     corpus2 = _prefixed_corpus(tmp_path / "corpus2", 24, HELD_OUT_SEED_BASE + 12, "b-")
     ids = {v1.version: _ids(v1.path)}
-    captions = [c for line in corpus.read_text().splitlines()[:12]
-                for c in json.loads(line)["captions"][:2]]
-    images = [base64.b64encode(p.read_bytes()).decode()
-              for p in sorted((corpus.parent / "images").glob("*.png"))[:6]]
+    captions = [
+        c for line in corpus.read_text().splitlines()[:12] for c in json.loads(line)["captions"][:2]
+    ]
+    images = [
+        base64.b64encode(p.read_bytes()).decode()
+        for p in sorted((corpus.parent / "images").glob("*.png"))[:6]
+    ]
     cached_q = {"query": "a small red circle left of a large blue square", "top_k": 5}
     svc = start_service(idx, tmp_path / "serve.log", DUET_INDEX_POLL_S="0.2")
     results: list[tuple[int, int, dict[str, Any]]] = []  # (worker, status, body)
@@ -84,11 +88,13 @@ def test_swap_under_load_never_mixes_versions(corpus: Path, model: BuiltinModel,
                 opts = {"top_k": 5, "candidates": 10 + n % 30, "rerank": i % 2 == 0}
                 try:
                     if i % 3 == 2:
-                        r = c.post("/search/image",
-                                   json={"image_b64": images[i % len(images)], **opts})
+                        r = c.post(
+                            "/search/image", json={"image_b64": images[i % len(images)], **opts}
+                        )
                     else:
-                        r = c.post("/search/text",
-                                   json={"query": captions[i % len(captions)], **opts})
+                        r = c.post(
+                            "/search/text", json={"query": captions[i % len(captions)], **opts}
+                        )
                     results.append((w, r.status_code, r.json()))
                 except httpx.HTTPError as exc:  # recorded, so the report shows every failure
                     results.append((w, -1, {"error": repr(exc)}))
@@ -104,9 +110,13 @@ def test_swap_under_load_never_mixes_versions(corpus: Path, model: BuiltinModel,
             _wait_for(lambda: len(results) >= 80, "80 requests before the swap")
             v2 = build(corpus2, idx, model, progress=False)  # re-points `current`
             ids[v2.version] = _ids(v2.path)
-            _wait_for(lambda: len(results) >= 240 and sum(
-                b.get("index_version") == v2.version for _, _, b in results) >= 60,
-                "60 requests after the swap")
+            _wait_for(
+                lambda: (
+                    len(results) >= 240
+                    and sum(b.get("index_version") == v2.version for _, _, b in results) >= 60
+                ),
+                "60 requests after the swap",
+            )
             stop.set()
             for f in futures:
                 f.result()
@@ -150,6 +160,7 @@ def _edit_manifest(**changes: Any) -> Callable[[Path], None]:
     def edit(d: Path) -> None:
         manifest = json.loads((d / MANIFEST).read_text())
         (d / MANIFEST).write_text(json.dumps({**manifest, **changes}))
+
     return edit
 
 
@@ -160,11 +171,13 @@ def _garble_items(d: Path) -> None:
 def _rehashed(damage: Callable[[Path], None], name: str) -> Callable[[Path], None]:
     """`damage`, then the manifest's sha256 of `name` made to match: a version whose hashes
     agree must still be refused by the deeper checks (rows, SQLite, finite values)."""
+
     def edit(d: Path) -> None:
         damage(d)
         manifest = json.loads((d / MANIFEST).read_text())
         manifest["files"][name] = file_sha256(d / name)
         (d / MANIFEST).write_text(json.dumps(manifest))
+
     return edit
 
 
@@ -181,7 +194,7 @@ def _zero_pages(d: Path) -> None:
     page = 4096
     for k in range(1, 9):
         start = min(k * page, len(data) - page)
-        data[start:start + page] = bytes(page)
+        data[start : start + page] = bytes(page)
     (d / ITEMS).write_bytes(bytes(data))
 
 
@@ -199,8 +212,11 @@ def _flip_a_byte(d: Path) -> None:
 
 BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
     ("truncated-faiss", _truncate_faiss, "incomplete or corrupt"),
-    ("other-model", _edit_manifest(model={"name": "x", "fingerprint": "duet-joint:0000"}),
-     "was built by model"),
+    (
+        "other-model",
+        _edit_manifest(model={"name": "x", "fingerprint": "duet-joint:0000"}),
+        "was built by model",
+    ),
     ("counts", _edit_manifest(counts={"images": 41, "texts": 200}), "counts"),
     ("garbled-items", _garble_items, "differs from what the build wrote"),
     ("flipped-byte", _flip_a_byte, "image_tokens.npy differs from what the build wrote"),
@@ -210,8 +226,9 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
 ]
 
 
-def test_broken_versions_are_refused_while_the_old_one_serves(index_dir: Path,
-                                                              tmp_path: Path) -> None:
+def test_broken_versions_are_refused_while_the_old_one_serves(
+    index_dir: Path, tmp_path: Path
+) -> None:
     idx = tmp_path.resolve() / "idx"
     good = resolve_current(index_dir)
     shutil.copytree(good, idx / good.name)
@@ -227,12 +244,19 @@ def test_broken_versions_are_refused_while_the_old_one_serves(index_dir: Path,
                 shutil.copytree(good, idx / name)
                 damage(idx / name)
                 point_current(idx, name)
-                _wait_for(lambda n=name: (c.get("/readyz").json()["reload"]["last_refused"]
-                                          or {}).get("version") == n, f"{name} refused")
+                _wait_for(
+                    lambda n=name: (
+                        (c.get("/readyz").json()["reload"]["last_refused"] or {}).get("version")
+                        == n
+                    ),
+                    f"{name} refused",
+                )
                 refused += 1
                 time.sleep(0.5)  # five more polls: the same broken files are not retried
-                assert _metric(c.get("/metrics").text, "duet_index_reloads_total",
-                               result="refused") == refused
+                assert (
+                    _metric(c.get("/metrics").text, "duet_index_reloads_total", result="refused")
+                    == refused
+                )
                 r = c.post("/search/text", json=query)
                 assert r.status_code == 200 and r.json()["index_version"] == version
                 last = c.get("/readyz").json()["reload"]["last_refused"]
@@ -247,12 +271,19 @@ def test_broken_versions_are_refused_while_the_old_one_serves(index_dir: Path,
                 assert err["version"] == name and err["serving"] == version
 
             point_current(idx, "nowhere")  # `current` -> a missing directory
-            _wait_for(lambda: "no index at" in (c.get("/readyz").json()["reload"]["last_refused"]
-                                                 or {}).get("reason", ""), "dangling refused")
+            _wait_for(
+                lambda: (
+                    "no index at"
+                    in (c.get("/readyz").json()["reload"]["last_refused"] or {}).get("reason", "")
+                ),
+                "dangling refused",
+            )
             time.sleep(0.5)
             refused += 1
-            assert _metric(c.get("/metrics").text, "duet_index_reloads_total",
-                           result="refused") == refused
+            assert (
+                _metric(c.get("/metrics").text, "duet_index_reloads_total", result="refused")
+                == refused
+            )
             r = c.post("/admin/reload", headers=AUTH)
             refused += 1
             assert r.status_code == 409 and "no index at" in r.json()["error"]["message"]
@@ -265,9 +296,13 @@ def test_broken_versions_are_refused_while_the_old_one_serves(index_dir: Path,
             point_current(idx, "fixed")
             r = c.post("/admin/reload", headers=AUTH)
             assert r.status_code == 200, r.text
-            assert r.json() | {"at": None} == {"result": "swapped", "version": "fixed",
-                                               "path": str(idx / "fixed"), "previous": version,
-                                               "at": None}
+            assert r.json() | {"at": None} == {
+                "result": "swapped",
+                "version": "fixed",
+                "path": str(idx / "fixed"),
+                "previous": version,
+                "at": None,
+            }
             assert c.post("/search/text", json=query).json()["index_version"] == "fixed"
             metrics = c.get("/metrics").text
     finally:

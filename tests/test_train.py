@@ -24,8 +24,17 @@ from models.train_ce import perturbed_twin
 from models.trainconfig import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = TrainConfig(images=48, steps=4, batch=8, warmup=1, easy_steps=2, ce_steps=3, ce_batch=8,
-                   han_steps=2, han_batch=4)
+TINY = TrainConfig(
+    images=48,
+    steps=4,
+    batch=8,
+    warmup=1,
+    easy_steps=2,
+    ce_steps=3,
+    ce_batch=8,
+    han_steps=2,
+    han_batch=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +48,10 @@ def _weights(d: Path) -> dict[str, torch.Tensor]:
 
 
 def test_train_from_scratch_writes_a_loadable_model(
-        scratch: tuple[Path, dict[str, object]]) -> None:
+    scratch: tuple[Path, dict[str, object]],
+) -> None:
     out, summary = scratch
-    for name in ("model.safetensors", "config.json", "vocab.json", "han.safetensors",
-                 "train.json"):
+    for name in ("model.safetensors", "config.json", "vocab.json", "han.safetensors", "train.json"):
         assert (out / name).is_file(), name
     loaded = BuiltinModel.load(out)
     assert loaded.fingerprint == summary["fingerprint"]
@@ -53,7 +62,8 @@ def test_train_from_scratch_writes_a_loadable_model(
 
 
 def test_from_keeps_the_encoders_and_retrains_the_cross_encoder(
-        scratch: tuple[Path, dict[str, object]], tmp_path: Path) -> None:
+    scratch: tuple[Path, dict[str, object]], tmp_path: Path
+) -> None:
     src, summary = scratch
     out = tmp_path / "again"
     again = train(TINY, out, progress=False, init_from=src)
@@ -73,7 +83,8 @@ def test_from_keeps_the_encoders_and_retrains_the_cross_encoder(
 
 
 def test_ce_warm_fine_tunes_the_source_cross_encoder_and_keeps_its_han(
-        scratch: tuple[Path, dict[str, object]], tmp_path: Path) -> None:
+    scratch: tuple[Path, dict[str, object]], tmp_path: Path
+) -> None:
     src, _ = scratch
     still = replace(TINY, ce_lr=1e-12, han_steps=0)  # a step this small leaves the start visible
     warm = train(replace(still, ce_warm=True), tmp_path / "warm", progress=False, init_from=src)
@@ -85,7 +96,8 @@ def test_ce_warm_fine_tunes_the_source_cross_encoder_and_keeps_its_han(
     assert "--ce-warm" in str(warm["command"])
     for d in ("warm", "cold"):  # HAN reads the kept towers' features: the source's head stays
         assert (tmp_path / d / "han.safetensors").read_bytes() == (
-            src / "han.safetensors").read_bytes()
+            src / "han.safetensors"
+        ).read_bytes()
 
 
 def test_load_encoders_takes_an_older_cross_encoder_shape(tmp_path: Path) -> None:
@@ -105,10 +117,10 @@ def test_load_encoders_takes_an_older_cross_encoder_shape(tmp_path: Path) -> Non
 
 def test_load_encoders_refuses_another_shape(tmp_path: Path) -> None:
     tok = WordTokenizer(world.vocabulary())
-    other = JointModel(JointConfig(vocab_size=tok.vocab_size, d_model=64, n_heads=4,
-                                   embed_dim=64))
-    save_file({k: v.contiguous() for k, v in other.state_dict().items()},
-              str(tmp_path / WEIGHTS_FILE))
+    other = JointModel(JointConfig(vocab_size=tok.vocab_size, d_model=64, n_heads=4, embed_dim=64))
+    save_file(
+        {k: v.contiguous() for k, v in other.state_dict().items()}, str(tmp_path / WEIGHTS_FILE)
+    )
     cfg = {**other.cfg.to_json(), "d_model": 128, "embed_dim": 128}  # config and weights disagree
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     tok.save(tmp_path / "vocab.json")
@@ -133,8 +145,9 @@ def test_fused_tap_is_the_sequence_after_that_many_layers() -> None:
         assert torch.equal(final, model.fused(txt, pad, img))
         _, tapped2 = model.fused_tap(txt, pad, img, 2)
         x = tapped0
-        mask = torch.cat([torch.zeros(2, 1, dtype=torch.bool), pad,
-                          torch.zeros(2, 16, dtype=torch.bool)], dim=1)
+        mask = torch.cat(
+            [torch.zeros(2, 1, dtype=torch.bool), pad, torch.zeros(2, 16, dtype=torch.bool)], dim=1
+        )
         for layer in model.fusion.layers[:2]:
             x = layer(x, src_key_padding_mask=mask)
         assert torch.allclose(tapped2, x)
@@ -162,8 +175,9 @@ def test_perturbed_twin_flips_relations_at_the_asked_rate() -> None:
     rng = random.Random(3)
     scenes = [s.scene for s in world.generate(200, 1_000_321)]
     pairs = [s for s in scenes if s.relation is not None]
-    assert all(perturbed_twin(rng, s, 1.0).relation == world.INVERSE[s.relation or ""]
-               for s in pairs)
+    assert all(
+        perturbed_twin(rng, s, 1.0).relation == world.INVERSE[s.relation or ""] for s in pairs
+    )
     assert all(perturbed_twin(rng, s, 1.0) != s for s in scenes)  # singles: world.perturb
     flipped = sum(perturbed_twin(rng, s, 0.0).relation != s.relation for s in pairs)
     assert flipped < len(pairs)  # flip=0 leaves it to world.perturb, which flips only some
@@ -171,8 +185,21 @@ def test_perturbed_twin_flips_relations_at_the_asked_rate() -> None:
 
 def test_cli_from_needs_a_model_directory(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "duet.cli", "train", "--out",
-                           str(tmp_path / "o"), "--from", str(tmp_path / "nothing")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "duet.cli",
+            "train",
+            "--out",
+            str(tmp_path / "o"),
+            "--from",
+            str(tmp_path / "nothing"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "--from" in proc.stderr and "config.json" in proc.stderr

@@ -44,10 +44,18 @@ def test_scenes_cover_the_grammar() -> None:
 
 
 def test_binding_swaps_change_the_caption_not_the_words() -> None:
-    a = Scene("pair", Thing("circle", "red", "small"), Thing("square", "blue", "small"),
-              relation="left of")
-    b = Scene("pair", Thing("circle", "blue", "small"), Thing("square", "red", "small"),
-              relation="left of")
+    a = Scene(
+        "pair",
+        Thing("circle", "red", "small"),
+        Thing("square", "blue", "small"),
+        relation="left of",
+    )
+    b = Scene(
+        "pair",
+        Thing("circle", "blue", "small"),
+        Thing("square", "red", "small"),
+        relation="left of",
+    )
     ca = world.captions(random.Random(5), a, 6)
     cb = world.captions(random.Random(5), b, 6)
     assert ca != cb
@@ -81,8 +89,9 @@ def test_relations_hold_in_pixels() -> None:
         bx, by = placed[0][1], placed[0][2]
         for _t, x, y, _r in placed[1:]:
             dx, dy = x - bx, y - by
-            assert {"left of": dx < 0, "right of": dx > 0, "above": dy < 0,
-                    "below": dy > 0}[s.relation or ""]
+            assert {"left of": dx < 0, "right of": dx > 0, "above": dy < 0, "below": dy > 0}[
+                s.relation or ""
+            ]
 
 
 def test_grounding_names_each_nouns_thing() -> None:
@@ -90,14 +99,24 @@ def test_grounding_names_each_nouns_thing() -> None:
     scene = Scene("pair", red_circle, blue_square, relation="left of")
     # word order differs between templates; the words before each noun decide
     assert world.grounding("a small red circle left of a big blue square", scene) == [
-        (3, "a"), (9, "b")]
+        (3, "a"),
+        (9, "b"),
+    ]
     assert world.grounding("a large blue square with a tiny red circle to its left", scene) == [
-        (3, "b"), (8, "a")]
+        (3, "b"),
+        (8, "a"),
+    ]
     # only the colour tells two circles apart; a plural names the group
-    twins = Scene("pair", Thing("circle", "red", "small", 2), Thing("circle", "green", "small"),
-                  relation="above")
+    twins = Scene(
+        "pair",
+        Thing("circle", "red", "small", 2),
+        Thing("circle", "green", "small"),
+        relation="above",
+    )
     assert world.grounding("two small red circles above a small green circle", twins) == [
-        (3, "a"), (8, "b")]
+        (3, "a"),
+        (8, "b"),
+    ]
     single = Scene("single", red_circle, position="top")
     assert world.grounding("a small red circle at the top", single) == [(3, "a")]
 

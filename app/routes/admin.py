@@ -17,18 +17,23 @@ router = APIRouter(tags=["ops"])
 def _check_token(settings: SettingsDep, authorization: str | None) -> None:
     token = settings.admin_token.get_secret_value() if settings.admin_token else ""
     if not token:
-        raise AdminDisabled("POST /admin/reload is disabled: set DUET_ADMIN_TOKEN and send it "
-                            "as 'Authorization: Bearer <token>'")
+        raise AdminDisabled(
+            "POST /admin/reload is disabled: set DUET_ADMIN_TOKEN and send it "
+            "as 'Authorization: Bearer <token>'"
+        )
     scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                             token.encode()):
-        raise Unauthorized("missing or wrong admin token: send 'Authorization: Bearer "
-                           "<DUET_ADMIN_TOKEN>'")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), token.encode()
+    ):
+        raise Unauthorized(
+            "missing or wrong admin token: send 'Authorization: Bearer <DUET_ADMIN_TOKEN>'"
+        )
 
 
 @router.post("/admin/reload", responses=documented(401, 403, 409, 503))
-async def reload_index(request: Request, settings: SettingsDep,
-                       authorization: str | None = Header(None)) -> JSONResponse:
+async def reload_index(
+    request: Request, settings: SettingsDep, authorization: str | None = Header(None)
+) -> JSONResponse:
     """Load INDEX_DIR/current, check it and swap it in (also retries a refused version).
 
     200 {"result": "swapped" | "current", "version", ...}; 409 index_refused when the version
@@ -40,7 +45,11 @@ async def reload_index(request: Request, settings: SettingsDep,
         raise NotReady("the model and index are still loading; retry in a moment")
     outcome = await reloader.reload(force=True)
     if outcome.result == "refused":
-        raise IndexRefused(f"index {outcome.path} was refused: {outcome.reason}",
-                           version=outcome.version, path=outcome.path, at=outcome.at,
-                           serving=reloader.serving)
+        raise IndexRefused(
+            f"index {outcome.path} was refused: {outcome.reason}",
+            version=outcome.version,
+            path=outcome.path,
+            at=outcome.at,
+            serving=reloader.serving,
+        )
     return JSONResponse(outcome.as_json())

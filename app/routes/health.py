@@ -25,21 +25,34 @@ async def readyz(request: Request) -> JSONResponse:
         raise NotReady("model and index are loading")
     index = pipeline.index
     reloader = getattr(request.app.state, "reloader", None)
-    return JSONResponse({
-        "status": "ready",
-        "model": pipeline.model.fingerprint,
-        "rerankers": {"available": list(pipeline.rerankers), "default": pipeline.default_reranker},
-        "index_version": index.version,
-        "items": {"images": index.image_index.ntotal, "texts": index.text_index.ntotal},
-        "cache": pipeline.cache.backend.name,
-        "reload": reloader.status() if reloader is not None else None,
-    })
+    return JSONResponse(
+        {
+            "status": "ready",
+            "model": pipeline.model.fingerprint,
+            "rerankers": {
+                "available": list(pipeline.rerankers),
+                "default": pipeline.default_reranker,
+            },
+            "index_version": index.version,
+            "items": {"images": index.image_index.ntotal, "texts": index.text_index.ntotal},
+            "cache": pipeline.cache.backend.name,
+            "reload": reloader.status() if reloader is not None else None,
+        }
+    )
 
 
-@router.get("/metrics", response_class=PlainTextResponse, responses={
-    200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
-          "description": "Prometheus text exposition format"}})
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={
+        200: {
+            "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+            "description": "Prometheus text exposition format",
+        }
+    },
+)
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition."""
-    return Response(generate_latest(request.app.state.metrics.registry),
-                    media_type=CONTENT_TYPE_LATEST)
+    return Response(
+        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )

@@ -39,18 +39,22 @@ _IMAGE_BODY_DOC: dict[str, Any] = {
     "requestBody": {
         "required": True,
         "content": {
-            "multipart/form-data": {"schema": {
-                "type": "object", "required": ["image"],
-                "properties": {
-                    "image": {"type": "string", "format": "binary"},
-                    "top_k": {"type": "integer", "default": 10},
-                    "candidates": {"type": "integer", "default": 50},
-                    "rerank": {"type": "boolean", "default": True},
-                    "reranker": {"type": "string", "enum": list(RERANKERS)},
-                    "fusion": {"type": "string", "enum": list(FUSIONS)},
-                    "lambda": {"type": "number", "minimum": 0, "maximum": 1},
-                    "theta": {"type": "number", "minimum": 0, "maximum": 1},
-                }}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["image"],
+                    "properties": {
+                        "image": {"type": "string", "format": "binary"},
+                        "top_k": {"type": "integer", "default": 10},
+                        "candidates": {"type": "integer", "default": 50},
+                        "rerank": {"type": "boolean", "default": True},
+                        "reranker": {"type": "string", "enum": list(RERANKERS)},
+                        "fusion": {"type": "string", "enum": list(FUSIONS)},
+                        "lambda": {"type": "number", "minimum": 0, "maximum": 1},
+                        "theta": {"type": "number", "minimum": 0, "maximum": 1},
+                    },
+                }
+            },
             "application/json": {"schema": ImageSearchJSON.model_json_schema()},
         },
     }
@@ -86,13 +90,14 @@ def _json(resp: SearchResponse) -> JSONResponse:
     return JSONResponse(resp.model_dump(mode="json"))
 
 
-@router.post("/search/text", response_model=SearchResponse,
-             responses=documented(413, 422, 429, 499, 503))
-async def search_text(body: TextSearchRequest, request: Request,
-                      pipeline: PipelineDep) -> JSONResponse:
+@router.post(
+    "/search/text", response_model=SearchResponse, responses=documented(413, 422, 429, 499, 503)
+)
+async def search_text(
+    body: TextSearchRequest, request: Request, pipeline: PipelineDep
+) -> JSONResponse:
     """A sentence finds images."""
-    return _json(await _unless_gone(request,
-                                    pipeline.search_text(body.query, body.options())))
+    return _json(await _unless_gone(request, pipeline.search_text(body.query, body.options())))
 
 
 def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOptions:
@@ -102,10 +107,15 @@ def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOption
         raise ValidationFailed(describe_errors(exc.errors())) from exc
 
 
-@router.post("/search/image", response_model=SearchResponse, openapi_extra=_IMAGE_BODY_DOC,
-             responses=documented(400, 413, 415, 422, 429, 499, 503))
-async def search_image(request: Request, pipeline: PipelineDep,
-                       settings: SettingsDep) -> JSONResponse:
+@router.post(
+    "/search/image",
+    response_model=SearchResponse,
+    openapi_extra=_IMAGE_BODY_DOC,
+    responses=documented(400, 413, 415, 422, 429, 499, 503),
+)
+async def search_image(
+    request: Request, pipeline: PipelineDep, settings: SettingsDep
+) -> JSONResponse:
     """An image finds captions: multipart field `image`, or JSON `image_b64`; same options."""
     max_bytes = settings.max_image_bytes  # the body itself is bounded by app.limits.BodyLimit
     ctype = request.headers.get("content-type", "")
@@ -136,7 +146,7 @@ async def search_image(request: Request, pipeline: PipelineDep,
     else:
         raise UnsupportedMediaType(
             f"content-type {ctype or '(none)'} is not accepted; send multipart/form-data with "
-            'a file field "image", or application/json with "image_b64"')
+            'a file field "image", or application/json with "image_b64"'
+        )
     image = await request.app.state.decoder.decode(data)
     return _json(await _unless_gone(request, pipeline.search_image(data, image, opts)))
-
