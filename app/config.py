@@ -122,7 +122,7 @@ class Settings(BaseSettings):
         "share does not fit (degraded), 503 if it passes while queued",
     )
     worker_nice: int = Field(
-        0,
+        10,
         ge=0,
         le=19,
         description="niceness of the engine's worker threads (and torch's "

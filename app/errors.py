@@ -105,9 +105,11 @@ class ShuttingDown(DuetError):
 
 
 class DeadlineExceeded(DuetError):
-    """The request's deadline (DUET_REQUEST_TIMEOUT_MS) passed before model work started."""
+    """The request's deadline (DUET_REQUEST_TIMEOUT_MS) passed while it waited for a worker:
+    load shedding like a refusal at the door, so a 429 with Retry-After (not a 5xx: nothing
+    failed, the service was busy)."""
 
-    status = 503
+    status = 429
     code = "deadline_exceeded"
 
 
@@ -154,10 +156,10 @@ _WHY = {
     "DUET_MAX_IMAGE_PIXELS)",
     415: "content-type other than multipart/form-data or application/json",
     422: "the body or its options are invalid, or the query has no readable words",
-    429: "overloaded: retry after Retry-After seconds",
+    429: "overloaded, or the deadline passed while queued: retry after Retry-After seconds",
     431: "request headers too large (DUET_HTTP_MAX_HEADER_BYTES)",
     499: "the client closed the connection first (nobody reads it)",
-    503: "not ready yet, shutting down, or the deadline passed while queued (Retry-After)",
+    503: "not ready yet, or shutting down",
 }
 
 

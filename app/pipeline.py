@@ -135,7 +135,7 @@ class SearchPipeline:
         theta: float = DEFAULT_THETA,
         workers: int = 1,
         torch_threads: int | None = None,
-        worker_nice: int = 0,
+        worker_nice: int = 10,
         max_batch: int = 64,
         rerank_max_batch: int = 64,
         max_queue: int = 1024,

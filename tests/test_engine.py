@@ -126,7 +126,7 @@ async def test_expired_and_abandoned_tickets_are_dropped_before_compute() -> Non
     assert await asyncio.wait_for(blocker, 5) == 0
     with pytest.raises(DeadlineExceeded) as late:
         await asyncio.wait_for(expired, 5)
-    assert late.value.status == 503 and late.value.retry_after is not None
+    assert late.value.status == 429 and late.value.retry_after is not None
     assert seen == [0]  # neither reached the model
     assert sorted(shed) == ["client_gone", "deadline"]
     eng.stop()
