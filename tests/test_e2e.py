@@ -304,6 +304,21 @@ def test_bodies_that_are_not_json_get_the_same_422(service: Service) -> None:
             assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
 
 
+def test_model_work_runs_below_the_event_loop(service: Service) -> None:
+    """DUET_WORKER_NICE (default 10): the engine's worker and the torch threads it starts run
+    at niceness 10, the event loop's thread at 0, so parsing, 429s and health checks win the
+    CPU from model work."""
+    with service.client() as c:
+        assert c.post("/search/text", json={"query": "two green squares"}).status_code == 200
+    pid = service.proc.pid
+    nice = {
+        int(t.name): int(Path(t, "stat").read_text().rpartition(")")[2].split()[16])
+        for t in Path(f"/proc/{pid}/task").iterdir()
+    }
+    assert nice[pid] == 0
+    assert sum(n == 10 for n in nice.values()) >= 2, nice  # the worker and its torch threads
+
+
 def test_health_and_ready(service: Service) -> None:
     with service.client() as c:
         assert c.get("/healthz").json() == {"status": "ok"}
