@@ -5,8 +5,9 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 DEMO    := data/demo
 INDEXES ?= indexes
-HOST    ?= 127.0.0.1
-PORT    ?= 8000
+# make serve PORT=8201, or DUET_PORT=8201 make serve: either works (the variable wins)
+HOST    ?= $(or $(DUET_HOST),127.0.0.1)
+PORT    ?= $(or $(DUET_PORT),8000)
 
 .PHONY: install serve test test-fast lint demo-index clean
 

@@ -402,6 +402,15 @@ def _model_options(p: argparse.ArgumentParser, verb: str) -> None:
     )
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("duet")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def parser() -> argparse.ArgumentParser:
     from models.late import DEFAULT_THETA
     from models.trainconfig import DEFAULT_WEIGHTS, PARTIAL_SEED, TrainConfig
@@ -411,6 +420,7 @@ def parser() -> argparse.ArgumentParser:
         description="Image-text retrieval: encode a corpus into FAISS indexes, "
         "serve text->image and image->text search with cross-encoder re-ranking.",
     )
+    p.add_argument("--version", action="version", version=f"duet {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser(
