@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
 DEMO    := data/demo
 INDEXES ?= indexes
 # make serve PORT=8201, or DUET_PORT=8201 make serve: either works (the variable wins)
@@ -11,17 +12,23 @@ PORT    ?= $(or $(DUET_PORT),8000)
 
 .PHONY: install serve test test-fast lint demo-index clean
 
-$(STAMP): pyproject.toml
+# what `make serve` needs (the service, the builder, the shipped model): no dev tools
+$(SERVE_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: a CPU build here; GPU images install their own build
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	touch $(SERVE_STAMP)
+
+# tests, lint, benchmarks, Hugging Face and Ray extras on top
+$(STAMP): $(SERVE_STAMP)
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-demo-index: $(STAMP)
+demo-index: $(SERVE_STAMP)
 	$(BIN)/duet demo-index --out $(INDEXES) --corpus-out $(DEMO) --images 2000 --seed 7
 
 serve: demo-index
