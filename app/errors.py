@@ -85,6 +85,13 @@ class IndexRefused(DuetError):
     code = "index_refused"
 
 
+class ImageNotFound(DuetError):
+    """GET /images/{id}: no such image in the served index, or its file is not readable."""
+
+    status = 404
+    code = "not_found"
+
+
 class NotReady(DuetError):
     status = 503
     code = "not_ready"
@@ -150,6 +157,7 @@ _WHY = {
     400: "the upload is not a readable image",
     401: "missing or wrong admin token",
     403: "the admin endpoint is disabled (no DUET_ADMIN_TOKEN)",
+    404: "no such item in the served index, or its image file is not readable here",
     408: "request headers not received in time (DUET_HTTP_HEADER_TIMEOUT_S)",
     409: "the index version was refused; the old one keeps serving",
     413: "body or image over its limit (DUET_MAX_BODY_BYTES, DUET_MAX_IMAGE_BYTES, "

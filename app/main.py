@@ -22,7 +22,7 @@ from app.limits import BodyLimit
 from app.metrics import Metrics
 from app.pipeline import SearchPipeline
 from app.reload import IndexReloader, load_checked
-from app.routes import admin, health, search
+from app.routes import admin, health, search, ui
 from models.loading import load_models
 from models.protocols import JointEncoder
 from store.indexio import IndexVersion, resolve_current
@@ -142,6 +142,7 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
     app.include_router(search.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(ui.router)
 
     app.add_middleware(
         BodyLimit,

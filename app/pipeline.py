@@ -33,7 +33,7 @@ from app.cache import ResilientCache, cache_key
 from app.engine import Engine, Throughput, Ticket
 from app.errors import RerankerUnavailable, ValidationFailed
 from app.metrics import Metrics
-from app.schemas import RERANKERS, Hit, SearchOptions, SearchResponse
+from app.schemas import RERANKERS, Hit, SearchOptions, SearchResponse, image_url
 from app.versions import ServedIndex
 from models.fusion import add_scores, norm_add_scores, sigmoid
 from models.han import HANReranker
@@ -418,7 +418,13 @@ class SearchPipeline:
             self.metrics.degraded.inc()
         hits = [
             Hit(
-                id=item_id, score=score, retrieval_score=dot, rerank_score=rr, rank=i + 1, meta=meta
+                id=item_id,
+                score=score,
+                retrieval_score=dot,
+                rerank_score=rr,
+                rank=i + 1,
+                meta=meta,
+                image_url=image_url(item_id if kind == "text" else meta.get("image_id")),
             )
             for i, ((_, dot, rr, score), (item_id, meta)) in enumerate(
                 zip(answer.ranked, answer.meta, strict=True)

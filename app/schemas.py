@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any, Literal, get_args
+from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -138,6 +139,11 @@ class ImageSearchJSON(SearchOptions):
     image_b64: str = Field(..., min_length=1, description="the image file, base64-encoded")
 
 
+def image_url(image_id: str | None) -> str | None:
+    """Where this service serves an indexed image (GET /images/{id}); None without one."""
+    return None if not image_id else "/images/" + quote(str(image_id), safe="")
+
+
 class Hit(BaseModel):
     id: str
     score: float
@@ -145,6 +151,11 @@ class Hit(BaseModel):
     rerank_score: float | None
     rank: int
     meta: dict[str, Any]
+    image_url: str | None = Field(
+        None,
+        description="the hit's image (for a caption: the image it describes), served by "
+        "GET /images/{id}; null when the item has none",
+    )
 
 
 class SearchResponse(BaseModel):

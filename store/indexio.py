@@ -182,6 +182,14 @@ class ItemStore:
         got = self._rows("SELECT row, id, path, meta FROM images WHERE row IN ({marks})", rows)
         return [ImageRow(got[r][0], got[r][1], json.loads(got[r][2])) for r in rows]
 
+    def image_by_id(self, item_id: str) -> ImageRow | None:
+        """The image row named `item_id`, or None."""
+        with self._lock:
+            row = self._con.execute(
+                "SELECT id, path, meta FROM images WHERE id = ?", (item_id,)
+            ).fetchone()
+        return None if row is None else ImageRow(row[0], row[1], json.loads(row[2]))
+
     def texts(self, rows: Sequence[int]) -> list[TextRow]:
         got = self._rows(
             "SELECT row, id, text, image_id, meta FROM texts WHERE row IN ({marks})", rows
@@ -247,6 +255,16 @@ class IndexVersion:
         self.image_index = faiss.IndexFlat(self.image_index.d, self.image_index.metric_type)
         self.text_index = faiss.IndexFlat(self.text_index.d, self.text_index.metric_type)
         self.image_tokens = np.zeros((0, *self.image_tokens.shape[1:]), self.image_tokens.dtype)
+
+    @property
+    def images_root(self) -> Path | None:
+        """The folder the item store's image paths are relative to: the corpus's images root
+        (a Karpathy file's --images-root) or the corpus file's folder; None if unrecorded."""
+        selection = self.manifest.get("corpus_selection") or {}
+        if selection.get("images_root"):
+            return Path(selection["images_root"])
+        corpus = self.manifest.get("corpus")
+        return Path(corpus).parent if corpus else None
 
     def verify(self) -> None:
         """Prove the version whole before it serves, or raise IndexLoadError saying what is

@@ -54,6 +54,7 @@ OPERATIONS = [
     ("GET", "/readyz"),
     ("GET", "/metrics"),
     ("POST", "/admin/reload"),
+    ("GET", "/images/{item_id}"),
 ]
 
 

@@ -1,0 +1,49 @@
+"""The page at / (a search box, an image upload, the results as a grid) and the images the
+index names, so a person can see what duet does. Offline: no CDN, no build step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, HTMLResponse
+
+from app.errors import ImageNotFound, NotReady, documented
+
+router = APIRouter(tags=["ui"])
+PAGE = Path(__file__).resolve().parent.parent / "static" / "index.html"
+
+
+def inside(root: Path, rel: str) -> Path | None:
+    """`root / rel` if that is an existing file inside `root` (symlinks and `..` resolved),
+    else None: an index can only ever expose files under its corpus's folder."""
+    base = root.resolve()
+    path = (base / rel).resolve()
+    return path if path.is_relative_to(base) and path.is_file() else None
+
+
+@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+async def page() -> HTMLResponse:
+    """The search page."""
+    return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+
+@router.get("/images/{item_id}", response_class=FileResponse, responses=documented(404, 503))
+async def image(item_id: str, request: Request) -> FileResponse:
+    """An indexed image, by its item id: only files the served index names, under its
+    corpus's images folder (no path leaves it)."""
+    pipeline = getattr(request.app.state, "pipeline", None)
+    if pipeline is None:
+        raise NotReady("model and index are loading")
+    with pipeline.indexes.lease() as index:
+        row = index.store.image_by_id(item_id)
+        root = index.images_root
+    if row is None or not row.path or root is None:
+        raise ImageNotFound(f"no image {item_id!r} in index {index.version}")
+    path = inside(root, row.path)
+    if path is None:
+        raise ImageNotFound(
+            f"image {item_id!r} is not readable here (its corpus folder {root.name}/ is not "
+            "mounted on this host, or the file moved)"
+        )
+    return FileResponse(path, headers={"Cache-Control": "public, max-age=3600"})

@@ -1,0 +1,76 @@
+"""The page at / and GET /images/{id} against a real `duet serve` (issue 16)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from app.routes.ui import inside
+from tests.conftest import Service, start_service, stop_service
+
+
+@pytest.fixture(scope="module")
+def service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = start_service(index_dir, tmp_path_factory.mktemp("ui") / "serve.log")
+    yield svc
+    stop_service(svc)
+
+
+def test_page_is_served(service: Service) -> None:
+    r = httpx.get(f"{service.url}/", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    for part in ('id="query"', 'id="file"', 'id="reranker"', "/search/text", "/search/image"):
+        assert part in r.text
+    assert "http://" not in r.text and "https://" not in r.text  # nothing from elsewhere
+
+
+def test_text_hits_link_their_images(service: Service, corpus: Path) -> None:
+    with service.client() as c:
+        hits = c.post("/search/text", json={"query": "a red circle", "top_k": 3}).json()["hits"]
+        for hit in hits:
+            assert hit["image_url"] == f"/images/{hit['id']}"
+            r = c.get(hit["image_url"])
+            assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+            assert "max-age" in r.headers["cache-control"]
+            assert r.content == (corpus.parent / hit["meta"]["image"]).read_bytes()
+
+
+def test_caption_hits_link_the_image_they_describe(service: Service, corpus: Path) -> None:
+    png = (corpus.parent / "images" / "0003.png").read_bytes()
+    with service.client() as c:
+        r = c.post(
+            "/search/image", files={"image": ("q.png", png, "image/png")}, data={"top_k": "3"}
+        )
+        for hit in r.json()["hits"]:
+            assert hit["image_url"] == f"/images/{hit['meta']['image_id']}"
+            img = Image.open(io.BytesIO(c.get(hit["image_url"]).content))
+            assert img.size[0] > 0
+
+
+@pytest.mark.parametrize("item_id", ["no-such-id", "..%2F..%2Fetc%2Fpasswd", "%2Fetc%2Fpasswd"])
+def test_unknown_images_are_404(service: Service, item_id: str) -> None:
+    r = httpx.get(f"{service.url}/images/{item_id}", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_no_path_leaves_the_corpus_folder(tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    (root / "images").mkdir(parents=True)
+    (root / "images" / "a.png").write_bytes(b"x")
+    (tmp_path / "secret").write_text("no")
+    (root / "images" / "link.png").symlink_to(tmp_path / "secret")
+    assert inside(root, "images/a.png") == (root / "images" / "a.png").resolve()
+    for rel in (
+        "../secret",
+        "images/../../secret",
+        "/etc/hostname",
+        "images/link.png",
+        "images/missing.png",
+        "images",
+    ):
+        assert inside(root, rel) is None, rel
