@@ -1,0 +1,97 @@
+"""The page at / in a real headless browser (Debian's chromium and chromedriver, driven by
+Selenium; nothing is downloaded): type a query, wait for the thumbnails and check they
+loaded; upload an image, check the caption hits (issue 16)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Service, start_service, stop_service
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.chrome.service import Service as DriverService  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _tools() -> tuple[str, str]:
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if browser is None or driver is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium / chromedriver missing; .ci/run installs them with apt-get")
+        pytest.skip("chromium and chromium-driver not installed (apt-get install them)")
+    return browser, driver
+
+
+@pytest.fixture(scope="module")
+def service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = start_service(index_dir, tmp_path_factory.mktemp("browser") / "serve.log")
+    yield svc
+    stop_service(svc)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    binary, driver_path = _tools()
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--window-size=1200,900",
+    ):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=DriverService(executable_path=driver_path), options=opts)
+    yield driver
+    driver.quit()
+
+
+def _loaded_thumbnails(driver: object) -> int:
+    return int(
+        driver.execute_script(  # type: ignore[attr-defined]
+            "return [...document.querySelectorAll('#grid img')]"
+            ".filter(i => i.complete && i.naturalWidth > 0).length"
+        )
+    )
+
+
+def test_typed_query_shows_thumbnails(service: Service, browser: object) -> None:
+    d = browser
+    d.get(service.url + "/")  # type: ignore[attr-defined]
+    box = d.find_element(By.ID, "query")  # type: ignore[attr-defined]
+    box.send_keys("a red circle")
+    d.find_element(By.ID, "search").click()  # type: ignore[attr-defined]
+    WebDriverWait(d, 30).until(lambda drv: _loaded_thumbnails(drv) >= 5)
+    cards = d.find_elements(By.CSS_SELECTOR, "#grid .hit")  # type: ignore[attr-defined]
+    assert len(cards) == 12
+    status = d.find_element(By.ID, "status").text  # type: ignore[attr-defined]
+    assert "hits" in status and "ms" in status and "index" in status
+    if shot := os.environ.get("DUET_SCREENSHOT"):  # docs/demo.png is made this way
+        d.save_screenshot(shot)  # type: ignore[attr-defined]
+
+
+def test_unknown_words_are_pointed_out(service: Service, browser: object) -> None:
+    d = browser
+    d.get(service.url + "/")  # type: ignore[attr-defined]
+    d.find_element(By.ID, "query").send_keys("a red dog")  # type: ignore[attr-defined]
+    d.find_element(By.ID, "search").click()  # type: ignore[attr-defined]
+    WebDriverWait(d, 30).until(lambda drv: "dog" in drv.find_element(By.ID, "notice").text)
+
+
+def test_uploaded_image_shows_caption_hits(service: Service, browser: object, corpus: Path) -> None:
+    d = browser
+    d.get(service.url + "/")  # type: ignore[attr-defined]
+    upload = d.find_element(By.ID, "file")  # type: ignore[attr-defined]
+    upload.send_keys(str(corpus.parent / "images" / "0003.png"))
+    WebDriverWait(d, 30).until(lambda drv: _loaded_thumbnails(drv) >= 3)
+    captions = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#grid .hit .cap")]  # type: ignore[attr-defined]
+    assert len(captions) == 12 and all(captions)
+    assert "captions" in d.find_element(By.ID, "status").text  # type: ignore[attr-defined]
