@@ -691,7 +691,12 @@ def parser() -> argparse.ArgumentParser:
         "token states, with many more steps, (3) the HAN head over the frozen "
         "states (han.safetensors). --from skips stage 1.",
     )
-    t.add_argument("--out", default=str(DEFAULT_WEIGHTS), help="output directory")
+    t.add_argument(
+        "--out",
+        required=True,
+        help=f"output directory (required: the shipped weights live in {DEFAULT_WEIGHTS}; "
+        "name it only to replace them on purpose)",
+    )
     t.add_argument("--seed", type=int, default=defaults.seed)
     t.add_argument("--images", type=int, default=defaults.images, help="training scenes")
     t.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
