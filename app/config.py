@@ -102,17 +102,17 @@ class Settings(BaseSettings):
         description="late re-ranker: S_gl = (1 - theta) * dot + theta * S_l; 0 = dot alone",
     )
 
-    workers: int = Field(
-        1,
+    workers: int | None = Field(
+        None,
         ge=1,
-        description="inference-engine worker threads (measured on CPU: one worker "
-        "using every core beats one per core)",
+        description="inference-engine worker threads; empty = one per core this process "
+        "may use (affinity and cgroup quota) on the CPU, one on a GPU",
     )
     torch_threads: int | None = Field(
         None,
         ge=1,
-        description="torch threads; empty = the cores this process may use "
-        "(affinity and cgroup quota) divided among the workers",
+        description="torch threads per worker; empty = the cores shared among the "
+        "workers busy at that moment (a lone request uses every core)",
     )
     request_timeout_ms: float = Field(
         2000.0,

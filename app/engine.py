@@ -1,7 +1,7 @@
 """One inference engine for every model call: admission, deadlines, batching, workers.
 
-Requests become tickets on one bounded queue. Worker threads (`DUET_WORKERS`, each running
-torch with `DUET_TORCH_THREADS` threads) take every ticket waiting, up to `max_batch`, and
+Requests become tickets on one bounded queue. Worker threads (`DUET_WORKERS`) take the
+tickets waiting, an even share with the other idle workers and at most `max_batch`, and
 hand them to the pipeline's batch function in one call; a worker never sleeps waiting for a
 batch to fill, so a lone request starts at once and batches form by themselves while the
 worker is busy. One hop from the event loop to a worker and one back per batch.
@@ -14,10 +14,14 @@ ahead it is always taken. A ticket whose caller went away (its future cancelled)
 deadline passed while queued is dropped before any compute. Whatever the batch function
 leaves unresolved, by returning or raising, fails with an error: no caller ever hangs.
 
-Measured (2-core CPU, 50 candidates): one worker with two torch threads scored 1,750
-cross-encoder pairs/s, two workers with one thread each 1,340-1,450, so the default is one
-worker using every core; query encoding batched 32 at a time cost 0.33 ms a query against
-2 ms alone.
+Sized from measurements (2-core CPU, 50 candidates, `benchmarks/serve_load.py`): the
+cross-encoder alone scores most pairs/s with one worker using both cores, but a served
+request also runs Python (HTTP, look-ups, FAISS) that holds one core while the other idles.
+At 32 clients one worker with two torch threads served 24-27 req/s with the CPU 20-24 %
+idle; one worker per core served 30-41 req/s with it 7-12 % idle. So the default is a
+worker per core, and a worker sets torch's threads before each batch to the cores shared
+among the workers busy at that moment (`SearchPipeline.threads_for`): a lone request still
+uses every core, which keeps the one-client latency of the single-worker design.
 """
 
 from __future__ import annotations
@@ -91,6 +95,9 @@ class Ticket(Generic[P, R]):
     loop: asyncio.AbstractEventLoop
     enqueued: float = field(default_factory=time.monotonic)
     answered: bool = False  # resolve() or fail() was called (the future settles on the loop)
+    # called once, from the worker, when the ticket is answered (the engine stops counting
+    # its cost as work ahead of new requests)
+    on_answer: Callable[[Ticket[P, R]], None] | None = None
 
     @property
     def alive(self) -> bool:
@@ -101,12 +108,18 @@ class Ticket(Generic[P, R]):
         return self.deadline - (time.monotonic() if now is None else now)
 
     def resolve(self, result: R) -> None:
-        self.answered = True
+        self._answered()
         self.loop.call_soon_threadsafe(_settle, self.future, result, None)
 
     def fail(self, exc: BaseException) -> None:
-        self.answered = True
+        self._answered()
         self.loop.call_soon_threadsafe(_settle, self.future, None, exc)
+
+    def _answered(self) -> None:
+        if not self.answered:
+            self.answered = True
+            if self.on_answer is not None:
+                self.on_answer(self)
 
 
 def _settle(fut: asyncio.Future[R], result: R | None, exc: BaseException | None) -> None:
@@ -139,6 +152,7 @@ class Engine(Generic[P, R]):
         on_shed: Callable[[str], None] | None = None,
         on_batch: Callable[[int], None] | None = None,
         init_worker: Callable[[], None] | None = None,
+        before_batch: Callable[[int], None] | None = None,
     ) -> None:
         self._fn = fn
         self.workers = workers
@@ -148,6 +162,8 @@ class Engine(Generic[P, R]):
         self._on_shed = on_shed or (lambda _: None)
         self._on_batch = on_batch or (lambda _: None)
         self._init_worker = init_worker
+        self._before_batch = before_batch or (lambda _: None)
+        self._busy = 0  # workers running a batch
         self._queue: deque[Ticket[P, R]] = deque()
         self._queued_cost = 0.0
         self._running_cost = 0.0  # estimated seconds left in the batches being run
@@ -217,34 +233,59 @@ class Engine(Generic[P, R]):
         self._threads.clear()
 
     # -- worker side -----------------------------------------------------------------
-    def _take(self) -> tuple[list[Ticket[P, R]], float] | None:
-        """The waiting tickets (up to max_batch) and their estimated cost, once any wait."""
+    def _take(self) -> tuple[list[Ticket[P, R]], float, int] | None:
+        """The waiting tickets (up to max_batch), their estimated cost and the number of
+        workers now busy (this one included), once any wait."""
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
+            # an even share with the idle workers, so one worker does not take everything
+            # waiting while another sits idle
+            share = math.ceil(len(self._queue) / max(1, self.workers - self._busy))
             batch: list[Ticket[P, R]] = []
-            while self._queue and len(batch) < self.max_batch:
+            while self._queue and len(batch) < min(share, self.max_batch):
                 t = self._queue.popleft()
                 self._queued_cost -= t.cost_s
                 batch.append(t)
             if not self._queue:
                 self._queued_cost = 0.0  # no float drift accumulates
+            else:
+                self._cond.notify()  # the rest is another idle worker's share
             cost = sum(t.cost_s for t in batch)
             self._running_cost += cost
-        return batch, cost
+            for t in batch:
+                t.on_answer = self._release
+            self._busy += 1
+            return batch, cost, self._busy
+
+    def _release(self, ticket: Ticket[P, R]) -> None:
+        """An answered ticket's estimated cost is no longer work ahead of new requests (a
+        batch of many requests frees its share as each is answered, not all at its end)."""
+        with self._cond:
+            self._running_cost = max(0.0, self._running_cost - ticket.cost_s)
 
     def _work(self) -> None:
         if self._init_worker is not None:
             self._init_worker()
         while (taken := self._take()) is not None:
-            batch, cost = taken
+            batch, _, busy = taken
             try:
+                try:
+                    self._before_batch(busy)
+                except Exception:  # a tuning hook never costs a request its answer
+                    log.exception("before_batch hook failed")
                 self._run(batch)
             finally:
                 with self._cond:
-                    self._running_cost = max(0.0, self._running_cost - cost)
+                    for t in batch:  # dropped (caller gone) tickets were never answered
+                        if t.on_answer is not None and not t.answered:
+                            self._running_cost -= t.cost_s
+                        t.on_answer = None
+                    self._busy -= 1
+                    # no float drift accumulates
+                    self._running_cost = max(0.0, self._running_cost) if self._busy else 0.0
 
     def _run(self, batch: list[Ticket[P, R]]) -> None:
         now = time.monotonic()

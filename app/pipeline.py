@@ -135,6 +135,7 @@ class SearchPipeline:
         theta: float = DEFAULT_THETA,
         workers: int = 1,
         torch_threads: int | None = None,
+        cores: int = 1,
         worker_nice: int = 10,
         max_batch: int = 64,
         rerank_max_batch: int = 64,
@@ -157,6 +158,7 @@ class SearchPipeline:
         self._unavailable = menu.why
         self._han_head: HANReranker | None = getattr(model, "han", None)
         self.torch_threads = torch_threads
+        self.cores = cores
         self.worker_nice = worker_nice
         self.rerank_max_batch = rerank_max_batch
         # seconds per query (encode + search) and per re-ranked pair; measured from the start
@@ -170,6 +172,7 @@ class SearchPipeline:
             on_shed=lambda why: metrics.shed.labels(reason=why).inc(),
             on_batch=metrics.engine_batch_size.observe,
             init_worker=self._init_worker,
+            before_batch=self._set_threads,
         )
         self._publish(index)
         metrics.queue_depth.set_function(lambda: self.engine.depth)
@@ -202,11 +205,24 @@ class SearchPipeline:
         if self.worker_nice:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.worker_nice)
 
-    async def start(self) -> None:
-        """Cap torch's threads, time one query and a few pairs (the first estimates of the
-        cost model, and warm kernels for the first request), start the workers."""
+    def threads_for(self, busy: int) -> int:
+        """torch threads for a batch run while `busy` workers (this one included) run one:
+        `DUET_TORCH_THREADS` when set, else the cores shared among the busy workers, so a
+        lone request uses every core and a loaded service one core per worker."""
         if self.torch_threads is not None:
-            torch.set_num_threads(self.torch_threads)
+            return self.torch_threads
+        return max(1, self.cores // max(1, busy))
+
+    def _set_threads(self, busy: int) -> None:
+        """Before each batch, in its worker thread: torch's OpenMP thread count is kept
+        per calling thread, so each worker sets its own."""
+        n = self.threads_for(busy)
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    async def start(self) -> None:
+        """Time one query and a few pairs (the first estimates of the cost model, and warm
+        kernels for the first request), start the workers."""
         await asyncio.to_thread(self._warm_up)
         self.engine.start()
 
@@ -238,6 +254,7 @@ class SearchPipeline:
         return key
 
     def _warm_up(self) -> None:
+        self._set_threads(1)
         index = self.index
         try:
             for _ in range(2):  # the first call of each kernel is slower than the rest

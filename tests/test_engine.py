@@ -282,3 +282,84 @@ async def test_an_idle_engine_takes_a_request_even_when_its_estimate_exceeds_the
     eng.start()
     assert await asyncio.wait_for(eng.submit(7, 5.0), 5) == 7  # nothing ahead: taken
     eng.stop()
+
+
+async def test_idle_workers_share_the_queue_and_know_how_many_are_busy() -> None:
+    """Two idle workers, eight requests waiting: each takes an even share (not one worker all
+    eight), and each batch is told how many workers are busy (what sizes torch's threads)."""
+    both = threading.Barrier(2, timeout=5)  # each batch waits until both workers run one
+    busy_seen: list[int] = []
+    batches: list[int] = []
+
+    def fn(tickets: Tickets) -> None:
+        batches.append(len(tickets))
+        both.wait()
+        for t in tickets:
+            t.resolve(t.payload)
+
+    eng = _engine(fn, workers=2, before_batch=busy_seen.append)
+    eng._closed = False  # take tickets before the workers start, so all eight wait together
+    futs = [asyncio.ensure_future(eng.submit(i, 0.001)) for i in range(8)]
+    await asyncio.sleep(0.05)
+    assert eng.depth == 8
+    eng.start()
+    assert await asyncio.wait_for(asyncio.gather(*futs), 5) == list(range(8))
+    eng.stop()
+    assert batches == [4, 4]
+    assert sorted(busy_seen) == [1, 2]
+
+
+async def test_work_ahead_shrinks_as_each_request_of_a_batch_is_answered() -> None:
+    """A batch frees its estimated cost request by request, so a request arriving while a
+    long batch is half answered is not refused for work that is already done."""
+    halfway = threading.Event()
+    go_on = threading.Event()
+
+    def fn(tickets: Tickets) -> None:
+        tickets[0].resolve(tickets[0].payload)
+        halfway.set()
+        go_on.wait(5)
+        for t in tickets[1:]:
+            t.resolve(t.payload)
+
+    eng = _engine(fn)
+    eng._closed = False  # both requests wait before the worker starts: one batch of two
+    pair = [asyncio.ensure_future(eng.submit(i, 1.0)) for i in range(2)]
+    await asyncio.sleep(0.05)
+    assert eng.wait_s() == pytest.approx(2.0)
+    eng.start()
+    assert await asyncio.to_thread(halfway.wait, 5)
+    assert eng.wait_s() == pytest.approx(1.0)  # one of the two is answered: 1 s left, not 2
+    go_on.set()
+    assert await asyncio.wait_for(asyncio.gather(*pair), 5) == [0, 1]
+    for _ in range(100):  # the worker clears its batch just after answering it
+        if eng.wait_s() == 0.0:
+            break
+        await asyncio.sleep(0.01)
+    assert eng.wait_s() == 0.0
+    eng.stop()
+
+
+def test_torch_threads_follow_the_busy_workers_per_thread() -> None:
+    """A lone request uses every core; two busy workers one core each; a fixed
+    DUET_TORCH_THREADS wins; the count is set in the worker's own thread only."""
+    import torch
+
+    pipe = SearchPipeline.__new__(SearchPipeline)
+    pipe.cores, pipe.torch_threads = 4, None
+    assert [pipe.threads_for(b) for b in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+    pipe.torch_threads = 3
+    assert pipe.threads_for(2) == 3
+    pipe.cores, pipe.torch_threads = 2, None
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    def worker() -> None:
+        pipe._set_threads(2)
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [1]
+    assert torch.get_num_threads() == before
