@@ -40,9 +40,10 @@ class Settings(BaseSettings):
         "Face CLIP / SigLIP directory",
     )
     reranker: str = Field(
-        "builtin",
-        description="builtin (the joint model's cross-encoder), late, han, none, or "
-        "a local Hugging Face BLIP image-text-matching directory",
+        "ce",
+        description="the default request re-ranker and what the index stores for it: ce "
+        "(the joint model's cross-encoder; `builtin` is its older name), late, han, none, or "
+        "a local Hugging Face BLIP image-text-matching directory (its cross-encoder is ce)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the model runs: auto = a CUDA GPU when torch sees one"

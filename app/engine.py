@@ -20,7 +20,7 @@ request also runs Python (HTTP, look-ups, FAISS) that holds one core while the o
 At 32 clients one worker with two torch threads served 24-27 req/s with the CPU 20-24 %
 idle; one worker per core served 30-41 req/s with it 7-12 % idle. So the default is a
 worker per core, and a worker sets torch's threads before each batch to the cores shared
-among the workers busy at that moment (`SearchPipeline.threads_for`): a lone request still
+among the workers busy at that moment (`app.batch.BatchWorker.threads_for`): a lone request still
 uses every core, which keeps the one-client latency of the single-worker design.
 """
 

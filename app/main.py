@@ -140,6 +140,7 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
     app.state.pipeline = None
     app.state.reloader = None
     install_handlers(app)
+    search.refresh_docs()  # the re-rankers registered by now are the ones served
     app.include_router(search.router)
     app.include_router(health.router)
     app.include_router(admin.router)

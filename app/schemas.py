@@ -5,14 +5,25 @@ from __future__ import annotations
 from typing import Any, Literal, get_args
 from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from models import rerankers
 
 MAX_QUERY_CHARS = 512
 
-Reranker = Literal["ce", "late", "han", "none"]
 Fusion = Literal["none", "add", "norm_add"]
-RERANKERS: tuple[str, ...] = get_args(Reranker)
 FUSIONS: tuple[str, ...] = get_args(Fusion)
+
+
+def _reranker_schema(schema: dict[str, Any]) -> None:
+    """The `reranker` field's JSON schema: the registry's names when the schema is made."""
+    schema.pop("anyOf", None)
+    schema["anyOf"] = [{"type": "string", "enum": list(rerankers.names())}, {"type": "null"}]
+
+
+def _reranker_doc() -> str:
+    entries = [f"{r.name} ({r.summary})" for r in rerankers.REGISTRY.values()]
+    return ", ".join([*entries, "none (dot-product order)"])
 
 
 class SearchOptions(BaseModel):
@@ -28,10 +39,10 @@ class SearchOptions(BaseModel):
     top_k: int = Field(10, ge=1, le=100, description="hits to return")
     candidates: int = Field(50, ge=1, le=1000, description="top-M by dot product to re-rank")
     rerank: bool = Field(True, description="false = reranker none (the dot-product order)")
-    reranker: Reranker | None = Field(
+    reranker: str | None = Field(
         None,
-        description="ce (cross-encoder, default), late (late interaction, S_gl), "
-        "han (HAN's word-region alignment, S_AVG), none (dot-product order)",
+        description="the re-ranker: " + _reranker_doc(),
+        json_schema_extra=_reranker_schema,
     )
     fusion: Fusion | None = Field(
         None,
@@ -72,6 +83,13 @@ class SearchOptions(BaseModel):
     def uses_default_reranker(self) -> bool:
         return self.reranker is None and self.rerank
 
+    @field_validator("reranker")
+    @classmethod
+    def _registered(cls, value: str | None) -> str | None:
+        if value is not None and value not in rerankers.names():
+            raise ValueError(f"unknown re-ranker {value!r}; one of {', '.join(rerankers.names())}")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> SearchOptions:
         if (
@@ -101,8 +119,11 @@ class SearchOptions(BaseModel):
                     raise ValueError(
                         f"{name} needs a re-ranker; reranker is none (the dot-product order)"
                     )
-        if self.theta is not None and r != "late":
-            raise ValueError(f"theta applies only to reranker=late, not {r}")
+        if self.theta is not None and (
+            r == rerankers.NONE or "theta" not in rerankers.REGISTRY[r].options
+        ):
+            takes = [e.name for e in rerankers.REGISTRY.values() if "theta" in e.options]
+            raise ValueError(f"theta applies only to reranker={'/'.join(takes)}, not {r}")
         if r != "none" and self.candidates < self.top_k:
             raise ValueError(
                 f"candidates ({self.candidates}) must be >= top_k ({self.top_k}) when re-ranking"

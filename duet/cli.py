@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from app.config import Settings
 
-EVAL_MODES = ("dot", "coop", "late", "han", "ce-full")
+
+def eval_modes() -> tuple[str, ...]:
+    """`duet eval --modes`: the dot product, the cross-encoder alone over the top M (coop),
+    each registered re-ranker `duet eval` can run (`models.rerankers`), every pair (ce-full)."""
+    from models.rerankers import REGISTRY
+
+    return ("dot", "coop", *(n for n, e in REGISTRY.items() if e.evaluate), "ce-full")
+
 
 log = logging.getLogger("duet")
 
@@ -184,8 +191,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         evaluate_index,
         evaluate_partial,
         format_tables,
-        han_scorer,
-        late_scorer,
         load_pool,
     )
     from models.loading import check_choices, load_models
@@ -199,16 +204,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _fail(
             f"--partial-seed must be at least {HELD_OUT_SEED_BASE}: seeds below are training's"
         )
-    modes = [m.strip() for m in (args.modes or ",".join(EVAL_MODES)).split(",") if m.strip()]
-    if unknown := set(modes) - set(EVAL_MODES):
-        return _fail(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(EVAL_MODES)}")
+    from models.rerankers import REGISTRY
+
+    known = eval_modes()
+    modes = [m.strip() for m in (args.modes or ",".join(known)).split(",") if m.strip()]
+    if unknown := set(modes) - set(known):
+        return _fail(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(known)}")
     settings = _settings(model_dir=args.model_dir, device=args.device)
     encoder, reranker, labels = _model_choices(args, settings)
     if reranker == "late":
         return _fail(
             f"{labels[1]}=late: duet eval re-ranks with a cross-encoder (coop, "
             "ce-full); late interaction is the mode `late` (--modes dot,late) with "
-            "--reranker builtin"
+            "--reranker ce"
         )
     if reranker == "none":
         if args.modes and set(modes) != {"dot"}:
@@ -230,22 +238,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     model = load_models(encoder, reranker, settings.model_dir, settings.device, labels=labels)
     scorers: dict[str, TokenScorer] = {}
-    for name in ("late", "han"):
-        if name not in modes:
+    for name, entry in REGISTRY.items():  # the registered re-rankers duet eval can run
+        if name not in modes or entry.evaluate is None:
             continue
-        head = model.han if name == "han" else None  # load_models loads a saved head
-        if model.joint is None or (name == "han" and head is None):
-            why = (
-                f"{settings.model_dir or DEFAULT_WEIGHTS} has no trained HAN head "
-                "(han.safetensors); `duet train` makes one"
-                if model.joint is not None
-                else "it reads duet's own model's tokens (--encoder builtin)"
-            )
+        scorer = entry.evaluate(model, args.theta)
+        if isinstance(scorer, str):
             if args.modes:
-                return _fail(f"mode {name}: {why}")
+                return _fail(f"mode {name}: {scorer} ({settings.model_dir or DEFAULT_WEIGHTS})")
             modes.remove(name)
             continue
-        scorers[name] = late_scorer(args.theta) if head is None else han_scorer(head)
+        scorers[name] = scorer
     version, pool = load_pool(Path(args.index), model.fingerprint, args.distractors)
     say = (lambda _: None) if args.json else (lambda m: print(m, file=sys.stderr))
     if scorers:
@@ -396,9 +398,8 @@ def _model_options(p: argparse.ArgumentParser, verb: str) -> None:
         "--reranker",
         default=None,
         help="the re-ranker whose image tokens the index stores and that re-ranks: "
-        "builtin (duet's cross-encoder), late, none, or a local Hugging Face BLIP "
-        "image-text-matching directory (default: $DUET_RERANKER, else builtin); "
-        "han is refused until it is trained",
+        "ce (duet's cross-encoder; builtin is its older name), late, han, none, or a local "
+        "Hugging Face BLIP image-text-matching directory (default: $DUET_RERANKER, else ce)",
     )
 
 

@@ -31,8 +31,6 @@ from models import evaluate, world
 from models.errors import UserError
 from models.evaluate import KS, fit_matrix, precision, reorder
 from models.fusion import DEFAULT_FUSION_LAMBDA, fuse, norm_fuse
-from models.han import HANReranker
-from models.late import text_image_late_scores
 from models.protocols import BiEncoder, PairReranker, TokenEncoder
 from store.indexio import IndexVersion, version_dir
 
@@ -204,19 +202,6 @@ class TextTokens:
 # (direction name, dots (B,), word features (B, L, D), word mask (B, L), image tokens (B, T, D))
 # -> scores (B,), higher is better: a re-ranker that reads token features
 TokenScorer = Callable[[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
-
-
-def late_scorer(theta: float) -> TokenScorer:
-    """TGDT's S_gl; the query's tokens are the ones averaged over (text tokens for t2i, image
-    tokens for i2t)."""
-    return lambda direction, dots, words, mask, images: text_image_late_scores(
-        direction == "t2i", dots, words, mask, images, theta
-    )
-
-
-def han_scorer(han: HANReranker) -> TokenScorer:
-    """HAN's S_AVG (words aligned to regions) whichever side the query is."""
-    return lambda direction, dots, words, mask, images: han.score(words, mask, images)
 
 
 def reranked_recall(

@@ -45,3 +45,38 @@ def _minmax(x: np.ndarray) -> np.ndarray:
 def norm_fuse(dots: np.ndarray, logits: np.ndarray, lam: float) -> np.ndarray:
     """NORM_ADD_lambda: ADD_lambda after 0-1 normalising both scores over each query's top-k."""
     return norm_add_scores(dots, sigmoid(logits), lam)
+
+
+Ranked = tuple[int, float, float | None, float]  # row, dot, re-ranker score, score
+
+
+def fused_top_k(
+    rows: np.ndarray,
+    dots: np.ndarray,
+    scores: np.ndarray | None,
+    fusion: str,
+    lam: float | None,
+    top_k: int,
+) -> list[Ranked]:
+    """(row, dot, re-ranker score, score) for the top-k of candidates `rows` (best by dot
+    first), best first. `scores` are the re-ranker's own (a probability, S_gl, ...) for the
+    first len(scores) candidates, fused with their dots as `fusion` says (none | add |
+    norm_add, weight `lam`); `score` is what the hits are ordered by. Candidates left
+    unscored (a degraded request) follow the re-ranked ones in dot order, scored by dot."""
+    n = 0 if scores is None else len(scores)
+    ranked: list[Ranked] = []
+    if scores is not None and n:
+        if fusion == "none":
+            fused = np.asarray(scores, dtype=np.float64)
+        else:
+            assert lam is not None
+            combine = add_scores if fusion == "add" else norm_add_scores
+            fused = combine(dots[:n], scores, lam)
+        order = np.argsort(-fused, kind="stable")[:top_k]
+        ranked = [(int(rows[i]), float(dots[i]), float(scores[i]), float(fused[i])) for i in order]
+    rest = top_k - len(ranked)
+    ranked += [
+        (int(r), float(d), None, float(d))
+        for r, d in zip(rows[n : n + rest], dots[n : n + rest], strict=True)
+    ]
+    return ranked

@@ -18,7 +18,7 @@ other models is refused. Nothing is downloaded.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +29,18 @@ from models import hf
 from models.builtin import BuiltinModel, ModelLoadError
 from models.han import HANReranker
 from models.protocols import BiEncoder, PairReranker, TokenEncoder
+from models.rerankers import HAN_WHY, NONE, Menu, menu
 from models.shipped import DEFAULT_WEIGHTS
 
 BUILTIN = "builtin"
-RERANKER_NAMES = ("builtin", "late", "han", "none")
+# `ce` is duet's own cross-encoder, as a request names it; `builtin` is its older name
+RERANKER_NAMES = ("ce", "builtin", "late", "han", "none")
 ENCODER_LABEL = "DUET_ENCODER"
 RERANKER_LABEL = "DUET_RERANKER"
 ENCODER_CHOICES = "builtin or a local Hugging Face CLIP / SigLIP directory"
 RERANKER_CHOICES = (
-    "builtin, late, han, none or a local Hugging Face BLIP image-text-matching directory"
+    "ce (or builtin), late, han, none or a local Hugging Face BLIP image-text-matching directory"
 )
-# the request re-rankers a model without a menu offers (a bare BuiltinModel, test doubles)
-NO_TOKENS_WHY = "needs token-level text features, which this model does not provide"
-HAN_WHY = "is not available in this deployment (its model has no trained HAN head)"
 
 
 class ChoiceError(ModelLoadError):
@@ -66,16 +65,6 @@ class Part:
 NO_TOKENS = Part("none", "none")
 
 
-@dataclass(frozen=True)
-class Menu:
-    """The `reranker` request options a model can run, the one a request gets by default,
-    and why each of the others is unavailable."""
-
-    available: tuple[str, ...]
-    default: str
-    why: dict[str, str] = field(default_factory=dict)
-
-
 class Models:
     """The configured encoder and re-ranker behind the service's `JointEncoder` protocol.
 
@@ -93,7 +82,8 @@ class Models:
         tokens: Callable[[Sequence[Image.Image]], np.ndarray] | None,
         token_part: Part,
         token_shape: tuple[int, int],
-        menu: Menu,
+        default_reranker: str,
+        why: dict[str, str],
         joint: BuiltinModel | None,
         late: TokenEncoder | None,
         han: HANReranker | None = None,
@@ -104,7 +94,10 @@ class Models:
         self._tokens = tokens
         self.token_part = token_part
         self.token_shape = token_shape
-        self.menu = menu
+        # what `models.rerankers.menu` reads: the configured default request re-ranker and
+        # why the configuration rules some out (the registry finds the rest by building them)
+        self.default_reranker = default_reranker
+        self.why = why
         self.joint = joint  # the builtin model when it is both encoder and token source
         self._late = late
         self.han = han  # HAN's head over the joint model's words and stored tokens
@@ -128,6 +121,16 @@ class Models:
             "encoder": self.encoder_part.as_json(),
             "reranker": self.token_part.as_json(),
         }
+
+    @property
+    def menu(self) -> Menu:
+        """The request re-rankers these models offer (`models.rerankers.menu`)."""
+        return menu(self)
+
+    @property
+    def has_text_tokens(self) -> bool:
+        """Whether `text_token_features` works (what late interaction reads)."""
+        return self._late is not None
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         return self.encoder.encode_texts(texts)
@@ -168,16 +171,6 @@ class Models:
         if self._late is None:
             raise RuntimeError("late interaction is not available with these models")
         return self._late.text_token_features(texts)
-
-
-def reranker_menu(model: object) -> Menu:
-    """The request re-rankers `model` offers: its own menu, or for a bare model (the builtin
-    one, test doubles) `ce` and `none`, and `late` when it has token-level text features."""
-    if isinstance(model, Models):
-        return model.menu
-    if isinstance(model, TokenEncoder):
-        return Menu(("ce", "late", "none"), "ce", {"han": HAN_WHY})
-    return Menu(("ce", "none"), "ce", {"han": HAN_WHY, "late": NO_TOKENS_WHY})
 
 
 def manifest_model(model: object) -> dict[str, Any]:
@@ -228,7 +221,7 @@ def check_choices(
         raise ChoiceError(
             f"{rl}={reranker} needs token-level text features in the space of the stored image "
             f"tokens; {el}={encoder} (a {hf.model_type(enc_dir).upper()} checkpoint) gives "
-            f"pooled vectors only. Use {rl}=builtin, none or a BLIP directory with it, or "
+            f"pooled vectors only. Use {rl}=ce, none or a BLIP directory with it, or "
             f"{el}=builtin"
         )
     rr_dir = (
@@ -241,7 +234,7 @@ def check_choices(
 
 def load_models(
     encoder: str = BUILTIN,
-    reranker: str = BUILTIN,
+    reranker: str = "ce",
     model_dir: Path | None = None,
     device: str = "cpu",
     *,
@@ -252,7 +245,7 @@ def load_models(
     (the settings, or a command's --encoder / --reranker)."""
     el, rl = labels
     encoder = encoder.strip() or BUILTIN
-    reranker = reranker.strip() or BUILTIN
+    reranker = reranker.strip() or "ce"
     enc_dir, rr_dir = check_choices(encoder, reranker, labels=labels)
     builtin: BuiltinModel | None = None
 
@@ -297,12 +290,13 @@ def load_models(
             tokens=blip.image_tokens,
             token_part=Part(blip.name, blip.fingerprint, str(rr_dir.resolve())),
             token_shape=blip.token_shape,
-            menu=Menu(("ce", "none"), "ce", why),
+            default_reranker="ce",
+            why=why,
             joint=None,
             late=None,
         )
     if reranker == "none" and enc_dir is not None:  # nothing to store: zero-width tokens
-        why["ce"] = why["late"] = f"is not configured ({rl}=none)"
+        why = {"*": f"is not configured ({rl}=none)"}  # every re-ranker
         return Models(
             enc,
             enc_part,
@@ -310,7 +304,8 @@ def load_models(
             tokens=None,
             token_part=NO_TOKENS,
             token_shape=(0, 0),
-            menu=Menu(("none",), "none", why),
+            default_reranker=NONE,
+            why=why,
             joint=None,
             late=None,
         )
@@ -325,16 +320,16 @@ def load_models(
             f"with one. {rl} is {RERANKER_CHOICES}"
         )
     if reranker == "none":
-        why["ce"] = why["late"] = why["han"] = f"is not configured ({rl}=none)"
-        menu = Menu(("none",), "none", why)
+        why = {"*": f"is not configured ({rl}=none)"}  # every re-ranker
+        default = NONE
     elif same:
-        offered = ("ce", "late", "han", "none") if han is not None else ("ce", "late", "none")
-        menu = Menu(offered, reranker if reranker in ("late", "han") else "ce", why)
+        why = {}  # the registry builds each from the joint model (han: if it has a head)
+        default = reranker if reranker in ("late", "han") else "ce"
     else:
         why["late"] = (
             f"needs token-level text features, which the {enc_part.name} encoder does not provide"
         )
-        menu = Menu(("ce", "none"), "ce", why)
+        default = "ce"
     return Models(
         enc,
         enc_part,
@@ -342,7 +337,8 @@ def load_models(
         tokens=lambda images: model.encode_images(images)[1],
         token_part=token_part,
         token_shape=model.token_shape,
-        menu=menu,
+        default_reranker=default,
+        why=why,
         joint=model if same else None,
         late=model if same and reranker != "none" else None,
         han=han if reranker != "none" else None,

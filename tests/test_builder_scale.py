@@ -120,8 +120,8 @@ def test_per_call_params_do_not_touch_the_shared_index() -> None:
 def test_service_search_uses_its_settings_per_call() -> None:
     from types import SimpleNamespace
 
+    from app.batch import BatchWorker
     from app.config import Settings
-    from app.pipeline import SearchPipeline
 
     settings = Settings(index_nprobe=1, index_ef_search=8)
     vecs, query = _unit(4000), _unit(1, seed=3)
@@ -130,7 +130,7 @@ def test_service_search_uses_its_settings_per_call() -> None:
     fake = SimpleNamespace(
         search_knobs=ann.SearchKnobs(settings.index_nprobe, settings.index_ef_search)
     )
-    cand = SearchPipeline._top(fake, query, index, 10)  # type: ignore[arg-type]
+    cand = BatchWorker.top(fake, query, index, 10)  # type: ignore[arg-type]
     _, want = ann.search(index, query, 10, ann.SearchKnobs(nprobe=1))
     assert cand.rows.tolist() == want[0][want[0] >= 0].tolist()
     assert faiss.extract_index_ivf(index).nprobe == 64

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.batch import BatchWorker
 from app.config import Settings
 from app.engine import Engine, Throughput, Ticket, available_cores
 from app.errors import DeadlineExceeded, Overloaded, ShuttingDown
@@ -178,7 +179,7 @@ async def test_a_deadline_too_short_for_every_candidate_re_ranks_fewer(index_dir
         async with httpx.AsyncClient(transport=transport, base_url="http://duet") as client:
             # estimates that exactly fill the deadline: whatever the encode stage takes is
             # then missing from the re-rank budget
-            pipeline.throughput = Throughput({"query": 0.0, "pair": 0.999 / 30})
+            pipeline.worker.throughput = Throughput({"query": 0.0, "pair": 0.999 / 30})
             r = await client.post(
                 "/search/text",
                 json={"query": "a red circle above a square", "top_k": 5, "candidates": 30},
@@ -345,7 +346,7 @@ def test_torch_threads_follow_the_busy_workers_per_thread() -> None:
     DUET_TORCH_THREADS wins; the count is set in the worker's own thread only."""
     import torch
 
-    pipe = SearchPipeline.__new__(SearchPipeline)
+    pipe = BatchWorker.__new__(BatchWorker)
     pipe.cores, pipe.torch_threads = 4, None
     assert [pipe.threads_for(b) for b in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
     pipe.torch_threads = 3
@@ -355,7 +356,7 @@ def test_torch_threads_follow_the_busy_workers_per_thread() -> None:
     seen: list[int] = []
 
     def worker() -> None:
-        pipe._set_threads(2)
+        pipe.set_threads(2)
         seen.append(torch.get_num_threads())
 
     t = threading.Thread(target=worker)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from duet import evaluation
 from duet.evaluation import EvalError, evaluate_index, load_pool
 from models.builtin import BuiltinModel
 from models.fusion import fuse, norm_fuse
+from models.rerankers import REGISTRY
 from tests.conftest import REPO
 
 
@@ -73,6 +75,15 @@ def test_sweeps_and_distractors(
     } | {"ADD_0.8"}
 
 
+def _eval_scorer(name: str, model: object, theta: float) -> evaluation.TokenScorer:
+    """`duet eval`'s scorer of registry entry `name` (what cmd_eval builds)."""
+    entry = REGISTRY[name]
+    assert entry.evaluate is not None
+    scorer = entry.evaluate(model, theta)
+    assert not isinstance(scorer, str), scorer
+    return scorer
+
+
 def test_late_and_han_modes_rerank_the_same_candidates(
     index_dir: Path, model: BuiltinModel
 ) -> None:
@@ -89,7 +100,10 @@ def test_late_and_han_modes_rerank_the_same_candidates(
         None,
         candidates=10,
         modes=("dot", "late", "han"),
-        token_scorers={"late": evaluation.late_scorer(0.0), "han": evaluation.han_scorer(han)},
+        token_scorers={
+            "late": _eval_scorer("late", model, 0.0),
+            "han": _eval_scorer("han", SimpleNamespace(joint=model, han=han), 0.0),
+        },
         text_tokens=tt,
     )
     # theta = 0 is the bi-encoder alone: same order as dot inside its top 10
@@ -115,7 +129,7 @@ def test_late_and_han_modes_rerank_the_same_candidates(
         None,
         candidates=10,
         modes=("late",),
-        token_scorers={"late": evaluation.late_scorer(1.0)},
+        token_scorers={"late": _eval_scorer("late", model, 1.0)},
         text_tokens=tt,
     )
     t_cand, t_dots = evaluation.top_m(pool.text_vecs, pool.image_vecs, 10)

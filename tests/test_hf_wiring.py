@@ -27,7 +27,8 @@ from duet.cli import main
 from models.builtin import BuiltinModel
 from models.fusion import DEFAULT_FUSION_LAMBDA, sigmoid
 from models.hf import HFBlipReranker, HFDualEncoder
-from models.loading import ChoiceError, Models, load_models, reranker_menu
+from models.loading import ChoiceError, Models, load_models
+from models.rerankers import menu as reranker_menu
 from models.trainconfig import DEFAULT_WEIGHTS
 from models.world import write_corpus
 from store import indexio

@@ -1,0 +1,393 @@
+"""The worker side of a search: one batch of queries through encode -> FAISS top-M ->
+re-rank -> fuse -> top-k -> item look-ups, on an inference-engine worker (`app.engine`).
+
+Queries of a batch are encoded together and searched with one FAISS call per (index
+version, modality); a batched re-ranker (the cross-encoder) scores several queries' pairs
+per call, in chunks of up to `rerank_max_batch`; the others score one query at a time. When
+a query's deadline cannot fit all its candidates, it re-ranks as many as fit (best by dot
+product first) and says so (`degraded`). Each query is answered as soon as its own scores
+are in; one query's failure fails that query alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+
+from app.engine import Throughput, Ticket
+from app.metrics import Metrics
+from models.fusion import Ranked, fused_top_k
+from models.protocols import JointEncoder
+from models.rerankers import REGISTRY, Pairs, Scorer
+from store import ann
+from store.indexio import IndexVersion
+
+log = logging.getLogger("duet.pipeline")
+
+Meta = tuple[str, dict[str, Any]]  # a hit's id and meta
+
+
+@dataclass(frozen=True)
+class RerankPlan:
+    """A request's re-ranking options with the service defaults filled in: what runs, and
+    (with the query and the top_k / candidates) everything that decides the result."""
+
+    reranker: str  # a `models.rerankers` name, or none
+    fusion: str  # none | add | norm_add; none when reranker is none
+    lam: float | None  # with fusion add / norm_add
+    theta: float | None  # with a re-ranker that reads theta (late)
+
+    @property
+    def reranks(self) -> bool:
+        return self.reranker != "none"
+
+
+@dataclass
+class Candidates:
+    rows: np.ndarray  # FAISS rows, best first
+    dots: np.ndarray  # their dot products
+
+    @classmethod
+    def of(cls, dots: np.ndarray, rows: np.ndarray) -> Candidates:
+        """One query's FAISS result row, without the -1 padding past the index's end."""
+        keep = rows >= 0
+        return cls(rows[keep], dots[keep])
+
+
+@dataclass
+class Query:
+    """One request's model work, as the engine's workers see it."""
+
+    kind: Literal["text", "image"]  # a sentence finds images, an image finds captions
+    text: str | None
+    image: Image.Image | None
+    index: IndexVersion
+    plan: RerankPlan
+    m: int  # candidates to retrieve (top_k when not re-ranking)
+    top_k: int
+
+
+@dataclass
+class Answer:
+    """What a worker hands back for one query."""
+
+    ranked: list[Ranked]  # row, dot, re-ranker score, score; best first
+    meta: list[Meta]
+    timings: dict[str, float]
+    reranked: int | None  # candidates actually re-ranked; None when the plan does not re-rank
+    degraded: bool  # fewer than asked, because the deadline could not fit them
+
+
+@dataclass
+class _Work:
+    """A query between the batched stages and its own re-rank / look-up."""
+
+    ticket: Ticket[Query, Answer]
+    timings: dict[str, float]
+    cand: Candidates = field(
+        default_factory=lambda: Candidates(np.zeros(0, np.int64), np.zeros(0, np.float32))
+    )
+    image_tokens: np.ndarray | None = None  # an image query's own states
+    texts: list[Any] | None = None  # an image query's candidate caption rows
+
+    @property
+    def query(self) -> Query:
+        return self.ticket.payload
+
+
+class BatchWorker:
+    """What the engine's workers run: the model, the re-rankers' scorers, the cost model
+    they keep measuring, and each worker thread's niceness and torch threads."""
+
+    def __init__(
+        self,
+        model: JointEncoder,
+        scorers: dict[str, Scorer],
+        metrics: Metrics,
+        *,
+        search_knobs: ann.SearchKnobs,
+        rerank_max_batch: int,
+        cores: int,
+        torch_threads: int | None,
+        worker_nice: int,
+    ) -> None:
+        self.model = model
+        self._scorers = scorers
+        self.metrics = metrics
+        self.search_knobs = search_knobs
+        self.rerank_max_batch = rerank_max_batch
+        self.cores = cores
+        self.torch_threads = torch_threads
+        self.worker_nice = worker_nice
+        # seconds per query (encode + search) and per re-ranked pair; measured from the start
+        self.throughput = Throughput({"query": 0.002, "pair": 0.001})
+
+    def init_thread(self) -> None:
+        """In each worker thread before its first model call: its niceness (Linux applies
+        it per thread; the torch threads the worker starts inherit it)."""
+        if self.worker_nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.worker_nice)
+
+    def threads_for(self, busy: int) -> int:
+        """torch threads for a batch run while `busy` workers (this one included) run one:
+        `DUET_TORCH_THREADS` when set, else the cores shared among the busy workers, so a
+        lone request uses every core and a loaded service one core per worker."""
+        if self.torch_threads is not None:
+            return self.torch_threads
+        return max(1, self.cores // max(1, busy))
+
+    def set_threads(self, busy: int) -> None:
+        """Before each batch, in its worker thread: torch's OpenMP thread count is kept
+        per calling thread, so each worker sets its own."""
+        n = self.threads_for(busy)
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    def warm_up(self, index: IndexVersion) -> None:
+        """Time one query and a few pairs on `index`: the cost model's first estimates, and
+        warm kernels for the first request."""
+        self.set_threads(1)
+        try:
+            for _ in range(2):  # the first call of each kernel is slower than the rest
+                t0 = time.perf_counter()
+                vec = self.model.encode_texts(["a warm up query"])
+                self.top(vec, index.image_index, 10)
+                t1 = time.perf_counter()
+                n = min(16, len(index.image_tokens))
+                if n:
+                    self.model.score_pairs(
+                        ["a warm up query"] * n, np.asarray(index.image_tokens[:n])
+                    )
+                t2 = time.perf_counter()
+        except Exception:  # the requests will report it; the cost model keeps its defaults
+            log.exception("warm-up failed; starting with default cost estimates")
+            return
+        self.throughput = Throughput({"query": t1 - t0, "pair": (t2 - t1) / max(n, 1)})
+
+    def top(self, vec: np.ndarray, index: Any, m: int) -> Candidates:
+        # nprobe / efSearch go with this call only: the index is shared by every request
+        dots, rows = ann.search(index, vec, m, self.search_knobs)
+        return Candidates.of(dots[0], rows[0])
+
+    def run_batch(self, tickets: Sequence[Ticket[Query, Answer]]) -> None:
+        """Encode and search every query of the batch together, then re-rank and answer
+        each; one query's failure fails that query alone."""
+        start = time.monotonic()
+        work = [_Work(t, {"queue": _ms(start - t.enqueued)}) for t in tickets]
+        try:
+            with _clock(work, "encode"):
+                vecs = self._encode(work)
+            with _clock(work, "search"):
+                self._search_all(work, vecs)
+        except Exception:
+            if len(tickets) == 1:
+                raise
+            # one bad query must not fail its batch-mates: answer each on its own
+            log.warning("a batch of %d queries failed; running each alone", len(tickets))
+            for t in tickets:
+                try:
+                    self.run_batch([t])
+                except Exception as exc:
+                    log.exception("a query failed")
+                    t.fail(exc)
+            return
+        self.throughput.observe("query", len(work), time.monotonic() - start)
+        # a batched re-ranker (the cross-encoder) scores several queries' pairs per call, in
+        # chunks of up to rerank_max_batch pairs of one re-ranker and one query kind
+        chunk: list[_Work] = []
+        for w in work:
+            plan = w.query.plan
+            if plan.reranks and REGISTRY[plan.reranker].batched and len(w.cand.rows):
+                head = chunk[0].query if chunk else None
+                same = head is not None and (head.plan.reranker, head.kind) == (
+                    plan.reranker,
+                    w.query.kind,
+                )
+                full = sum(c.query.m for c in chunk) + w.query.m > self.rerank_max_batch
+                if chunk and (full or not same):
+                    self._answer(chunk, self._score_batched)
+                    chunk = []
+                chunk.append(w)
+                continue
+            self._answer([w], lambda ws: [self._rerank_one(ws[0])])
+        if chunk:
+            self._answer(chunk, self._score_batched)
+
+    def _encode(self, work: list[_Work]) -> dict[int, np.ndarray]:
+        """Query vectors by position in `work`: the sentences in one call, the images in one."""
+        vecs: dict[int, np.ndarray] = {}
+        texts = [i for i, w in enumerate(work) if w.query.kind == "text"]
+        images = [i for i, w in enumerate(work) if w.query.kind == "image"]
+        if texts:
+            v = self.model.encode_texts([str(work[i].query.text) for i in texts])
+            vecs.update(zip(texts, v, strict=True))
+        if images:
+            v, toks = self.model.encode_images([work[i].query.image for i in images])  # type: ignore[misc]
+            vecs.update(zip(images, v, strict=True))
+            for i, tk in zip(images, toks, strict=True):
+                work[i].image_tokens = tk[None]
+        return vecs
+
+    def _search_all(self, work: list[_Work], vecs: dict[int, np.ndarray]) -> None:
+        """One FAISS call per (index version, modality) for all the batch's queries."""
+        groups: dict[tuple[int, str], list[int]] = {}
+        for i, w in enumerate(work):
+            groups.setdefault((id(w.query.index), w.query.kind), []).append(i)
+        for members in groups.values():
+            q = work[members[0]].query
+            index = q.index.image_index if q.kind == "text" else q.index.text_index
+            m = max(work[i].query.m for i in members)
+            dots, rows = ann.search(
+                index, np.stack([vecs[i] for i in members]), m, self.search_knobs
+            )
+            for j, i in enumerate(members):
+                m_i = work[i].query.m
+                work[i].cand = Candidates.of(dots[j][:m_i], rows[j][:m_i])
+
+    def _affordable(self, chunk: list[_Work]) -> float:
+        """The share (0..1) of the chunk's candidates that can be re-ranked before the
+        earliest deadline in it, at the measured seconds per pair of its re-ranker."""
+        pairs = sum(len(w.cand.rows) for w in chunk)
+        per_pair = self.throughput.seconds(pair_kind(chunk[0].query.plan))
+        if pairs == 0 or per_pair <= 0:
+            return 1.0
+        now = time.monotonic()
+        budget = min(w.ticket.remaining(now) for w in chunk) - self.throughput.seconds("query")
+        return max(0.0, min(1.0, budget / (per_pair * pairs)))
+
+    def _score_batched(self, chunk: list[_Work]) -> list[np.ndarray]:
+        """One call of a batched re-ranker for the pairs of every query in `chunk` (as many
+        of each query's candidates as fit the earliest deadline among them)."""
+        share = self._affordable(chunk)
+        texts: list[str] = []
+        tokens: list[np.ndarray] = []
+        dots: list[np.ndarray] = []
+        sizes = []
+        for w in chunk:
+            n = math.floor(len(w.cand.rows) * share)
+            sizes.append(n)
+            q_texts, q_tokens = self._pairs(w, n)
+            texts += q_texts
+            tokens.append(q_tokens)
+            dots.append(w.cand.dots[:n])
+        scores = np.zeros(0, np.float32)
+        if texts:
+            q = chunk[0].query
+            scores = self._scorers[q.plan.reranker](
+                Pairs(
+                    texts,
+                    np.concatenate(tokens),
+                    np.concatenate(dots),
+                    q.kind == "text",
+                    q.plan.theta,
+                )
+            )
+            self.metrics.rerank_batch_size.observe(len(texts))
+        bounds = np.cumsum([0, *sizes])
+        return [scores[a:b] for a, b in itertools.pairwise(bounds)]
+
+    def _pairs(self, w: _Work, n: int) -> tuple[list[str], np.ndarray]:
+        """The first `n` candidates as (texts, image states) pairs for a pair re-ranker."""
+        if w.query.kind == "text":
+            return [str(w.query.text)] * n, np.asarray(w.query.index.image_tokens[w.cand.rows[:n]])
+        assert w.image_tokens is not None and w.texts is not None
+        return [r.text for r in w.texts[:n]], np.repeat(w.image_tokens, n, axis=0)
+
+    def _rerank_one(self, w: _Work) -> np.ndarray | None:
+        """An unbatched re-ranker's scores for the candidates that fit the deadline; None
+        for plan none."""
+        plan = w.query.plan
+        if not plan.reranks or not len(w.cand.rows):
+            return None
+        n = math.floor(len(w.cand.rows) * self._affordable([w]))
+        if n == 0:
+            return np.zeros(0, np.float32)
+        texts, tokens = self._pairs(w, n)
+        pairs = Pairs(texts, tokens, w.cand.dots[:n], w.query.kind == "text", plan.theta)
+        return self._scorers[plan.reranker](pairs)
+
+    def _answer(
+        self, chunk: list[_Work], score: Callable[[list[_Work]], Sequence[np.ndarray | None]]
+    ) -> None:
+        """Look up what re-ranking needs, score the chunk (`score(chunk)` -> one array or
+        None per query), order, look up the hits and answer each query."""
+        try:
+            with _clock(chunk, "lookup"):
+                for w in chunk:
+                    if w.query.kind == "image":  # the re-ranker reads the candidates' captions
+                        w.texts = w.query.index.store.texts([int(r) for r in w.cand.rows])
+            t0 = time.monotonic()
+            scores = score(chunk)
+            dt = time.monotonic() - t0
+            pairs = sum(len(s) for s in scores if s is not None)
+            self.throughput.observe(pair_kind(chunk[0].query.plan), pairs, dt)
+            for w, s in zip(chunk, scores, strict=True):
+                if s is not None:
+                    w.timings["rerank"] = _ms(dt)
+        except Exception as exc:
+            log.exception("re-ranking %d queries failed", len(chunk))
+            for w in chunk:
+                w.ticket.fail(exc)
+            return
+        for w, s in zip(chunk, scores, strict=True):
+            try:
+                w.ticket.resolve(self._ranked(w, s))
+            except Exception as exc:
+                log.exception("answering a query failed")
+                w.ticket.fail(exc)
+
+    def _ranked(self, w: _Work, scores: np.ndarray | None) -> Answer:
+        q = w.query
+        plan = q.plan
+        ranked = fused_top_k(w.cand.rows, w.cand.dots, scores, plan.fusion, plan.lam, q.top_k)
+        with _clock([w], "lookup"):
+            if q.kind == "text":
+                rows = q.index.store.images([r for r, _, _, _ in ranked])
+                meta = [(r.id, {**r.meta, "image": r.path}) for r in rows]
+            else:
+                assert w.texts is not None
+                by_row = dict(zip(w.cand.rows.tolist(), w.texts, strict=True))
+                meta = [
+                    (
+                        by_row[r].id,
+                        {**by_row[r].meta, "text": by_row[r].text, "image_id": by_row[r].image_id},
+                    )
+                    for r, _, _, _ in ranked
+                ]
+        used = None if scores is None else len(scores)
+        return Answer(
+            ranked, meta, w.timings, used, degraded=used is not None and used < len(w.cand.rows)
+        )
+
+
+def pair_kind(plan: RerankPlan) -> str:
+    """The cost-model kind of one re-ranked candidate: each re-ranker has its own price."""
+    return REGISTRY[plan.reranker].cost_kind if plan.reranks else "pair/none"
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+@contextmanager
+def _clock(work: list[_Work], stage: str) -> Iterator[None]:
+    """Add the block's wall time to `stage` of every query in `work` (they shared it)."""
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        dt = _ms(time.monotonic() - t0)
+        for w in work:
+            w.timings[stage] = round(w.timings.get(stage, 0.0) + dt, 3)
