@@ -34,7 +34,7 @@ demo-index: $(SERVE_STAMP)
 serve: demo-index
 	@echo ""
 	@echo "duet on http://$(HOST):$(PORT) -- try:"
-	@echo "  curl -s -X POST http://$(HOST):$(PORT)/search/text -H 'content-type: application/json' -d '{\"query\": \"a small red circle right of a small blue square\", \"top_k\": 5}'"
+	@echo "  curl -s -X POST http://$(HOST):$(PORT)/search/text -H 'content-type: application/json' -d '{\"query\": \"a small red diamond left of a small yellow triangle\", \"top_k\": 5}'"
 	@echo "  curl -s -X POST http://$(HOST):$(PORT)/search/image -F image=@$(DEMO)/images/0007.png -F top_k=5"
 	@echo ""
 	DUET_INDEX_DIR=$(INDEXES) DUET_HOST=$(HOST) DUET_PORT=$(PORT) $(BIN)/duet serve

@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: str = "info"
+    access_log: bool = Field(
+        False,
+        description="one log line per HTTP request (method, path, status) from uvicorn",
+    )
 
     redis_url: str = Field("", description="empty = in-process LRU cache")
     redis_timeout_ms: int = Field(100, ge=1, description="per Redis call; slower = cache skipped")

@@ -18,7 +18,7 @@ import uvicorn
 
 from app.config import Settings
 from app.main import create_app
-from duet.cli import eval_modes
+from duet.commands.evaluate import eval_modes
 from models import rerankers
 from models.rerankers import Pairs, Reranker, Scorer
 from tests.conftest import free_port

@@ -1,0 +1,299 @@
+"""`duet build` (a corpus into a new index version), `duet demo-corpus` and `duet demo-index`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from duet.commands.common import (
+    HelpFormatter,
+    fail,
+    load_settings,
+    log,
+    model_choices,
+    model_options,
+    setup_logging,
+)
+
+
+def add(sub: Any) -> None:
+    """build, demo-corpus, demo-index"""
+    _add_build(sub)
+    _add_demo(sub)
+
+
+def _add_build(sub: Any) -> None:
+    from models.trainconfig import DEFAULT_WEIGHTS
+
+    b = sub.add_parser(
+        "build",
+        formatter_class=HelpFormatter,
+        help="encode a corpus into a new index version",
+        description="Encode images and captions of a corpus into "
+        "OUT/<version>/ (FAISS indexes, vectors, item store, manifest.json) and "
+        "atomically point OUT/current at it. A corpus is a JSONL manifest "
+        "(.jsonl, one image per line) or a Karpathy split file (.json: "
+        "dataset_flickr30k.json, dataset_coco.json; needs --split). Encoding is "
+        "written in shards under OUT/.shards/; run the same command again after a "
+        "crash to resume.",
+    )
+    b.add_argument(
+        "--corpus",
+        help="manifest.jsonl (one image per line) or a Karpathy dataset_*.json: a fresh build",
+    )
+    b.add_argument(
+        "--append",
+        metavar="CORPUS",
+        help="add this manifest's items to OUT/current as a new version, reusing the "
+        "stored vectors of the old ones (ids must be new)",
+    )
+    b.add_argument(
+        "--delete",
+        type=Path,
+        metavar="IDS_FILE",
+        help="drop these item ids (one per line; an image's captions go with it) "
+        "from OUT/current, alone or with --append",
+    )
+    b.add_argument(
+        "--split",
+        default=None,
+        help="Karpathy .json corpora only, required there: which images to read: "
+        "test (the papers' Flickr30k 1k / COCO 5k test set), val, train, restval, "
+        "a comma-separated list (train,restval), or all",
+    )
+    b.add_argument(
+        "--images-root",
+        type=Path,
+        default=None,
+        help="Karpathy .json corpora only: the folder holding the images, as "
+        "ROOT/<filename> (Flickr30k) or ROOT/<filepath>/<filename> (COCO: "
+        "ROOT/val2014/...) (default: the .json file's folder)",
+    )
+    _add_build_options(b, DEFAULT_WEIGHTS)
+
+
+def _add_build_options(b: argparse.ArgumentParser, weights: Path) -> None:
+    """Where it writes, how it encodes, with which models."""
+    b.add_argument("--out", default="indexes", help="index directory (default: ./indexes)")
+    b.add_argument(
+        "--factory",
+        default=None,
+        help="FAISS index-factory string, inner product: Flat, IVF1024,Flat, "
+        "IVF4096_HNSW32,SQ8, IVF1024,PQ16, HNSW32, ... (DUET_INDEX_FACTORY; default: "
+        "by size, Flat up to 200k vectors, IVF above)",
+    )
+    b.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
+    b.add_argument(
+        "--shard-size",
+        type=int,
+        default=1024,
+        help="items per shard; a killed build resumes from the last whole shard",
+    )
+    b.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="image-decoding DataLoader workers (default: on a GPU cores - 1, at "
+        "most 8; on CPU cores / 4, at most 4; 0 = decode in the main process)",
+    )
+    b.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=None,
+        help="encode on (default: $DUET_DEVICE, else auto: CUDA with autocast when "
+        "a GPU is present)",
+    )
+    b.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local: this process; ray: a Ray Data actor pool (RAY_ADDRESS picks "
+        "the cluster; needs the [ray] extra)",
+    )
+    b.add_argument(
+        "--ray-actors",
+        type=int,
+        default=None,
+        help="encoding actors for --engine ray (default: one per GPU, else per 2 CPUs)",
+    )
+    b.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="skip malformed lines and unreadable images, list them at the end "
+        "(default: stop at the first one)",
+    )
+    b.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help=f"model weights directory (default: $DUET_MODEL_DIR, else the shipped {weights})",
+    )
+    model_options(b, "encodes")
+    b.add_argument("--no-progress", action="store_true", help="no progress bars")
+    b.set_defaults(fn=cmd_build)
+
+
+def _add_demo(sub: Any) -> None:
+    d = sub.add_parser(
+        "demo-corpus",
+        formatter_class=HelpFormatter,
+        help="generate a synthetic image-caption corpus",
+        description="Render scenes of coloured shapes with several captions "
+        "each; the same seed gives the same bytes.",
+    )
+    d.add_argument("--out", required=True, help="directory for manifest.jsonl and images/")
+    d.add_argument("--images", type=int, default=2000, help="number of images (default 2000)")
+    d.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
+    d.add_argument(
+        "--captions",
+        type=int,
+        default=5,
+        choices=range(3, 7),
+        metavar="{3..6}",
+        help="captions per image (default 5)",
+    )
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d.set_defaults(fn=cmd_demo_corpus)
+
+    i = sub.add_parser(
+        "demo-index",
+        formatter_class=HelpFormatter,
+        help="generate the demo corpus and build it, unless OUT/current exists",
+        description="First-run convenience used by `make serve` and the "
+        "docker-compose index-init job: if OUT/current does not exist, generate a "
+        "synthetic corpus and build it into OUT; otherwise do nothing.",
+    )
+    i.add_argument("--out", default="indexes", help="index directory (default: ./indexes)")
+    i.add_argument(
+        "--corpus-out", default=None, help="where the demo images go (default: OUT/../demo-corpus)"
+    )
+    i.add_argument("--images", type=int, default=2000, help="number of images (default 2000)")
+    i.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
+    i.add_argument("--no-progress", action="store_true", help="no progress bars")
+    i.set_defaults(fn=cmd_demo_index)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from index_builder.build import build
+    from models.loading import load_models
+
+    setup_logging()
+    if args.corpus and args.append:
+        return fail(
+            "give --corpus (a new build) or --append (add to the current version), not both"
+        )
+    if args.corpus and args.delete:
+        return fail("--delete changes the current version: use it alone or with --append")
+    corpus = args.corpus or args.append
+    if corpus is None and args.delete is None:
+        return fail("give --corpus MANIFEST, --append MANIFEST or --delete IDS_FILE")
+    if corpus is not None and not Path(corpus).is_file():
+        return fail(f"corpus manifest {corpus} does not exist")
+    if corpus is None and (args.split is not None or args.images_root is not None):
+        return fail("--split and --images-root select from a --corpus or --append file")
+    settings = load_settings(
+        model_dir=args.model_dir, device=args.device, index_factory=args.factory
+    )
+    encoder, reranker, labels = model_choices(args, settings)
+    model = load_models(encoder, reranker, settings.model_dir, settings.device, labels=labels)
+    log.info(
+        "encoder %s, image tokens for %s (%s, shape %s)",
+        model.encoder_part.fingerprint,
+        model.token_part.fingerprint,
+        model.name,
+        model.token_shape,
+    )
+    report = build(
+        Path(corpus) if corpus else None,
+        Path(args.out),
+        model,
+        batch_size=args.batch_size,
+        skip_bad=args.skip_bad,
+        progress=not args.no_progress,
+        factory=settings.index_factory or None,
+        shard_size=args.shard_size,
+        workers=args.workers,
+        device=settings.device,
+        engine=args.engine,
+        append=args.append is not None,
+        delete=args.delete,
+        ray_actors=args.ray_actors,
+        split=args.split,
+        images_root=args.images_root,
+    )
+    m = report.manifest
+    print(
+        f"built {report.path} ({report.images} images, {report.texts} texts, "
+        f"{m['index_type']}) in {report.seconds:.1f}s; "
+        f"{Path(args.out) / 'current'} -> {report.version}"
+    )
+    print(
+        f"encoded {report.encoded} items in {report.encode_seconds:.1f}s: "
+        f"{report.items_per_s:.1f} items/s ({m['build']['engine']} engine, "
+        f"{m['build']['device']}); {report.resumed_shards} of {report.shards} shards resumed"
+    )
+    for name, info in m["indexes"].items():
+        print(
+            f"  {name}: {info['factory']}, recall@10 {info['recall_at_10']:.4f} vs exact, "
+            f"{info['bytes_per_vector']:.1f} bytes/vector"
+        )
+    if report.skipped:
+        print(f"skipped {len(report.skipped)} bad entries:")
+        for line in report.skipped:
+            print(f"  {line}")
+    return 0
+
+
+def cmd_demo_corpus(args: argparse.Namespace) -> int:
+    from models.world import write_corpus
+
+    if args.images < 1:
+        return fail("--images must be at least 1")
+    manifest = write_corpus(
+        Path(args.out),
+        args.images,
+        args.seed,
+        n_captions=args.captions,
+        progress=not args.no_progress,
+    )
+    print(f"wrote {args.images} images and {args.images * args.captions} captions: {manifest}")
+    return 0
+
+
+def cmd_demo_index(args: argparse.Namespace) -> int:
+    """First-run convenience (make serve, docker compose): a demo index unless one exists."""
+    import fcntl
+
+    from index_builder.build import build
+    from models.loading import load_models
+    from models.world import write_corpus
+
+    setup_logging()
+    settings = load_settings()
+    encoder, reranker, labels = model_choices(args, settings)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # several replicas may start at once on one shared volume (k8s init containers): one builds
+    with (out / ".demo-index.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "current").exists():
+            print(f"{out / 'current'} exists; nothing to do")
+            return 0
+        corpus = Path(args.corpus_out) if args.corpus_out else out.parent / "demo-corpus"
+        print(f"no index in {out}: generating {args.images} demo images in {corpus} and building")
+        manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
+        # the models the service will serve (DUET_ENCODER, DUET_RERANKER)
+        model = load_models(encoder, reranker, settings.model_dir, settings.device, labels=labels)
+        report = build(
+            manifest,
+            out,
+            model,
+            progress=not args.no_progress,
+            factory=settings.index_factory or None,
+        )
+    print(
+        f"built {report.path} ({report.images} images, {report.texts} texts) in "
+        f"{report.seconds:.1f}s"
+    )
+    return 0

@@ -1,0 +1,103 @@
+"""What every `duet` command shares: the one settings path, the model choices, errors."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from app.config import Settings
+
+log = logging.getLogger("duet")
+
+EXIT_USAGE = 2
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every option's default: appended as "(default: X)" unless the option's
+    own help already says what its default is, or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def setup_logging(level: str = "info") -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """The one configuration of every command: DUET_* from the environment or .env
+    (`app.config.Settings`), a command's flags given as `overrides`."""
+    from pydantic import ValidationError
+
+    from app.config import Settings
+    from models.errors import UserError
+
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        bad = "; ".join(
+            f"DUET_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
+        )
+        raise UserError(f"invalid setting(s): {bad} (see .env.example for every setting)") from exc
+
+
+def model_choices(args: argparse.Namespace, settings: Settings) -> tuple[str, str, tuple[str, str]]:
+    """(encoder, reranker, their labels for errors): --encoder / --reranker, else DUET_ENCODER /
+    DUET_RERANKER (the service's settings, so a build matches what is served)."""
+    enc_flag, rr_flag = getattr(args, "encoder", None), getattr(args, "reranker", None)
+    return (
+        enc_flag or settings.encoder,
+        rr_flag or settings.reranker,
+        ("--encoder" if enc_flag else "DUET_ENCODER", "--reranker" if rr_flag else "DUET_RERANKER"),
+    )
+
+
+def fail(message: str) -> int:
+    print(f"duet: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def model_options(p: argparse.ArgumentParser, verb: str) -> None:
+    """--encoder and --reranker: the same choices as DUET_ENCODER and DUET_RERANKER."""
+    p.add_argument(
+        "--encoder",
+        default=None,
+        help=f"the bi-encoder it {verb} with: builtin (duet's model, --model-dir) or a "
+        "local Hugging Face CLIP / SigLIP directory (default: $DUET_ENCODER, else "
+        "builtin)",
+    )
+    p.add_argument(
+        "--reranker",
+        default=None,
+        help="the re-ranker whose image tokens the index stores and that re-ranks: "
+        "ce (duet's cross-encoder; builtin is its older name), late, han, none, or a local "
+        "Hugging Face BLIP image-text-matching directory (default: $DUET_RERANKER, else ce)",
+    )
+
+
+def index_corpus(index: Path) -> dict[str, object] | None:
+    """What `duet eval` evaluated: the corpus file an index was built from and its split."""
+    from store.indexio import read_manifest, version_dir
+
+    manifest = read_manifest(version_dir(index))
+    corpus = manifest.get("corpus")
+    if corpus is None:
+        return None
+    return {"path": corpus, **(manifest.get("corpus_selection") or {"format": "manifest"})}

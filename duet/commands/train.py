@@ -1,0 +1,152 @@
+"""`duet train`: duet's own model on the synthetic world."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from duet.commands.common import (
+    HelpFormatter,
+    fail,
+    setup_logging,
+)
+
+
+def add(sub: Any) -> None:
+    """train"""
+    from models.trainconfig import DEFAULT_WEIGHTS, TrainConfig
+
+    defaults = TrainConfig()
+    t = sub.add_parser(
+        "train",
+        formatter_class=HelpFormatter,
+        help="train duet's own model on the synthetic world",
+        description="Train duet's model from scratch on CPU in three stages "
+        "and save safetensors weights, config and vocabulary: (1) the joint "
+        "bi-encoder / cross-encoder, (2) the cross-encoder afresh on the frozen "
+        "token states, with many more steps, (3) the HAN head over the frozen "
+        "states (han.safetensors). --from skips stage 1.",
+    )
+    t.add_argument(
+        "--out",
+        required=True,
+        help=f"output directory (required: the shipped weights live in {DEFAULT_WEIGHTS}; "
+        "name it only to replace them on purpose)",
+    )
+    t.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="draws the training scenes and initial weights",
+    )
+    t.add_argument("--images", type=int, default=defaults.images, help="training scenes")
+    t.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    t.add_argument("--batch", type=int, default=defaults.batch, help="pairs per batch")
+    _add_stage_options(t, defaults)
+    t.set_defaults(fn=cmd_train)
+
+
+def _add_stage_options(t: argparse.ArgumentParser, defaults: Any) -> None:
+    """What each stage does and how long it runs."""
+    t.add_argument(
+        "--ce-steps",
+        type=int,
+        default=defaults.ce_steps,
+        help="stage 2: cross-encoder steps on the frozen states (0 = keep stage 1's; "
+        "not with --from)",
+    )
+    t.add_argument(
+        "--han-steps",
+        type=int,
+        default=defaults.han_steps,
+        help="stage 3: HAN head steps (0 = no HAN head; with --from, DIR's head is kept)",
+    )
+    t.add_argument(
+        "--ce-lr",
+        type=float,
+        default=defaults.ce_lr,
+        help=f"stage 2: peak learning rate (default {defaults.ce_lr})",
+    )
+    t.add_argument(
+        "--ce-warm",
+        action="store_true",
+        help="stage 2 fine-tunes the cross-encoder it is given (DIR's with --from, "
+        "else stage 1's) instead of training one afresh",
+    )
+    t.add_argument(
+        "--tune",
+        action="store_true",
+        help="with --from: stage 1 continues from DIR's weights for --steps steps "
+        "(encoders included) instead of keeping its encoders",
+    )
+    t.add_argument(
+        "--lr",
+        type=float,
+        default=defaults.lr,
+        help=f"stage 1: peak learning rate (default {defaults.lr})",
+    )
+    t.add_argument(
+        "--warmup",
+        type=int,
+        default=defaults.warmup,
+        help=f"stage 1: warm-up steps (default {defaults.warmup})",
+    )
+    t.add_argument(
+        "--aux-weight",
+        type=float,
+        default=defaults.aux_weight,
+        help="stage 1: weight of the patch probe's loss on the image states (default "
+        f"{defaults.aux_weight}; the probe starts untrained, also with --tune)",
+    )
+    t.add_argument(
+        "--easy-steps",
+        type=int,
+        default=defaults.easy_steps,
+        help="stage 1: steps with random negatives only before the hard ones "
+        f"(default {defaults.easy_steps})",
+    )
+    t.add_argument(
+        "--from",
+        dest="init_from",
+        default=None,
+        metavar="DIR",
+        help="skip stage 1: keep the towers and projections of the trained model in "
+        "DIR exactly (same vectors and token states) and train stages 2 and 3 on top",
+    )
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from models.evaluate import format_table
+    from models.train import train
+    from models.trainconfig import TrainConfig
+
+    setup_logging()
+    cfg = TrainConfig(
+        seed=args.seed,
+        images=args.images,
+        steps=args.steps,
+        batch=args.batch,
+        ce_steps=args.ce_steps,
+        han_steps=args.han_steps,
+        ce_lr=args.ce_lr,
+        ce_warm=args.ce_warm,
+        tune=args.tune,
+        lr=args.lr,
+        warmup=args.warmup,
+        easy_steps=args.easy_steps,
+        aux_weight=args.aux_weight,
+    )
+    if args.tune and not args.init_from:
+        return fail("--tune continues the model of --from DIR: give --from")
+    init_from = Path(args.init_from) if args.init_from else None
+    if init_from is not None and not (init_from / "config.json").is_file():
+        return fail(f"--from {init_from} is not a trained model directory (no config.json)")
+    try:
+        summary = train(cfg, Path(args.out), progress=not args.no_progress, init_from=init_from)
+    except ValueError as exc:
+        return fail(str(exc))
+    print(f"trained in {summary['train_seconds']}s -> {args.out} ({summary['fingerprint']})")
+    print(format_table(summary["validation"]))  # type: ignore[arg-type]
+    return 0

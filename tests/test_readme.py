@@ -1,0 +1,107 @@
+"""The README's examples, run as written against the demo `make serve` builds (the same
+command, seed and size), served by a real `duet serve`: every curl line of its Search block
+and its Python client block answer 200, and the answers are what the README says they are
+(the text query's first hit fits it; the image query's first captions describe that
+image)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from models.world import Scene, satisfies
+from tests.conftest import DUET, REPO, Service, start_service, stop_service
+
+README = (REPO / "README.md").read_text()
+# what `make demo-index` runs (Makefile): the demo every README example is written against
+MAKEFILE = (REPO / "Makefile").read_text()
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Path]]:
+    """`make demo-index`'s command into a temporary folder, then `duet serve` on it."""
+    line = next(ln for ln in MAKEFILE.splitlines() if "duet demo-index" in ln)
+    args = shlex.split(line.split("duet demo-index", 1)[1])
+    # --out $(INDEXES) / --corpus-out $(DEMO): ours below
+    args = [a for i, a in enumerate(args) if "$(" not in " ".join(args[i : i + 2])]
+    assert "--images" in args and "--seed" in args, line
+    root = tmp_path_factory.mktemp("demo")
+    corpus, indexes = root / "data" / "demo", root / "indexes"
+    subprocess.run(
+        [
+            *DUET,
+            "demo-index",
+            "--out",
+            str(indexes),
+            "--corpus-out",
+            str(corpus),
+            *args,
+            "--no-progress",
+        ],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
+    svc = start_service(indexes, root / "serve.log")
+    yield svc, root
+    stop_service(svc)
+
+
+def _scene(meta: dict[str, object]) -> Scene:
+    return Scene.from_json(meta["scene"])  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_every_curl_example_answers_as_the_readme_says(demo: tuple[Service, Path]) -> None:
+    svc, root = demo
+    search = README.split("## Search", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```sh\n(.*?)```", search, flags=re.S)
+    assert block is not None
+    commands = block.group(1).replace("\\\n", " ").strip().splitlines()
+    assert len(commands) >= 3
+    answers = []
+    for cmd in commands:
+        cmd = cmd.replace("http://127.0.0.1:8000", svc.url)
+        out = subprocess.run(
+            ["bash", "-c", cmd + " -w '\\n%{http_code}'"],
+            cwd=root,  # data/demo/... as after `make serve`
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        body, status = out.rsplit("\n", 1)
+        assert status == "200", (cmd, body)
+        answers.append(json.loads(body))
+    text, *images = answers
+
+    query = json.loads(re.search(r"-d '(\{.*?\})'", commands[0]).group(1))["query"]  # type: ignore[union-attr]
+    top = text["hits"][0]
+    assert satisfies(query, _scene(top["meta"])), (query, top)
+    # the image examples: the image's own captions come first
+    image_id = re.search(r"images/(\d+)\.png", commands[1]).group(1)  # type: ignore[union-attr]
+    for ans in images:
+        assert ans["hits"][0]["meta"]["image_id"].endswith(image_id), ans["hits"][0]
+
+
+def test_the_python_client_example_runs_as_written(
+    demo: tuple[Service, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    svc, root = demo
+    blocks = [b for b in _blocks("python") if "DuetClient" in b]
+    assert blocks, "the README shows the Python client"
+    monkeypatch.chdir(root)
+    for code in blocks:
+        exec(compile(code.replace("http://127.0.0.1:8000", svc.url), "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "images/" in printed and printed.count("\n") >= 5
