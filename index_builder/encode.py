@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -23,9 +25,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from tqdm import tqdm
 
 from models.builtin import BuiltinModel, pixel_bytes
 from models.joint import JointModel
+from models.loading import Models
+from store import indexio
+
+log = logging.getLogger("duet.build")
 
 TEXT_BATCH_MIN = 256
 
@@ -309,3 +316,72 @@ def _read_fields(fh: Any, fields: Sequence[str]) -> dict[str, np.ndarray]:
         if name in fields:
             out[name] = arr
     return out
+
+
+def _encode_local(
+    plan: Sequence[PlanItem],
+    missing: list[tuple[int, int, int]],
+    shard_dir: Path,
+    model: BuiltinModel,
+    dev: Any,
+    batch_size: int,
+    workers: int,
+    progress: bool,
+    on_shard: Any,
+) -> None:
+    """Decode in `workers` DataLoader processes, encode here, write each shard as it ends."""
+    encoder = Encoder(model, dev)
+    per_shard = [shard_batches(plan, a, b, batch_size) for _, a, b in missing]
+    batches = decoded_batches(
+        plan, [b for bs in per_shard for b in bs], encoder.image_size, workers
+    )
+    with tqdm(
+        total=sum(b - a for _, a, b in missing), desc="encoding", unit="item", disable=not progress
+    ) as bar:
+        for (k, a, b), bs in zip(missing, per_shard, strict=True):
+            shard = ShardBuilder(plan[a:b], encoder, batch_size)
+            for _ in bs:
+                shard.add(next(batches))
+            arrays = shard.finish(model.dim, model.token_shape)
+            indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+            bar.update(b - a)
+            on_shard(k, arrays)
+
+
+def _encode_rgb(
+    plan: Sequence[PlanItem],
+    missing: list[tuple[int, int, int]],
+    shard_dir: Path,
+    model: Models,
+    batch_size: int,
+    progress: bool,
+    on_shard: Any,
+) -> None:
+    """Hugging Face models: decode here, encode `batch_size` images at a time at their own
+    size (each model's processor resizes), the same shard files as the fast path."""
+    encoder = RGBEncoder(model)
+    log.info(
+        "encoding %d shard(s) with %s on %s, %d images per batch",
+        len(missing),
+        model.name,
+        model.device,
+        batch_size,
+    )
+    with tqdm(
+        total=sum(b - a for _, a, b in missing), desc="encoding", unit="item", disable=not progress
+    ) as bar:
+        for k, a, b in missing:
+            t0 = time.perf_counter()
+            shard = ShardBuilder(plan[a:b], encoder, batch_size)
+            done = 0
+            for positions in shard_batches(plan, a, b, batch_size):
+                shard.add([decode_rgb(plan[p]) for p in positions])
+                bar.update(len(positions))
+                done += len(positions)
+            arrays = shard.finish(model.dim, model.token_shape)  # the captions
+            indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+            bar.update(b - a - done)
+            log.info(
+                "shard %d: items %d-%d encoded in %.1fs", k, a, b - 1, time.perf_counter() - t0
+            )
+            on_shard(k, arrays)

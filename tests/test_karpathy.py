@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from index_builder.build import _shard_key, build
+from index_builder.build import build
 from index_builder.corpus import CorpusError, CorpusFileError, CorpusSelection, read_corpus
 from index_builder.encode import PlanItem
+from index_builder.sources import _shard_key
 from models.builtin import BuiltinModel
 from models.device import resolve_device
 from models.trainconfig import HELD_OUT_SEED_BASE

@@ -1,0 +1,194 @@
+"""What a build reads besides the corpus: the base version of an append / delete (its rows,
+vectors and tokens), the rows it keeps, and the key that names a build's shards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from index_builder.corpus import CorpusItem, CorpusSelection
+from index_builder.encode import PlanItem, autocast_dtype, read_shard
+from index_builder.errors import BuildError
+from models.builtin import BuiltinModel
+from models.loading import Models
+from store import indexio
+
+
+@dataclass
+class _Base:
+    """The current version an append/delete starts from."""
+
+    path: Path
+    manifest: dict[str, Any]
+    images: list[indexio.ImageRow]
+    texts: list[indexio.TextRow]
+    image_vectors: np.ndarray
+    text_vectors: np.ndarray
+    image_tokens: np.ndarray
+
+
+def _shard_key(
+    corpus: Path | None,
+    selection: CorpusSelection,
+    plan: Sequence[PlanItem],
+    model: BuiltinModel | Models,
+    dev: Any,
+    batch_size: int,
+    shard_size: int,
+    base: _Base | None,
+) -> str:
+    """What decides the shards' bytes: a changed corpus or argument never reuses stale ones."""
+    h = hashlib.sha256()
+    h.update(
+        json.dumps(
+            {
+                "shard_format": 1,
+                "model": model.fingerprint,
+                "device": dev.type,
+                "autocast": str(autocast_dtype(dev)),
+                "batch_size": batch_size,
+                "shard_size": shard_size,
+                "base": base.manifest.get("version") if base else None,
+                "corpus": selection.as_json(),  # a different --split or --images-root never resumes
+            },
+            sort_keys=True,
+        ).encode()
+    )
+    if corpus is not None:
+        h.update(hashlib.sha256(Path(corpus).read_bytes()).digest())
+    for it in plan:  # image bytes are hashed while encoding; here size + mtime stand in
+        if it.image is not None:
+            try:
+                st = os.stat(it.image)
+                h.update(f"{it.image}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            except OSError:
+                h.update(f"{it.image}\0missing\n".encode())
+    return h.hexdigest()[:24]
+
+
+def _kept_items(
+    items: Sequence[CorpusItem],
+    plan: Sequence[PlanItem],
+    shards: Sequence[Path],
+    bad: Callable[[int, str], None],
+) -> tuple[list[CorpusItem], str]:
+    """The items whose image decoded (or that have none), and the content hash over them:
+    image sha256s in order, then [id, image, captions] per item."""
+    ok_flags: list[bool] = []
+    shas: list[bytes] = []
+    errors: list[str] = []
+    for path in shards:
+        arrays = read_shard(path, ("image_ok", "image_sha", "image_error"))
+        ok_flags.extend(arrays["image_ok"].tolist())
+        shas.extend(bytes(s) for s in arrays["image_sha"])
+        errors.extend(arrays["image_error"].tolist())
+    for p, err in zip([p for p in plan if p.image is not None], errors, strict=True):
+        if err:
+            bad(p.line, err)  # raises unless skipping
+    flags = iter(zip(ok_flags, shas, strict=True))
+    content = hashlib.sha256()
+    kept: list[CorpusItem] = []
+    for it in items:
+        if it.image is None:
+            kept.append(it)
+            continue
+        ok, sha = next(flags)
+        if ok:
+            content.update(sha)
+            kept.append(it)
+    for it in kept:
+        content.update(json.dumps([it.id, it.image_rel, it.captions], sort_keys=True).encode())
+    return kept, content.hexdigest()
+
+
+def _load_base(out: Path) -> _Base:
+    try:
+        path = indexio.resolve_current(out)
+        manifest = indexio.read_manifest(path)
+    except indexio.IndexLoadError as exc:
+        raise BuildError(f"--append/--delete need a current version: {exc}") from exc
+    con = sqlite3.connect(f"file:{path / indexio.ITEMS}?mode=ro", uri=True)
+    try:
+        images = [
+            indexio.ImageRow(r[0], r[1], json.loads(r[2]))
+            for r in con.execute("SELECT id, path, meta FROM images ORDER BY row")
+        ]
+        texts = [
+            indexio.TextRow(r[0], r[1], r[2], json.loads(r[3]))
+            for r in con.execute("SELECT id, text, image_id, meta FROM texts ORDER BY row")
+        ]
+    finally:
+        con.close()
+    vectors = []
+    for name, index_file in (
+        (indexio.IMAGE_VECTORS, indexio.IMAGE_INDEX),
+        (indexio.TEXT_VECTORS, indexio.TEXT_INDEX),
+    ):
+        if (path / name).is_file():
+            vectors.append(np.load(path / name, mmap_mode="r"))
+            continue
+        index = faiss.read_index(str(path / index_file))  # versions built before vectors
+        try:
+            vectors.append(index.reconstruct_n(0, index.ntotal))
+        except RuntimeError as exc:
+            raise BuildError(
+                f"{path} has no {name} and its index cannot give vectors back; "
+                "rebuild it from its corpus"
+            ) from exc
+    tokens = np.load(path / indexio.IMAGE_TOKENS, mmap_mode="r")
+    return _Base(path, manifest, images, texts, vectors[0], vectors[1], tokens)
+
+
+def _read_ids(path: Path) -> list[str]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise BuildError(f"cannot read ids file {path}: {exc}") from exc
+    return [s for s in (ln.strip() for ln in lines) if s and not s.startswith("#")]
+
+
+def _item_of_text(row: indexio.TextRow) -> str:
+    return row.image_id if row.image_id is not None else row.id.rsplit("#", 1)[0]
+
+
+def _apply_delete(
+    base: _Base | None, delete: Path | None
+) -> tuple[list[tuple[int, indexio.ImageRow]], list[tuple[int, indexio.TextRow]], set[str]]:
+    """The base rows (with their row numbers) left after deleting the ids in `delete`."""
+    if base is None:
+        return [], [], set()
+    ids = set(_read_ids(delete)) if delete is not None else set()
+    known = {r.id for r in base.images} | {_item_of_text(t) for t in base.texts}
+    unknown = sorted(ids - known)
+    if unknown:
+        raise BuildError(
+            f"--delete: {len(unknown)} id(s) not in {base.path.name}: "
+            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+        )
+    images = [(i, r) for i, r in enumerate(base.images) if r.id not in ids]
+    texts = [(i, r) for i, r in enumerate(base.texts) if _item_of_text(r) not in ids]
+    return images, texts, ids
+
+
+def _check_duplicates(
+    items: Sequence[CorpusItem],
+    images: Sequence[tuple[int, Any]],
+    texts: Sequence[tuple[int, indexio.TextRow]],
+) -> None:
+    existing = {r.id for _, r in images} | {_item_of_text(t) for _, t in texts}
+    dup = [it.id for it in items if it.id in existing]
+    if dup:
+        raise BuildError(
+            f"--append: {len(dup)} id(s) already in the current version: "
+            f"{', '.join(dup[:5])}{' ...' if len(dup) > 5 else ''} "
+            "(ids must stay unique; --delete them first to replace them)"
+        )

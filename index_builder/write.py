@@ -1,0 +1,127 @@
+"""Writing a version's files: the FAISS indexes (trained, filled, recall measured), the
+arrays, the sizes, the version name."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from index_builder.errors import BuildError
+from index_builder.sources import _Base
+from store import ann, indexio
+
+log = logging.getLogger("duet.build")
+
+RECALL_K = 10
+RECALL_QUERIES = 1000
+# What "a resumed build is identical to an uninterrupted one" compares, byte for byte.
+# manifest.json is not in it: it records build times, throughput and the version name.
+IDENTICAL_FILES = (
+    indexio.IMAGE_INDEX,
+    indexio.TEXT_INDEX,
+    indexio.IMAGE_TOKENS,
+    indexio.ITEMS,
+    indexio.IMAGE_VECTORS,
+    indexio.TEXT_VECTORS,
+)
+
+
+def _factories(
+    factory: str | None, base: _Base | None, n_img: int, n_txt: int, dim: int
+) -> tuple[str, str]:
+    """(image, text) factory strings, checked before anything is encoded."""
+    chosen = (factory or ann.default_factory(n_img), factory or ann.default_factory(n_txt))
+    for f, n in zip(chosen, (n_img, n_txt), strict=True):
+        ann.check_factory(f, dim, n)
+    return chosen
+
+
+def _write_indexes(
+    tmp: Path, factories: tuple[str, str], ivecs: np.ndarray, tvecs: np.ndarray
+) -> dict[str, Any]:
+    """Train and fill both indexes, measure recall@10 against exact search, write them."""
+    knobs = ann.SearchKnobs()
+    info: dict[str, Any] = {}
+    for name, file, factory, vecs, other in (
+        ("image", indexio.IMAGE_INDEX, factories[0], ivecs, tvecs),
+        ("text", indexio.TEXT_INDEX, factories[1], tvecs, ivecs),
+    ):
+        try:
+            index = ann.build_index(factory, vecs)
+        except ann.FactoryError as exc:
+            raise BuildError(str(exc)) from exc
+        # text->image searches query the image index with text vectors, and the other way
+        queries = ann.query_sample(other if len(other) else vecs, RECALL_QUERIES)
+        recall = ann.recall_at_k(index, vecs, queries, RECALL_K, knobs)
+        faiss.write_index(index, str(tmp / file))
+        info[name] = {
+            "factory": factory,
+            "count": int(index.ntotal),
+            "bytes_per_vector": round((tmp / file).stat().st_size / max(index.ntotal, 1), 2),
+            f"recall_at_{RECALL_K}": round(recall, 4),
+            "recall_queries": len(queries),
+            "search_params": knobs.as_json(),
+        }
+        log.info(
+            "%s index %s: recall@%d %.4f vs exact (%d queries), %.1f bytes/vector",
+            name,
+            factory,
+            RECALL_K,
+            recall,
+            len(queries),
+            info[name]["bytes_per_vector"],
+        )
+    return info
+
+
+def _concat(chunks: Sequence[np.ndarray], empty: tuple[int, ...], dtype: Any) -> np.ndarray:
+    if not chunks:
+        return np.zeros(empty, dtype)
+    return np.ascontiguousarray(np.concatenate(chunks), dtype=dtype)
+
+
+def _write_npy(
+    path: Path, chunks: Iterable[np.ndarray], shape: tuple[int, ...], dtype: Any
+) -> None:
+    """One .npy written chunk by chunk (tokens can be larger than memory)."""
+    arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    at = 0
+    for chunk in chunks:
+        arr[at : at + len(chunk)] = chunk
+        at += len(chunk)
+    if at != shape[0]:
+        raise RuntimeError(f"{path.name}: wrote {at} rows, expected {shape[0]}")
+    arr.flush()
+    del arr
+
+
+def _bytes_per_item(directory: Path, images: int, texts: int) -> dict[str, float]:
+    """Stored bytes per image row (its index entry, vector and tokens), per caption row, and
+    everything (items.sqlite included) per image."""
+
+    def size(*names: str) -> int:
+        return sum((directory / n).stat().st_size for n in names)
+
+    return {
+        "image": round(
+            size(indexio.IMAGE_INDEX, indexio.IMAGE_VECTORS, indexio.IMAGE_TOKENS) / max(images, 1),
+            1,
+        ),
+        "text": round(size(indexio.TEXT_INDEX, indexio.TEXT_VECTORS) / max(texts, 1), 1),
+        "total_per_image": round(size(*IDENTICAL_FILES) / max(images, 1), 1),
+    }
+
+
+def _new_version(out: Path, digest: str) -> str:
+    base = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{digest[:8]}"
+    version, n = base, 1
+    while (out / version).exists():
+        n += 1
+        version = f"{base}-{n}"
+    return version
