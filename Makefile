@@ -50,6 +50,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mypy --explicit-package-bases benchmarks/*.py  # scripts, not a package
 
 clean:
 	rm -rf $(VENV) $(INDEXES) $(DEMO) .pytest_cache .mypy_cache .ruff_cache

@@ -35,9 +35,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
+
+_faiss: Any = faiss  # its SWIG stubs do not know the keyword-argument constructors
 
 DIM = 128
 K = 10
@@ -136,14 +139,16 @@ def knobs(index: faiss.Index) -> list[Knob]:
         out = []
         for p in (p for p in NPROBES if p <= ivf.nlist):
             if hnsw_quantizer:  # the quantizer must find the nprobe nearest lists itself
-                qp = faiss.SearchParametersHNSW(efSearch=max(64, 2 * p))
-                params = faiss.SearchParametersIVF(nprobe=p, quantizer_params=qp)
+                qp = _faiss.SearchParametersHNSW(efSearch=max(64, 2 * p))
+                params = _faiss.SearchParametersIVF(nprobe=p, quantizer_params=qp)
             else:
-                params = faiss.SearchParametersIVF(nprobe=p)
+                params = _faiss.SearchParametersIVF(nprobe=p)
             out.append(Knob("nprobe", p, params))
         return out
     if isinstance(index, faiss.IndexHNSW):
-        return [Knob("efSearch", ef, faiss.SearchParametersHNSW(efSearch=ef)) for ef in EF_SEARCHES]
+        return [
+            Knob("efSearch", ef, _faiss.SearchParametersHNSW(efSearch=ef)) for ef in EF_SEARCHES
+        ]
     return []
 
 
@@ -215,8 +220,9 @@ def skip_polysemous_training(index: faiss.Index) -> None:
     pre-filtering (polysemous_ht, off by default) yet costs over a minute per build here
     whatever N is; duet does not filter that way, so it would only distort build time."""
     ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None and isinstance(ivf := faiss.downcast_index(ivf), faiss.IndexIVFPQ):
-        ivf.do_polysemous_training = False
+    pq: Any = faiss.downcast_index(ivf) if ivf is not None else None
+    if isinstance(pq, faiss.IndexIVFPQ):
+        pq.do_polysemous_training = False  # type: ignore[attr-defined]  # not in SWIG stubs
 
 
 def measure(

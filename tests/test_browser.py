@@ -8,6 +8,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,7 +39,7 @@ def service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
+def browser() -> Iterator[Any]:
     binary, driver_path = _tools()
     opts = webdriver.ChromeOptions()
     opts.binary_location = binary
@@ -54,44 +55,44 @@ def browser() -> Iterator[object]:
     driver.quit()
 
 
-def _loaded_thumbnails(driver: object) -> int:
+def _loaded_thumbnails(driver: Any) -> int:
     return int(
-        driver.execute_script(  # type: ignore[attr-defined]
+        driver.execute_script(
             "return [...document.querySelectorAll('#grid img')]"
             ".filter(i => i.complete && i.naturalWidth > 0).length"
         )
     )
 
 
-def test_typed_query_shows_thumbnails(service: Service, browser: object) -> None:
+def test_typed_query_shows_thumbnails(service: Service, browser: Any) -> None:
     d = browser
-    d.get(service.url + "/")  # type: ignore[attr-defined]
-    box = d.find_element(By.ID, "query")  # type: ignore[attr-defined]
+    d.get(service.url + "/")
+    box = d.find_element(By.ID, "query")
     box.send_keys("a red circle")
-    d.find_element(By.ID, "search").click()  # type: ignore[attr-defined]
+    d.find_element(By.ID, "search").click()
     WebDriverWait(d, 30).until(lambda drv: _loaded_thumbnails(drv) >= 5)
-    cards = d.find_elements(By.CSS_SELECTOR, "#grid .hit")  # type: ignore[attr-defined]
+    cards = d.find_elements(By.CSS_SELECTOR, "#grid .hit")
     assert len(cards) == 12
-    status = d.find_element(By.ID, "status").text  # type: ignore[attr-defined]
+    status = d.find_element(By.ID, "status").text
     assert "hits" in status and "ms" in status and "index" in status
     if shot := os.environ.get("DUET_SCREENSHOT"):  # docs/demo.png is made this way
-        d.save_screenshot(shot)  # type: ignore[attr-defined]
+        d.save_screenshot(shot)
 
 
-def test_unknown_words_are_pointed_out(service: Service, browser: object) -> None:
+def test_unknown_words_are_pointed_out(service: Service, browser: Any) -> None:
     d = browser
-    d.get(service.url + "/")  # type: ignore[attr-defined]
-    d.find_element(By.ID, "query").send_keys("a red dog")  # type: ignore[attr-defined]
-    d.find_element(By.ID, "search").click()  # type: ignore[attr-defined]
+    d.get(service.url + "/")
+    d.find_element(By.ID, "query").send_keys("a red dog")
+    d.find_element(By.ID, "search").click()
     WebDriverWait(d, 30).until(lambda drv: "dog" in drv.find_element(By.ID, "notice").text)
 
 
-def test_uploaded_image_shows_caption_hits(service: Service, browser: object, corpus: Path) -> None:
+def test_uploaded_image_shows_caption_hits(service: Service, browser: Any, corpus: Path) -> None:
     d = browser
-    d.get(service.url + "/")  # type: ignore[attr-defined]
-    upload = d.find_element(By.ID, "file")  # type: ignore[attr-defined]
+    d.get(service.url + "/")
+    upload = d.find_element(By.ID, "file")
     upload.send_keys(str(corpus.parent / "images" / "0003.png"))
     WebDriverWait(d, 30).until(lambda drv: _loaded_thumbnails(drv) >= 3)
-    captions = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#grid .hit .cap")]  # type: ignore[attr-defined]
+    captions = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#grid .hit .cap")]
     assert len(captions) == 12 and all(captions)
-    assert "captions" in d.find_element(By.ID, "status").text  # type: ignore[attr-defined]
+    assert "captions" in d.find_element(By.ID, "status").text

@@ -52,7 +52,7 @@ def test_build_writes_a_version_and_points_current(
     row = loaded.store.texts([7])[0]
     vec = loaded.text_index.reconstruct(7)
     np.testing.assert_allclose(vec, model.encode_texts([row.text])[0], atol=1e-5)
-    assert row.id.startswith(row.image_id + "#")
+    assert row.image_id is not None and row.id.startswith(row.image_id + "#")
 
 
 def test_rebuild_makes_a_new_version_and_keeps_the_old(

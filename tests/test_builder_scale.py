@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from index_builder.build import IDENTICAL_FILES, BuildError, build
+from index_builder.build import build
 from index_builder.corpus import CorpusError
 from index_builder.encode import autocast_dtype
+from index_builder.errors import BuildError
+from index_builder.write import IDENTICAL_FILES
 from models.builtin import BuiltinModel
 from models.device import DeviceError, resolve_device
 from store import ann, indexio

@@ -78,7 +78,7 @@ def test_reader_selects_splits_with_stable_ids_and_all_captions(
     )
     items = list(entries)
     assert not [e for e in items if isinstance(e, CorpusError)]
-    assert [it.id for it in items] == [f"flickr30k-{i:04d}" for i in range(8, 12)]
+    assert [it.id for it in items] == [f"flickr30k-{i:04d}" for i in range(8, 12)]  # type: ignore[union-attr]
     assert [it.captions for it in items] == caps[8:]  # type: ignore[union-attr]
     assert all(it.image is not None and it.image.is_file() for it in items)  # type: ignore
     assert sel.as_json() == {

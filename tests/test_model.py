@@ -174,7 +174,7 @@ def test_losses_have_finite_gradients_when_all_hinges_are_zero() -> None:
 
 
 def test_grounding_targets_follow_the_layouts() -> None:
-    from models.train import grounding_targets
+    from models.train_ce import grounding_targets
     from models.world import Scene, Thing
 
     a, b = Thing("circle", "red", "small"), Thing("square", "blue", "large")

@@ -245,7 +245,7 @@ def test_broken_versions_are_refused_while_the_old_one_serves(
                 damage(idx / name)
                 point_current(idx, name)
                 _wait_for(
-                    lambda n=name: (
+                    lambda n=name: (  # type: ignore[misc]
                         (c.get("/readyz").json()["reload"]["last_refused"] or {}).get("version")
                         == n
                     ),

@@ -129,5 +129,7 @@ def test_grounding_holds_on_generated_captions() -> None:
             want = ["a"] if s.scene.b is None else ["a", "b"]
             assert sorted(w for _, w in named) == want, cap
             for which in want:
-                x, y = world.centre(s.layout, s.scene.a if which == "a" else s.scene.b)
+                thing = s.scene.a if which == "a" else s.scene.b
+                assert thing is not None
+                x, y = world.centre(s.layout, thing)
                 assert 0 < x < 1 and 0 < y < 1
