@@ -264,7 +264,8 @@ def train(
     )
     command = (
         f"duet train --out {out} --seed {cfg.seed} --images {cfg.images} "
-        f"--steps {cfg.steps} --batch {cfg.batch} --ce-steps {cfg.ce_steps} "
+        f"--tower-steps {cfg.tower_steps} --steps {cfg.steps} --batch {cfg.batch} "
+        f"--ce-steps {cfg.ce_steps} "
         f"--han-steps {cfg.han_steps} --ce-lr {cfg.ce_lr}"
         + (" --ce-warm" if cfg.ce_warm else "")
         + (
@@ -330,10 +331,15 @@ def _train_joint(
     from tqdm import tqdm
 
     pix = pixel_bytes([s.image for s in samples], world.IMAGE_SIZE)  # uint8 in memory
-    model = start if start is not None else JointModel(JointConfig(vocab_size=tok.vocab_size))
+    if start is None:
+        model = JointModel(JointConfig(vocab_size=tok.vocab_size, stem_norm=1))
+    else:
+        model = start
+    targets = patch_targets([s.layout for s in samples], model.cfg.grid)
+    if start is None and cfg.tower_steps > 0:
+        _pretrain_tower(model, pix, targets, cfg, rng, progress)
     head = PatchHead(model.cfg.d_model)
     ground = torch.nn.Linear(model.cfg.d_model, 2)  # training-only: noun -> its thing's centre
-    targets = patch_targets([s.layout for s in samples], model.cfg.grid)
     params = [
         *model.named_parameters(),
         *(("head." + n, p) for n, p in head.named_parameters()),
@@ -423,6 +429,35 @@ def _train_joint(
         ema[name] = 0.98 * ema.get(name, loss.item()) + 0.02 * loss.item()
         bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()})
     return model
+
+
+def _pretrain_tower(
+    model: JointModel,
+    pix: torch.Tensor,
+    targets: dict[str, torch.Tensor],
+    cfg: TrainConfig,
+    rng: random.Random,
+    progress: bool,
+) -> None:
+    """Stage 0: the image tower alone, supervised by the patch labels (`patch_targets`)."""
+    from tqdm import tqdm
+
+    tower, head = model.image_tower, PatchHead(model.cfg.d_model)
+    opt = torch.optim.AdamW([*tower.parameters(), *head.parameters()], lr=cfg.lr)
+    tower.train()
+    bar = tqdm(range(cfg.tower_steps), desc="image tower", unit="step", disable=not progress)
+    ema = None
+    for step in bar:
+        for group in opt.param_groups:  # short warm-up, then cosine to a tenth
+            warm = min(1.0, (step + 1) / 50)
+            group["lr"] = cfg.lr * warm * (0.55 + 0.45 * math.cos(math.pi * step / cfg.tower_steps))
+        idx = rng.sample(range(len(pix)), min(cfg.tower_batch, len(pix)))
+        loss = head.loss(tower(pix[idx].float() / 255.0), {k: v[idx] for k, v in targets.items()})
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        bar.set_postfix(loss=f"{ema:.3f}")
 
 
 def _bi_encoder_loss(

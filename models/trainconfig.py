@@ -31,6 +31,11 @@ class TrainConfig:
     late_weight: float = 0.5  # TGDT: CMC on S_gl = (S_g + S_l) / 2 in bi-encoder steps
     aux_weight: float = 0.5  # patch supervision (what is centred where) on the image tokens
     partial: float = 0.5  # share of training captions that leave things out (world.partial_desc)
+    # stage 0 (from scratch only): the image tower alone learns what is centred where (the
+    # patch labels), as the papers' region features come from a detector trained on object
+    # and attribute labels; stage 1 then starts from a tower that tells the shapes apart
+    tower_steps: int = 1_500
+    tower_batch: int = 64
     easy_steps: int = 300  # cross-encoder sees random in-batch negatives first, hardest after
     # second stage: the cross-encoder afresh on the frozen states (models.train_ce)
     ce_steps: int = 2_000

@@ -23,7 +23,8 @@ def add(sub: Any) -> None:
         formatter_class=HelpFormatter,
         help="train duet's own model on the synthetic world",
         description="Train duet's model from scratch on CPU in three stages "
-        "and save safetensors weights, config and vocabulary: (1) the joint "
+        "and save safetensors weights, config and vocabulary: (0) the image tower "
+        "on the scenes' patch labels, (1) the joint "
         "bi-encoder / cross-encoder, (2) the cross-encoder afresh on the frozen "
         "token states, with many more steps, (3) the HAN head over the frozen "
         "states (han.safetensors). --from skips stage 1.",
@@ -49,6 +50,13 @@ def add(sub: Any) -> None:
 
 def _add_stage_options(t: argparse.ArgumentParser, defaults: Any) -> None:
     """What each stage does and how long it runs."""
+    t.add_argument(
+        "--tower-steps",
+        type=int,
+        default=defaults.tower_steps,
+        help="stage 0 (from scratch only): the image tower alone learns which shape, "
+        "colour and size is centred where (0 = none)",
+    )
     t.add_argument(
         "--ce-steps",
         type=int,
@@ -128,6 +136,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         images=args.images,
         steps=args.steps,
         batch=args.batch,
+        tower_steps=args.tower_steps,
         ce_steps=args.ce_steps,
         han_steps=args.han_steps,
         ce_lr=args.ce_lr,
