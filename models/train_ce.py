@@ -20,6 +20,7 @@ relation words. Measured on validation: grounding at the top layer left flipped 
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -67,13 +68,22 @@ def bce_and_grounding(
     where: Grounding,
     ground_weight: float,
     ground_layer: int,
+    lists: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, float | None]:
     """(BCE over pairs whose first `b` are the positives (in batch order) plus the grounding
     regression on those positives' shape nouns after the first `ground_layer` fusion layers,
-    the grounding MSE alone or None when there was none). Both training stages use it."""
+    the grounding MSE alone or None when there was none). Both training stages use it.
+
+    Each of `lists` (n, 1 + k) indexes the pairs' logits, a positive in column 0 and its
+    negatives after it (-1: none): a softmax cross-entropy per row is added, so the positive
+    must outscore its own negatives, whatever the other rows' scores (BCE alone calibrates
+    every pair against one threshold, and a query's ranking is all the service uses)."""
     h, tapped = model.fused_tap(txt, pad, img, ground_layer)
     logits = model.itm_head(h[:, 0]).squeeze(-1)
     loss = ce_bce_loss(logits[:b], logits[b:])
+    for rows in lists:
+        scores = logits[rows.clamp(min=0)].masked_fill(rows < 0, float("-inf"))
+        loss = loss + F.cross_entropy(scores, torch.zeros(len(rows), dtype=torch.long))
     rows, pos, xy = where
     if ground_weight > 0 and len(rows):
         g = F.mse_loss(ground(tapped[rows, 1 + pos]), xy)
@@ -120,6 +130,46 @@ def ranked_negative(
         if not world.satisfies(desc, scenes[ranked[r]]):
             return ranked[r]
     return -1
+
+
+def ranked_caption(
+    rng: random.Random,
+    ranked: Sequence[int],
+    scene: world.Scene,
+    caption_scenes: Sequence[world.Scene],
+    tries: int = 10,
+) -> int:
+    """One of `ranked` (training captions, best first for an image of `scene`) that `scene`
+    does not fit, at a rank drawn log-uniformly; -1 when `tries` draws all fit."""
+    for _ in range(tries):
+        r = min(int(math.exp(rng.uniform(0.0, math.log(len(ranked) + 1)))) - 1, len(ranked) - 1)
+        c = ranked[r]
+        if not world.satisfies(world.full_desc(caption_scenes[c]), scene):
+            return c
+    return -1
+
+
+@torch.no_grad()
+def _caption_vectors(
+    model: JointModel, tok: WordTokenizer, captions: Sequence[str], batch: int = 2048
+) -> torch.Tensor:
+    """The bi-encoder's vectors of `captions` (N, e)."""
+    out = []
+    for s in range(0, len(captions), batch):
+        ids, pad = tok.batch(list(captions[s : s + batch]))
+        out.append(model.embed_texts(model.text_tokens(ids, pad), pad))
+    return torch.cat(out)
+
+
+def _list_rows(b: int, columns: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """(b, 1 + len(columns)) logit indices: row r's positive (logit r) in column 0, then per
+    column the logit index of row r's negative of that kind, -1 where it has none; each
+    column is (rows that have one, their logit indices)."""
+    out = torch.full((b, 1 + len(columns)), -1, dtype=torch.long)
+    out[:, 0] = torch.arange(b)
+    for k, (rows, at) in enumerate(columns):
+        out[rows, k + 1] = at
+    return out
 
 
 def caption_beside_twin(
@@ -189,6 +239,11 @@ def train_cross_encoder(
     ]
     twin_captions = [world.captions(rng, w, 1)[0] for w in twins]
     scenes = [s.scene for s in samples]
+    # every training caption, for image->text negatives at ranks the service will see
+    all_captions = [c for s in samples for c in s.captions]
+    caption_owner = torch.tensor([i for i, s in enumerate(samples) for _c in s.captions])
+    caption_scenes = [scenes[i] for i in caption_owner.tolist()]
+    caption_vecs = _caption_vectors(model, tok, all_captions)
     states, vecs = _states(model, [s.image for s in samples])
     twin_states, _ = _states(model, twin_images)
     opt = torch.optim.AdamW([*trained, *ground.parameters()], lr=lr, weight_decay=0.01)
@@ -206,12 +261,23 @@ def train_cross_encoder(
             twin_text(rng, twins[i], twin_captions[i], samples[i].scene, partial) for i in picked
         ]
         with torch.no_grad():
-            ids, pad = tok.batch(texts + twin_texts)
+            isim = vecs[idx] @ caption_vecs.t()  # these images against every caption
+            isim.masked_fill_(caption_owner[None, :] == idx[:, None], float("-inf"))
+            ctop = isim.topk(min(ranks, len(all_captions) - 1), dim=1).indices.tolist()
+        rcap = [
+            ranked_caption(rng, ctop[r], samples[i].scene, caption_scenes)
+            for r, i in enumerate(picked)
+        ]
+        keep_rc = torch.tensor([c >= 0 for c in rcap])
+        ranked_texts = [all_captions[c] for c in rcap if c >= 0]
+        with torch.no_grad():
+            ids, pad = tok.batch(texts + twin_texts + ranked_texts)
             txt = model.text_tokens(ids, pad)
             sim = model.embed_texts(txt[:batch], pad[:batch]) @ vecs.t()
             sim[torch.arange(batch), idx] = float("-inf")
             top = sim.topk(min(ranks, len(samples) - 1), dim=1).indices.tolist()
         hard = [ranked_negative(rng, top[r], d, scenes) for r, (_t, d) in enumerate(said)]
+        hard2 = [ranked_negative(rng, top[r], d, scenes) for r, (_t, d) in enumerate(said)]
         shift = torch.roll(idx, 1)
         keep_shift = torch.tensor(
             [
@@ -220,23 +286,46 @@ def train_cross_encoder(
             ]
         )
         keep_hard = torch.tensor([h >= 0 for h in hard])
+        keep_hard2 = torch.tensor([h >= 0 for h in hard2])
         rows = torch.arange(batch)
-        t_idx = torch.cat([rows, rows[keep_shift], rows[keep_hard], rows, rows + batch])
-        hard_idx = torch.tensor(hard)[keep_hard]
-        img = torch.cat(
-            [
-                states[idx],
-                states[shift[keep_shift]],
-                states[hard_idx],
-                twin_states[idx],
-                states[idx],
-            ]
-        ).float()
+        # the pairs, segment by segment: (caption rows, image states)
+        segments = [
+            (rows, states[idx]),  # positives
+            (rows[keep_shift], states[shift[keep_shift]]),  # a random wrong image
+            (rows[keep_hard], states[torch.tensor(hard)[keep_hard]]),  # ranked wrong images
+            (rows[keep_hard2], states[torch.tensor(hard2)[keep_hard2]]),
+            (rows, twin_states[idx]),  # the perturbed scene's image
+            (rows + batch, states[idx]),  # the perturbed scene's caption
+            (2 * batch + torch.arange(len(ranked_texts)), states[idx[keep_rc]]),  # ranked
+        ]
+        t_idx = torch.cat([t for t, _s in segments])
+        img = torch.cat([st for _t, st in segments]).float()
+        start = torch.tensor([0, *itertools.accumulate(len(t) for t, _s in segments)])
+        who = [rows, rows[keep_shift], rows[keep_hard], rows[keep_hard2], rows, rows]
+        at = [start[k] + torch.arange(len(w)) for k, w in enumerate(who)]
+        lists = [
+            # a caption against the images: its own, then each kind of wrong one
+            _list_rows(batch, [(who[k], at[k]) for k in (1, 2, 3, 4)]),
+            # an image against the captions: its own, the twin's, a ranked wrong one
+            _list_rows(
+                batch,
+                [(who[5], at[5]), (rows[keep_rc], start[6] + torch.arange(len(ranked_texts)))],
+            ),
+        ]
         where = grounding_targets(
             texts, [samples[i].scene for i in picked], [samples[i].layout for i in picked]
         )
         loss, g = bce_and_grounding(
-            model, txt[t_idx], pad[t_idx], img, batch, ground, where, ground_weight, ground_layer
+            model,
+            txt[t_idx],
+            pad[t_idx],
+            img,
+            batch,
+            ground,
+            where,
+            ground_weight,
+            ground_layer,
+            lists,
         )
         if g is not None:
             ema["ground"] = 0.98 * ema.get("ground", g) + 0.02 * g
