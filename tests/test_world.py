@@ -83,7 +83,7 @@ def test_relations_hold_in_pixels() -> None:
     rng = random.Random(11)
     for _ in range(200):
         s = world.sample_scene(rng)
-        placed = world._place(random.Random(rng.random()), s)
+        placed = world.rendering._place(random.Random(rng.random()), s)
         if s.kind != "pair":
             continue
         bx, by = placed[0][1], placed[0][2]
