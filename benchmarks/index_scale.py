@@ -1,7 +1,7 @@
 """How FAISS index types scale: build throughput, batch-1 latency, recall@10 and size vs N.
 
     .venv/bin/python benchmarks/index_scale.py                          # N = 10k, 100k, 1M
-    .venv/bin/python benchmarks/index_scale.py --sizes 2000 --plot ''   # quick check, seconds
+    .venv/bin/python benchmarks/index_scale.py --sizes 2000 --plot '' --out ''   # quick check: prints, writes nothing
 
 Vectors are synthetic but shaped like embeddings rather than noise: d = 128 (duet's
 embedding size), L2-normalised, searched by inner product, drawn from a two-level Gaussian
@@ -13,23 +13,22 @@ recovered one component and nprobe=1 reached recall 0.98, while 10k of the same 
 looked like noise).
 Queries come from the same mixture but are never indexed. Seeds are fixed.
 
-Per index type and N it measures: train + add time (all FAISS threads) as vectors/s;
-the search knob (IVF nprobe, HNSW efSearch), tuned on a separate query set to the
-smallest grid value whose recall@10 reaches --target-recall, passed per call as
-SearchParameters (the index is never mutated); p50/p99 latency of single-vector searches
-with FAISS limited to one thread; recall@10 of those same searches against exact search;
-and the serialized index size per vector. It prints a Markdown table, writes it into
---out between marker comments (text around the markers is kept, so hand-written reading
-survives a rerun) and plots latency vs N to --plot. Progress goes to stderr.
+Every index is the one `duet build --factory TYPE` writes: its nlist, training sample and
+build are store.ann's (default_nlist, build_index). Per index type and N it measures:
+train + add time (all FAISS threads, but one while filling an HNSW graph, as the builder
+does) as vectors/s; the search knob (IVF nprobe, HNSW efSearch), tuned on a separate
+query set to the smallest grid value whose recall@10 reaches --target-recall, passed per
+call as the service passes it (store.ann.search_params; the index is never mutated);
+p50/p99 latency of single-vector searches with FAISS limited to one thread; recall@10 of
+those same searches against exact search; and the serialized index size per vector. It
+prints a Markdown table, writes it into --out between marker comments (text around the
+markers is kept, so hand-written reading survives a rerun) and plots latency vs N to
+--plot. Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import platform
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -40,71 +39,29 @@ from typing import Any
 import faiss
 import numpy as np
 
-_faiss: Any = faiss  # its SWIG stubs do not know the keyword-argument constructors
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # its sibling modules, when run as a script
+from benchmarks.scale_data import DIM, Mixture  # noqa: E402
+from benchmarks.scale_report import BEGIN, END, Row, plot, report, write_markdown  # noqa: E402
+from store import ann  # noqa: E402
 
-DIM = 128
 K = 10
-GROUPS, PER_GROUP = 64, 64
-GROUP_SPREAD = 0.7  # norm of a component centre's offset from its group's unit centre
-NOISE = 0.9  # norm of a vector's offset from its component centre
-SPECTRUM_DECAY = 0.5  # noise scale of the i-th principal direction ~ i**-SPECTRUM_DECAY
-DATA_SEED, BASE_SEED, QUERY_SEED, TUNE_SEED, SAMPLE_SEED = 0, 1, 2, 3, 4
-TRAIN_PER_LIST = 50  # k-means sample per IVF list: FAISS warns below 39, caps at 256
+BASE_SEED, QUERY_SEED, TUNE_SEED = 1, 2, 3
 MIN_N = 1000
 WARMUP = 10
 DEFAULT_TYPES = ("Flat", "HNSW32", "IVF{nlist},Flat", "IVF{nlist},PQ32x8", "IVF{nlist}_HNSW32,SQ8")
 NPROBES = tuple(2**i for i in range(13))
 EF_SEARCHES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PLATEAU = 0.002  # a knob step that gains less recall than this is not worth its time
-BEGIN, END = "<!-- index_scale:begin -->", "<!-- index_scale:end -->"
 
 
 class UsageError(Exception):
     """A bad option: main reports it and exits 2."""
 
 
-class Mixture:
-    """Clustered unit vectors; the same instance gives base and query vectors one distribution."""
-
-    def __init__(self, seed: int = DATA_SEED) -> None:
-        rng = np.random.default_rng(seed)
-        groups = _unit(rng.standard_normal((GROUPS, DIM), dtype=np.float32))
-        offsets = rng.standard_normal((GROUPS * PER_GROUP, DIM), dtype=np.float32)
-        self.centres = _unit(
-            np.repeat(groups, PER_GROUP, axis=0) + offsets * np.float32(GROUP_SPREAD / np.sqrt(DIM))
-        )
-        basis, _ = np.linalg.qr(rng.standard_normal((DIM, DIM)))
-        scale = np.arange(1, DIM + 1, dtype=np.float64) ** -SPECTRUM_DECAY
-        scale *= NOISE / np.sqrt((scale**2).sum())
-        self.noise = (scale[:, None] * basis).astype(np.float32)
-
-    def sample(self, n: int, seed: int, chunk: int = 1 << 16) -> np.ndarray:
-        """n float32 unit vectors, built chunk by chunk so 1M costs one 512 MB array."""
-        rng = np.random.default_rng(seed)
-        out = np.empty((n, DIM), dtype=np.float32)
-        for lo in range(0, n, chunk):
-            m = min(chunk, n - lo)
-            x = self.centres[rng.integers(len(self.centres), size=m)]
-            x += rng.standard_normal((m, DIM), dtype=np.float32) @ self.noise
-            out[lo : lo + m] = _unit(x)
-        return out
-
-
-def _unit(x: np.ndarray) -> np.ndarray:
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
-
-
-def nlist_for(n: int) -> int:
-    """IVF list count: FAISS's 4·√N rounded to a power of two, but at most N/39 (FAISS's
-    minimum of 39 training vectors per list)."""
-    nlist = 2 ** round(math.log2(4 * math.sqrt(n)))
-    while nlist > 1 and nlist * 39 > n:
-        nlist //= 2
-    return nlist
-
-
-def train_size(n: int, nlist: int) -> int:
-    return min(n, TRAIN_PER_LIST * nlist)
+def factory_for(template: str, n: int) -> str:
+    """TYPE with {nlist} filled in as `duet build` would choose it for n vectors."""
+    return template.format(nlist=ann.default_nlist(n))
 
 
 def recall_at_k(found: np.ndarray, truth: np.ndarray) -> float:
@@ -114,42 +71,56 @@ def recall_at_k(found: np.ndarray, truth: np.ndarray) -> float:
 
 
 def exact_knn(queries: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """Ids of the exact top-K by inner product: the truth recall is measured against."""
     _, ids = faiss.knn(queries, base, K, metric=faiss.METRIC_INNER_PRODUCT)
     return ids
 
 
 @dataclass(frozen=True)
 class Knob:
-    """One setting of an index's search-time accuracy knob, as per-call SearchParameters."""
+    """One setting of an index's search-time accuracy knob, as the service's SearchKnobs."""
 
     name: str  # "nprobe" or "efSearch"
     value: int
-    params: faiss.SearchParameters
+    # store.ann.search_params of it for this index, built once (and kept alive) so the
+    # timed loop measures FAISS's search, not building SWIG parameter objects
+    params: Any
 
     @property
     def label(self) -> str:
         return f"{self.name}={self.value}"
 
 
+def _knob(index: faiss.Index, name: str, value: int, knobs: ann.SearchKnobs) -> Knob:
+    return Knob(name, value, ann.search_params(index, knobs))
+
+
 def knobs(index: faiss.Index) -> list[Knob]:
     """The grid to tune over, cheapest first; empty for exhaustive indexes."""
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
-        hnsw_quantizer = isinstance(faiss.downcast_index(ivf.quantizer), faiss.IndexHNSW)
-        out = []
+        # an HNSW coarse quantizer must find the nprobe nearest lists itself, so the
+        # service's efSearch (which reaches it) grows with nprobe; other quantizers ignore it
+        grid = []
         for p in (p for p in NPROBES if p <= ivf.nlist):
-            if hnsw_quantizer:  # the quantizer must find the nprobe nearest lists itself
-                qp = _faiss.SearchParametersHNSW(efSearch=max(64, 2 * p))
-                params = _faiss.SearchParametersIVF(nprobe=p, quantizer_params=qp)
-            else:
-                params = _faiss.SearchParametersIVF(nprobe=p)
-            out.append(Knob("nprobe", p, params))
-        return out
-    if isinstance(index, faiss.IndexHNSW):
+            setting = ann.SearchKnobs(nprobe=p, ef_search=max(ann.DEFAULT_EF_SEARCH, 2 * p))
+            grid.append(_knob(index, "nprobe", p, setting))
+        return grid
+    if isinstance(faiss.downcast_index(index), faiss.IndexHNSW):
         return [
-            Knob("efSearch", ef, _faiss.SearchParametersHNSW(efSearch=ef)) for ef in EF_SEARCHES
+            _knob(index, "efSearch", ef, ann.SearchKnobs(nprobe=None, ef_search=ef))
+            for ef in EF_SEARCHES
         ]
     return []
+
+
+def search(index: faiss.Index, queries: np.ndarray, knob: Knob | None) -> np.ndarray:
+    """Ids of the top-K for each query, with the knob's per-call parameters."""
+    if knob is None or knob.params is None:
+        _, ids = index.search(queries, K)
+    else:
+        _, ids = index.search(queries, K, params=knob.params.params)
+    return ids
 
 
 def tune(
@@ -163,8 +134,7 @@ def tune(
         return None, True
     best, best_recall = grid[0], -1.0
     for knob in grid:
-        _, ids = index.search(queries, K, params=knob.params)
-        r = recall_at_k(ids, truth)
+        r = recall_at_k(search(index, queries, knob), truth)
         if r >= target:
             return knob, True
         if r < best_recall + PLATEAU:
@@ -178,17 +148,16 @@ def batch1_latency(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-query seconds and ids of single-vector searches on one FAISS thread, stopping
     early (after at least 100 queries) once max_seconds have been spent."""
-    params = None if knob is None else knob.params
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
     try:
         for i in range(min(WARMUP, len(queries))):
-            index.search(queries[i : i + 1], K, params=params)
+            search(index, queries[i : i + 1], knob)
         seconds, ids = [], []
         start = time.perf_counter()
         for i in range(len(queries)):
             t0 = time.perf_counter()
-            _, found = index.search(queries[i : i + 1], K, params=params)
+            found = search(index, queries[i : i + 1], knob)
             seconds.append(time.perf_counter() - t0)
             ids.append(found[0])
             if i >= 99 and time.perf_counter() - start > max_seconds:
@@ -198,37 +167,9 @@ def batch1_latency(
     return np.array(seconds), np.array(ids)
 
 
-@dataclass(frozen=True)
-class Row:
-    type: str
-    n: int
-    params: str
-    build_s: float
-    p50_ms: float
-    p99_ms: float
-    recall: float
-    bytes_per_vector: float
-    queries: int
-
-    @property
-    def vectors_per_s(self) -> float:
-        return self.n / self.build_s
-
-
-def skip_polysemous_training(index: faiss.Index) -> None:
-    """The factory turns on IVF-PQ's polysemous training, which only serves Hamming
-    pre-filtering (polysemous_ht, off by default) yet costs over a minute per build here
-    whatever N is; duet does not filter that way, so it would only distort build time."""
-    ivf = faiss.try_extract_index_ivf(index)
-    pq: Any = faiss.downcast_index(ivf) if ivf is not None else None
-    if isinstance(pq, faiss.IndexIVFPQ):
-        pq.do_polysemous_training = False  # type: ignore[attr-defined]  # not in SWIG stubs
-
-
 def measure(
     template: str,
     base: np.ndarray,
-    sample: np.ndarray,
     queries: np.ndarray,
     truth: np.ndarray,
     tune_queries: np.ndarray,
@@ -236,20 +177,16 @@ def measure(
     target: float,
     max_seconds: float,
 ) -> Row:
+    """Build one TYPE on base as `duet build` does, tune its knob, time and score it."""
     n = len(base)
-    nlist = nlist_for(n)
-    index = faiss.index_factory(DIM, template.format(nlist=nlist), faiss.METRIC_INNER_PRODUCT)
-    skip_polysemous_training(index)
     t0 = time.perf_counter()
-    if not index.is_trained:
-        index.train(sample)
-    index.add(base)
+    index = ann.build_index(factory_for(template, n), base)
     build_s = time.perf_counter() - t0
     size = faiss.serialize_index(index).size
     knob, met = tune(index, tune_queries, tune_truth, target)
     seconds, ids = batch1_latency(index, queries, knob, max_seconds)
     truth = truth[: len(ids)]
-    labels = [f"nlist={nlist}"] if "{nlist}" in template else []
+    labels = [f"nlist={ann.default_nlist(n)}"] if "{nlist}" in template else []
     if knob is not None:
         labels.append(knob.label + ("" if met else " (plateau)"))
     p50, p99 = np.percentile(seconds * 1000, [50, 99])
@@ -266,72 +203,8 @@ def measure(
     )
 
 
-def markdown_table(rows: Sequence[Row]) -> str:
-    lines = [
-        "| type | N | params | build s | vectors/s | p50 ms | p99 ms | recall@10 "
-        "| bytes/vector | queries |",
-        "|" + "---|" * 10,
-    ]
-    for r in rows:
-        lines.append(
-            f"| `{r.type}` | {r.n:,} | {r.params} | {r.build_s:.2f} "
-            f"| {r.vectors_per_s:,.0f} | {r.p50_ms:.3f} | {r.p99_ms:.3f} "
-            f"| {r.recall:.3f} | {r.bytes_per_vector:.1f} | {r.queries} |"
-        )
-    return "\n".join(lines)
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [
-            ln.split(":", 1)[1].strip()
-            for ln in cpuinfo.read_text().splitlines()
-            if ln.startswith("model name")
-        ]
-        cpu = names[0] if names else cpu
-    return (
-        f"{os.cpu_count()} CPU cores ({cpu}), CPU only; faiss {faiss.__version__}, "
-        f"numpy {np.__version__}, Python {platform.python_version()}"
-    )
-
-
-def report(
-    rows: Sequence[Row], argv: Sequence[str], target: float, build_threads: int, elapsed_s: float
-) -> str:
-    cmd = shlex.join([".venv/bin/python", "benchmarks/index_scale.py", *argv])
-    return "\n".join(
-        [
-            f"Machine: {machine()}.",
-            "",
-            f"Command: `{cmd}` ({elapsed_s / 60:.1f} min in all).",
-            "",
-            f"d = {DIM}, inner product, k = {K}. Build (train + add) uses {build_threads} FAISS "
-            f"thread(s); latency is batch 1 with FAISS on 1 thread. The knob is the cheapest "
-            f'reaching recall@10 ≥ {target} on separate tuning queries; "plateau" marks an '
-            f"index whose recall stopped improving below that. recall@10 is against exact "
-            f"search on the timed queries; bytes/vector = `faiss.serialize_index` size / N.",
-            "",
-            markdown_table(rows),
-        ]
-    )
-
-
-def write_markdown(path: Path, block: str) -> None:
-    """Put block between the markers in path, keeping the text around them."""
-    body = f"{BEGIN}\n{block}\n{END}"
-    if path.exists():
-        text = path.read_text()
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        text = head + body + tail
-    else:
-        text = f"# Index scale benchmark\n\n{body}\n"
-    path.write_text(text)
-
-
 def check_markdown(path: Path) -> None:
+    """Refuse an --out that exists but has no place marked for the table."""
     if path.exists() and not (BEGIN in (text := path.read_text()) and END in text):
         raise UsageError(
             f"--out {path} exists without the {BEGIN} / {END} markers; "
@@ -339,53 +212,21 @@ def check_markdown(path: Path) -> None:
         )
 
 
-def plot(path: Path, rows: Sequence[Row]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for template in dict.fromkeys(r.type for r in rows):
-        mine = [r for r in rows if r.type == template]
-        ns = [r.n for r in mine]
-        (line,) = ax.plot(ns, [r.p50_ms for r in mine], marker="o", label=template)
-        ax.plot(
-            ns,
-            [r.p99_ms for r in mine],
-            linestyle="--",
-            marker=".",
-            color=line.get_color(),
-            alpha=0.7,
-        )
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    sizes = sorted({r.n for r in rows})
-    ax.set_xticks(sizes, [f"{n / 1e6:g}M" if n >= 10**6 else f"{n / 1e3:g}k" for n in sizes])
-    ax.minorticks_off()
-    ax.set_xlabel("N (indexed vectors)")
-    ax.set_ylabel("search latency, ms (solid p50, dashed p99)")
-    ax.set_title(f"FAISS batch-1 search, d={DIM}, k={K}, 1 thread, tuned to recall@10 target")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown, and the module docstring kept as written."""
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The options, checked; a bad one exits 2 through argparse."""
     p = argparse.ArgumentParser(
         description=__doc__,
-        epilog="Each index is faiss.index_factory(128, TYPE, faiss.METRIC_INNER_PRODUCT); "
-        "{nlist} in a TYPE becomes 4·√N rounded to a power of two, at most N/39, "
-        "and IVF training uses 50·nlist vectors (at most N). IVF-PQ's polysemous "
-        "training is turned off: it only serves Hamming pre-filtering, which duet "
-        "does not use, and costs over a minute per build. Exit status 2 on a bad "
-        "option.",
+        epilog="Each index is store.ann.build_index(TYPE, vectors), as `duet build "
+        "--factory TYPE` builds it: inner product; {nlist} in a TYPE becomes "
+        "store.ann.default_nlist(N), a power of two near 8·√N within 4..16·√N; training "
+        "uses a seeded sample of 64·nlist vectors (at least 9,984 where PQ codebooks train "
+        "too; at most N), and an HNSW graph is filled on one thread; IVF-PQ's polysemous "
+        "training is off (it only serves Hamming pre-filtering, which duet does not use). "
+        "Exit status 2 on a bad option.",
         formatter_class=_HelpFormatter,
     )
     p.add_argument(
@@ -441,19 +282,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def check_types(types: Sequence[str]) -> None:
+def check_types(types: Sequence[str], sizes: Sequence[int]) -> None:
+    """Refuse a TYPE FAISS cannot build, or one some N cannot train, as `duet build` does."""
     for template in types:
         try:
-            faiss.index_factory(DIM, template.format(nlist=1), faiss.METRIC_INNER_PRODUCT)
-        except (KeyError, IndexError, ValueError, RuntimeError) as e:
+            ann.make_index(template.format(nlist=1), DIM)
+        except (KeyError, IndexError, ValueError) as e:  # ann.FactoryError is a ValueError
+            cause = e.__cause__ or e  # make_index wraps FAISS's RuntimeError
             raise UsageError(
                 f"--types {template!r} is not an index-factory string FAISS "
-                f"accepts ({type(e).__name__}); see the FAISS wiki page "
+                f"accepts ({type(cause).__name__}); see the FAISS wiki page "
                 "'The index factory'"
             ) from e
+        for n in sizes:
+            try:
+                ann.check_factory(factory_for(template, n), DIM, n)
+            except ann.FactoryError as e:
+                raise UsageError(f"--types {template!r} at N={n:,}: {e}") from e
 
 
 def check_plot_backend() -> None:
+    """Refuse --plot before any work when matplotlib is missing."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
@@ -463,10 +312,12 @@ def check_plot_backend() -> None:
 
 
 def log(msg: str) -> None:
+    """A progress line on stderr."""
     print(f"[index_scale] {msg}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> list[Row]:
+    """Every TYPE at every N, in that order, logging each row as it lands."""
     mixture = Mixture()
     queries = mixture.sample(args.queries, QUERY_SEED)
     tune_queries = mixture.sample(args.queries, TUNE_SEED)
@@ -475,16 +326,11 @@ def run(args: argparse.Namespace) -> list[Row]:
         log(f"N={n:,}: generating vectors and exact top-{K}")
         base = mixture.sample(n, BASE_SEED)
         truth, tune_truth = exact_knn(queries, base), exact_knn(tune_queries, base)
-        pick = np.random.default_rng(SAMPLE_SEED).choice(
-            n, size=train_size(n, nlist_for(n)), replace=False
-        )
-        sample = base[np.sort(pick)]
         for template in args.types:
             log(f"N={n:,} {template}: build, tune, time")
             row = measure(
                 template,
                 base,
-                sample,
                 queries,
                 truth,
                 tune_queries,
@@ -498,15 +344,16 @@ def run(args: argparse.Namespace) -> list[Row]:
                 f"{row.bytes_per_vector:.0f} B/vector"
             )
             rows.append(row)
-        del base, sample
+        del base
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Check the options, measure, print the report and write --out and --plot."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     try:
-        check_types(args.types)
+        check_types(args.types, args.sizes)
         if args.out:
             check_markdown(Path(args.out))
         if args.plot:
@@ -517,13 +364,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     build_threads = faiss.omp_get_max_threads()
     rows = run(args)
-    block = report(rows, argv, args.target_recall, build_threads, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    block = report(rows, argv, args.target_recall, build_threads, elapsed, dim=DIM, k=K)
     print(block)
     if args.out:
         write_markdown(Path(args.out), block)
         log(f"wrote {args.out}")
     if args.plot:
-        plot(Path(args.plot), rows)
+        plot(Path(args.plot), rows, dim=DIM, k=K)
         log(f"wrote {args.plot}")
     return 0
 

@@ -37,6 +37,7 @@ DISTRACTOR_SEED = 1_003_003
 
 
 def duet(*args: str, env: dict[str, str]) -> str:
+    """Run the `duet` CLI in a subprocess; its stdout, or exit with its stderr."""
     cmd = [sys.executable, "-m", "duet.cli", *args]
     print("$ duet " + " ".join(args), file=sys.stderr, flush=True)
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -46,6 +47,7 @@ def duet(*args: str, env: dict[str, str]) -> str:
 
 
 def build(work: Path, name: str, images: int, seed: int, env: dict[str, str]) -> Path:
+    """Generate a corpus and build it into a Flat index under `work`; the index directory."""
     corpus, index = work / f"{name}-corpus", work / f"{name}-index"
     duet(
         "demo-corpus",
@@ -73,10 +75,12 @@ def build(work: Path, name: str, images: int, seed: int, env: dict[str, str]) ->
 
 
 def cells(r: dict[str, Any]) -> list[str]:
+    """The R@1/5/10 cells of one result, both directions (– where absent)."""
     return [f"{r[d][f'R@{k}']:.1f}" if d in r else "–" for d in ("t2i", "i2t") for k in (1, 5, 10)]
 
 
 def ms(r: dict[str, Any]) -> str:
+    """Milliseconds per query, t2i / i2t."""
     t = r.get("ms_per_query", {})
     return " / ".join(f"{t[d]:.3g}" for d in ("t2i", "i2t") if d in t) or "–"
 
@@ -95,6 +99,7 @@ LABELS = {
 
 
 def table(result: dict[str, Any], title: str = "mode") -> str:
+    """A Markdown table of every mode in one `duet eval` result."""
     rows = [HEAD.format(title)]
     for mode, r in result["modes"].items():
         rows.append(f"| {LABELS.get(mode, mode)} | " + " | ".join(cells(r)) + f" | {ms(r)} |")
@@ -109,6 +114,7 @@ def table(result: dict[str, Any], title: str = "mode") -> str:
 
 
 def sweep(entries: dict[str, Any], title: str) -> str:
+    """A Markdown table of one sweep's entries."""
     rows = [HEAD.format(title)]
     rows += [f"| {name} | " + " | ".join(cells(r)) + f" | {ms(r)} |" for name, r in entries.items()]
     return "\n".join(rows)
@@ -190,7 +196,8 @@ def pattern(plain: dict[str, Any], mixed: dict[str, Any]) -> list[tuple[str, boo
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
     p.add_argument("--images", type=int, default=1000, help="test split size")
@@ -204,13 +211,14 @@ def main() -> None:
         help="M for coop, late and han (default 10: the dot product's R@10 is "
         "where re-ranking can still find the answer; the M sweep shows 10-100)",
     )
-    args = p.parse_args()
+    return p.parse_args()
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    if args.model_dir:
-        env["DUET_MODEL_DIR"] = str(Path(args.model_dir).resolve())
+
+def evaluate(
+    args: argparse.Namespace, env: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Steps 1 and 2: build both indexes, then `duet eval` without and with the distractors."""
     model_args = ["--model-dir", env["DUET_MODEL_DIR"]] if args.model_dir else []
-    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         test = build(work, "test", args.images, TEST_SEED, env)
@@ -242,8 +250,17 @@ def main() -> None:
                 env=env,
             )
         )
-    minutes = (time.perf_counter() - t0) / 60
-    checks = pattern(plain, mixed)
+    return plain, mixed
+
+
+def results_markdown(
+    args: argparse.Namespace,
+    plain: dict[str, Any],
+    mixed: dict[str, Any],
+    checks: list[tuple[str, bool, str]],
+    minutes: float,
+) -> str:
+    """Step 3: docs/results.md, the checked pattern first, then every table and the raw JSON."""
     lines = [
         "# Results: the papers' tables on duet's world",
         "",
@@ -295,7 +312,20 @@ def main() -> None:
         "```",
         "",
     ]
-    args.out.write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Build, evaluate, write the results and print which findings hold."""
+    args = parse_args()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if args.model_dir:
+        env["DUET_MODEL_DIR"] = str(Path(args.model_dir).resolve())
+    t0 = time.perf_counter()
+    plain, mixed = evaluate(args, env)
+    minutes = (time.perf_counter() - t0) / 60
+    checks = pattern(plain, mixed)
+    args.out.write_text(results_markdown(args, plain, mixed, checks, minutes))
     print(f"wrote {args.out} ({minutes:.1f} min)")
     for c, ok, m in checks:
         print(f"{'ok ' if ok else 'NO '} {c}: {m}")

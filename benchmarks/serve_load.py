@@ -21,104 +21,20 @@ import asyncio
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 
-from models import world  # noqa: E402
-
-
-@dataclass
-class Cell:
-    """One (server, mode, concurrency) measurement, summed over rounds."""
-
-    latencies: list[float] = field(default_factory=list)  # full answers only, seconds
-    seconds: float = 0.0
-    degraded: int = 0
-    refused: int = 0
-    errors: int = 0
-
-    @property
-    def throughput(self) -> float:
-        return len(self.latencies) / self.seconds if self.seconds else 0.0
-
-    def q(self, p: float) -> float:
-        return float(np.percentile(self.latencies, p)) * 1000 if self.latencies else float("nan")
-
-
-class Queries:
-    """Different captions (a held-out world seed, scenes drawn without rendering them), made
-    before the load starts so the load generator spends its CPU on requests only."""
-
-    def __init__(self, seed: int, n: int = 60_000) -> None:
-        rng = random.Random(seed)
-        seen: dict[str, None] = {}
-        while len(seen) < n:
-            for c in world.captions(rng, world.sample_scene(rng), 5):
-                seen.setdefault(c, None)
-        self._it = iter(list(seen))
-
-    def next(self) -> str:
-        return next(self._it)
-
-
-class Conn:
-    """A minimal HTTP/1.1 keep-alive client over one asyncio connection: the load generator
-    shares the machine with the servers, and httpx spends several times the CPU per request
-    of writing the request and reading Content-Length bytes back by hand."""
-
-    def __init__(self, url: str) -> None:
-        host, port = url.removeprefix("http://").split(":")
-        self.host, self.port = host, int(port)
-        self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-
-    async def request(
-        self, method: str, path: str, body: bytes = b""
-    ) -> tuple[int, dict[str, str], bytes]:
-        for attempt in (0, 1):  # once more on a connection the server closed meanwhile
-            if self._io is None:
-                self._io = await asyncio.open_connection(self.host, self.port)
-            reader, writer = self._io
-            try:
-                writer.write(
-                    f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: {len(body)}"
-                    "\r\n\r\n".encode()
-                    + body
-                )
-                head = await reader.readuntil(b"\r\n\r\n")
-            except (ConnectionError, asyncio.IncompleteReadError):
-                self.close()
-                if attempt:
-                    raise
-                continue
-            lines = head.decode("latin-1").split("\r\n")
-            status = int(lines[0].split(" ", 2)[1])
-            headers = {
-                k.strip().lower(): v.strip()
-                for k, _, v in (line.partition(":") for line in lines[1:] if line)
-            }
-            data = await reader.readexactly(int(headers.get("content-length", "0")))
-            if headers.get("connection", "").lower() == "close":
-                self.close()
-            return status, headers, data
-        raise ConnectionError("unreachable")
-
-    def close(self) -> None:
-        if self._io is not None:
-            self._io[1].close()
-            self._io = None
+from benchmarks.load_client import Cell, Queries, closed_loop, overload  # noqa: E402
 
 
 def _free_port() -> int:
@@ -131,6 +47,7 @@ def _free_port() -> int:
 
 @contextmanager
 def server(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[str]:
+    """Run `cmd` on `port` until it answers a search; its URL meanwhile (logs to `log`)."""
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as fh:
         proc = subprocess.Popen(
@@ -157,106 +74,6 @@ def server(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterato
                 proc.wait(15)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-async def closed_loop(
-    url: str,
-    clients: int,
-    seconds: float,
-    rerank: bool,
-    candidates: int,
-    queries: Queries,
-    cell: Cell,
-    warmup: float = 1.0,
-) -> None:
-    """`clients` loops each sending one request at a time for `seconds` (after `warmup`)."""
-    t_start = time.perf_counter() + warmup
-    t_end = t_start + seconds
-
-    async def one() -> None:
-        conn = Conn(url)
-        while (now := time.perf_counter()) < t_end:
-            body = json.dumps(
-                {"query": queries.next(), "top_k": 10, "candidates": candidates, "rerank": rerank}
-            ).encode()
-            try:
-                status, headers, data = await conn.request("POST", "/search/text", body)
-            except (ConnectionError, asyncio.IncompleteReadError):
-                if now >= t_start:
-                    cell.errors += 1
-                continue
-            done = time.perf_counter()
-            if now < t_start:
-                continue
-            if status == 429:
-                cell.refused += 1
-                # a well-behaved client waits as told (at most 1 s here) before retrying
-                await asyncio.sleep(min(1.0, float(headers.get("retry-after", "1"))))
-            elif status != 200:
-                cell.errors += 1
-            elif b'"degraded":true' in data:
-                cell.degraded += 1
-            else:
-                cell.latencies.append(done - now)
-        conn.close()
-
-    await asyncio.gather(*(one() for _ in range(clients)))
-    cell.seconds += seconds
-
-
-async def overload(
-    url: str, clients: int, seconds: float, candidates: int, queries: Queries
-) -> dict[str, object]:
-    """Open many clients at once; count 429s (and their Retry-After), 5xx, admitted latency,
-    and how fast /healthz answers meanwhile."""
-    cell = Cell()
-    health: list[float] = []
-    retry_after: list[int] = []
-    t_end = time.perf_counter() + seconds
-
-    async def one() -> None:
-        conn = Conn(url)
-        while time.perf_counter() < t_end:
-            t0 = time.perf_counter()
-            body = json.dumps(
-                {"query": queries.next(), "top_k": 10, "candidates": candidates}
-            ).encode()
-            status, headers, data = await conn.request("POST", "/search/text", body)
-            if status == 429:
-                cell.refused += 1
-                retry_after.append(int(headers.get("retry-after", "0")))
-                await asyncio.sleep(min(1.0, float(headers.get("retry-after", "1"))))
-            elif status >= 500:
-                cell.errors += 1
-            elif b'"degraded":true' in data:
-                cell.degraded += 1
-            else:
-                cell.latencies.append(time.perf_counter() - t0)
-        conn.close()
-
-    async def probe() -> None:
-        conn = Conn(url)
-        while time.perf_counter() < t_end:
-            t0 = time.perf_counter()
-            status, _, _ = await conn.request("GET", "/healthz")
-            health.append(time.perf_counter() - t0 if status == 200 else float("inf"))
-            await asyncio.sleep(0.25)
-        conn.close()
-
-    await asyncio.gather(probe(), *(one() for _ in range(clients)))
-    cell.seconds = seconds
-    return {
-        "clients": clients,
-        "answered": len(cell.latencies),
-        "degraded": cell.degraded,
-        "refused_429": cell.refused,
-        "errors_5xx": cell.errors,
-        "retry_after_present": bool(retry_after) and min(retry_after) >= 1,
-        "admitted_p50_ms": round(cell.q(50), 1),
-        "admitted_p99_ms": round(cell.q(99), 1),
-        "healthz_max_ms": round(max(health) * 1000, 1) if health else None,
-        "throughput": round(cell.throughput, 1),
-    }
 
 
 def pairs_per_second(
@@ -300,6 +117,7 @@ def pairs_per_second(
 
 
 def plot(results: dict[str, Cell], levels: list[int], path: Path) -> None:
+    """Throughput and p50/p99 latency against concurrency, duet against the script."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -327,7 +145,35 @@ def plot(results: dict[str, Cell], levels: list[int], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def run_grid(
+    urls: dict[str, str],
+    args: argparse.Namespace,
+    levels: list[int],
+    queries: Queries,
+    results: dict[str, Cell],
+) -> None:
+    """Closed-loop load on every (mode, clients, server) cell, `--rounds` times, the servers'
+    order swapped each round; adds to `results` and prints each cell as it ends."""
+    for rnd in range(args.rounds):
+        order = ["duet", "baseline"] if rnd % 2 == 0 else ["baseline", "duet"]
+        for mode, rerank in (("re-ranked", True), ("dot only", False)):
+            for c in levels:
+                for srv in order:
+                    cell = results.setdefault(f"{srv}|{mode}|{c}", Cell())
+                    asyncio.run(
+                        closed_loop(
+                            urls[srv], c, args.seconds, rerank, args.candidates, queries, cell
+                        )
+                    )
+                    print(
+                        f"round {rnd + 1} {mode:9s} c={c:3d} {srv:8s} "
+                        f"{cell.throughput:6.1f}/s p50 {cell.q(50):7.1f} ms",
+                        flush=True,
+                    )
+
+
 def main() -> None:
+    """Measure the compute bound, run the grid and the overload, write the report."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--index-dir",
@@ -381,23 +227,7 @@ def main() -> None:
         server(duet_cmd, duet_env, duet_port, logs / "duet-serve-load.log") as duet_url,
         server(base_cmd, {}, base_port, logs / "baseline-serve-load.log") as base_url,
     ):
-        urls = {"duet": duet_url, "baseline": base_url}
-        for rnd in range(args.rounds):
-            order = ["duet", "baseline"] if rnd % 2 == 0 else ["baseline", "duet"]
-            for mode, rerank in (("re-ranked", True), ("dot only", False)):
-                for c in levels:
-                    for srv in order:
-                        cell = results.setdefault(f"{srv}|{mode}|{c}", Cell())
-                        asyncio.run(
-                            closed_loop(
-                                urls[srv], c, args.seconds, rerank, args.candidates, queries, cell
-                            )
-                        )
-                        print(
-                            f"round {rnd + 1} {mode:9s} c={c:3d} {srv:8s} "
-                            f"{cell.throughput:6.1f}/s p50 {cell.q(50):7.1f} ms",
-                            flush=True,
-                        )
+        run_grid({"duet": duet_url, "baseline": base_url}, args, levels, queries, results)
         over = None
         if args.overload:
             print(f"overload: {args.overload} clients against duet ...", flush=True)
@@ -415,6 +245,7 @@ def write_report(
     bound: dict[str, float],
     over: dict[str, object] | None,
 ) -> None:
+    """The markdown report (and its plot) at --out, and the raw figures at --json."""
     png = args.out.with_suffix(".png")
     plot(results, levels, png)
     lines = [

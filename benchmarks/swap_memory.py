@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -44,6 +45,7 @@ def rss(pid: int) -> dict[str, int]:
 
 
 def start(index_dir: Path, port: int, token: str) -> subprocess.Popen[bytes]:
+    """Start `duet serve` on `index_dir` and wait until it is ready."""
     env = {
         **os.environ,
         "DUET_INDEX_DIR": str(index_dir),
@@ -69,7 +71,51 @@ def start(index_dir: Path, port: int, token: str) -> subprocess.Popen[bytes]:
     raise SystemExit("duet serve did not become ready")
 
 
+def copy_version(original: Path, copy: Path) -> dict[str, Any]:
+    """Copy a version's files to `copy` under a new version name; its manifest."""
+    shutil.copytree(original, copy)
+    manifest: dict[str, Any] = json.loads((copy / MANIFEST).read_text())
+    manifest["version"] = copy.name
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    return manifest
+
+
+def print_summary(
+    original: Path,
+    manifest: dict[str, Any],
+    result: object,
+    swap_s: float,
+    before: dict[str, int],
+    samples: list[dict[str, int]],
+    after: dict[str, int],
+) -> None:
+    """The index's size, the swap's answer and time, and the RSS table."""
+    files = sum(f.stat().st_size for f in original.iterdir()) // 2**20
+    faiss_mib = sum((original / n).stat().st_size for n in ("image.faiss", "text.faiss")) // 2**20
+    print(
+        f"index {original.name}: {manifest['counts']}, files {files} MiB "
+        f"(FAISS {faiss_mib} MiB); swap answered {result} in {swap_s:.2f} s"
+    )
+    print("| RSS MiB | before | peak during | after 2 s |\n|---|---|---|---|")
+    for f in FIELDS:
+        print(f"| {f} | {before[f]} | {max(s[f] for s in samples)} | {after[f]} |")
+
+
+def print_latencies(latencies: dict[str, list[float]]) -> None:
+    """Search p50 during the swap against before it."""
+    during, base = latencies["during"], statistics.median(latencies["before"])
+    if during:
+        p50 = statistics.median(during)
+        print(
+            f"searches that ended during the swap: {len(during)}, p50 {p50:.1f} ms vs "
+            f"{base:.1f} ms before (ratio {p50 / base:.2f})"
+        )
+    else:
+        print(f"no search ended during the swap; p50 before {base:.1f} ms")
+
+
 def main() -> None:
+    """Serve, swap the index under load, print memory and latency around the swap."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--index-dir", type=Path, required=True)
     p.add_argument("--port", type=int, default=8765)
@@ -103,10 +149,7 @@ def main() -> None:
 
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=60) as client:
-            shutil.copytree(original, copy)
-            manifest = json.loads((copy / MANIFEST).read_text())
-            manifest["version"] = copy.name
-            (copy / MANIFEST).write_text(json.dumps(manifest))
+            manifest = copy_version(original, copy)
             searcher = threading.Thread(target=search_loop, args=(client,))
             searcher.start()
             while len(latencies["before"]) < 60:
@@ -133,24 +176,8 @@ def main() -> None:
         point_current(args.index_dir, original.name)
         shutil.rmtree(copy, ignore_errors=True)
 
-    files = sum(f.stat().st_size for f in original.iterdir()) // 2**20
-    faiss_mib = sum((original / n).stat().st_size for n in ("image.faiss", "text.faiss")) // 2**20
-    print(
-        f"index {original.name}: {manifest['counts']}, files {files} MiB "
-        f"(FAISS {faiss_mib} MiB); swap answered {r.json()['result']} in {swap_s:.2f} s"
-    )
-    print("| RSS MiB | before | peak during | after 2 s |\n|---|---|---|---|")
-    for f in FIELDS:
-        print(f"| {f} | {before[f]} | {max(s[f] for s in samples)} | {after[f]} |")
-    during, base = latencies["during"], statistics.median(latencies["before"])
-    if during:
-        p50 = statistics.median(during)
-        print(
-            f"searches that ended during the swap: {len(during)}, p50 {p50:.1f} ms vs "
-            f"{base:.1f} ms before (ratio {p50 / base:.2f})"
-        )
-    else:
-        print(f"no search ended during the swap; p50 before {base:.1f} ms")
+    print_summary(original, manifest, r.json()["result"], swap_s, before, samples, after)
+    print_latencies(latencies)
 
 
 if __name__ == "__main__":
