@@ -124,7 +124,7 @@ class Settings(BaseSettings):
         gt=0,
         description="deadline for a request's model work: refused with 429 when "
         "the queue ahead cannot finish in time, fewer candidates re-ranked when its own "
-        "share does not fit (degraded), 503 if it passes while queued",
+        "share does not fit (degraded), 429 deadline_exceeded if it passes while queued",
     )
     worker_nice: int = Field(
         10,

@@ -47,7 +47,7 @@ class Metrics:
         self.shed = Counter(
             "duet_shed_requests",
             "Requests dropped before model work, by reason "
-            "(queue_full = 429, deadline = 503, client_gone)",
+            "(queue_full = 429, deadline = 429 deadline_exceeded, client_gone)",
             ["reason"],
             registry=r,
         )
