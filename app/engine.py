@@ -186,8 +186,8 @@ class Engine(Generic[P, R]):
         return max(1, math.ceil(self.wait_s() + extra_s))
 
     async def submit(self, payload: P, cost_s: float, timeout_s: float | None = None) -> R:
-        """Queue `payload` and wait for its result; refused with 429 when it cannot be served
-        within its deadline, 429 when the deadline passes in the queue, 503 when the engine stops."""
+        """Queue `payload` and wait for its result: 429 when it cannot be served within its
+        deadline or the deadline passes in the queue, 503 when the engine stops."""
         if self._closed:
             raise ShuttingDown("the service is shutting down; retry on another replica")
         budget = self.timeout_s if timeout_s is None else timeout_s
