@@ -15,12 +15,12 @@ import torch
 from duet.evaluation import evaluate_partial, load_pool
 from models import world
 from models.builtin import BuiltinModel
+from models.ce_negatives import caption_beside_twin, ranked_negative, twin_text
 from models.evaluate import fit_matrix, precision
 from models.fusion import DEFAULT_FUSION_LAMBDA
 from models.losses import cmr_loss
 from models.tokenizer import UNK, WordTokenizer, unknown_words
-from models.train import positives_mask, text_negative, training_captions
-from models.train_ce import caption_beside_twin, ranked_negative, twin_text
+from models.train_joint import positives_mask, text_negative, training_captions
 from models.trainconfig import HELD_OUT_SEED_BASE
 from models.world import Desc, Part, Scene, Thing
 from tests.conftest import REPO

@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from models import world
 from models.builtin import WEIGHTS_FILE, BuiltinModel
+from models.ce_negatives import perturbed_twin
 from models.joint import CROSS_ENCODER, JointConfig, JointModel
 from models.tokenizer import WordTokenizer
 from models.train import load_encoders, train
-from models.train_ce import perturbed_twin
 from models.trainconfig import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]

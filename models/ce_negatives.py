@@ -1,0 +1,287 @@
+"""Stage 2's training pairs: the hard negatives a caption and an image are shown against.
+
+Per caption (full or partial) a random wrong image, two training images the bi-encoder ranks
+high for it at ranks drawn log-uniformly below `ranks`, its scene perturbed (rendered); per
+image the perturbed scene's caption and a training caption the bi-encoder ranks high for it.
+No negative fits: a partial caption is only paired with a perturbed image that breaks something
+it says, and ranked images or captions that fit are skipped. `ce_pairs` lays one step's pairs
+out for `models.train_ce.bce_and_grounding`, with the index lists of its listwise term.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from PIL import Image
+
+from models import world
+from models.builtin import pixel_bytes
+from models.joint import JointModel
+from models.tokenizer import WordTokenizer
+
+
+def perturbed_twin(rng: random.Random, scene: world.Scene, flip: float) -> world.Scene:
+    """A hard negative scene: the relation flipped with probability `flip` (pairs only), else
+    `world.perturb`."""
+    if scene.relation is not None and rng.random() < flip:
+        return replace(scene, relation=world.INVERSE[scene.relation])
+    return world.perturb(rng, scene)
+
+
+@torch.no_grad()
+def _states(
+    model: JointModel,
+    images: Sequence[Image.Image],
+    batch: int = 500,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image states (N, T, d) float16, image vectors (N, e))."""
+    px = pixel_bytes(images, world.IMAGE_SIZE)
+    states, vecs = [], []
+    for s in range(0, len(px), batch):
+        st = model.image_tokens(px[s : s + batch].float() / 255.0)
+        states.append(st.half())
+        vecs.append(model.embed_images(st))
+    return torch.cat(states), torch.cat(vecs)
+
+
+def ranked_negative(
+    rng: random.Random,
+    ranked: Sequence[int],
+    desc: world.Desc,
+    scenes: Sequence[world.Scene],
+    tries: int = 10,
+) -> int:
+    """One of `ranked` (training images, best first) that `desc` does not fit, at a rank drawn
+    log-uniformly (the hardest few as likely as each decade below them); -1 when `tries`
+    draws all fit."""
+    for _ in range(tries):
+        r = min(int(math.exp(rng.uniform(0.0, math.log(len(ranked) + 1)))) - 1, len(ranked) - 1)
+        if not world.satisfies(desc, scenes[ranked[r]]):
+            return ranked[r]
+    return -1
+
+
+def ranked_caption(
+    rng: random.Random,
+    ranked: Sequence[int],
+    scene: world.Scene,
+    caption_scenes: Sequence[world.Scene],
+    tries: int = 10,
+) -> int:
+    """One of `ranked` (training captions, best first for an image of `scene`) that `scene`
+    does not fit, at a rank drawn log-uniformly; -1 when `tries` draws all fit."""
+    for _ in range(tries):
+        r = min(int(math.exp(rng.uniform(0.0, math.log(len(ranked) + 1)))) - 1, len(ranked) - 1)
+        c = ranked[r]
+        if not world.satisfies(world.full_desc(caption_scenes[c]), scene):
+            return c
+    return -1
+
+
+@torch.no_grad()
+def _caption_vectors(
+    model: JointModel, tok: WordTokenizer, captions: Sequence[str], batch: int = 2048
+) -> torch.Tensor:
+    """The bi-encoder's vectors of `captions` (N, e)."""
+    out = []
+    for s in range(0, len(captions), batch):
+        ids, pad = tok.batch(list(captions[s : s + batch]))
+        out.append(model.embed_texts(model.text_tokens(ids, pad), pad))
+    return torch.cat(out)
+
+
+def _list_rows(b: int, columns: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """(b, 1 + len(columns)) logit indices: row r's positive (logit r) in column 0, then per
+    column the logit index of row r's negative of that kind, -1 where it has none; each
+    column is (rows that have one, their logit indices)."""
+    out = torch.full((b, 1 + len(columns)), -1, dtype=torch.long)
+    out[:, 0] = torch.arange(b)
+    for k, (rows, at) in enumerate(columns):
+        out[rows, k + 1] = at
+    return out
+
+
+def caption_beside_twin(
+    rng: random.Random, sample: world.Sample, twin: world.Scene, partial: float, tries: int = 5
+) -> tuple[str, world.Desc]:
+    """A caption of `sample` that its perturbed twin does not fit: partial with probability
+    `partial` when one of `tries` partial descriptions names what the twin changed, else
+    full."""
+    if rng.random() < partial:
+        for _ in range(tries):
+            text, desc = world.partial_caption(rng, sample.scene)
+            if not world.satisfies(desc, twin):
+                return text, desc
+    return rng.choice(sample.captions), world.full_desc(sample.scene)
+
+
+def twin_text(
+    rng: random.Random,
+    twin: world.Scene,
+    full: str,
+    scene: world.Scene,
+    partial: float,
+    tries: int = 5,
+) -> str:
+    """A caption of the twin that `scene` does not fit (a text negative for `scene`'s image):
+    partial with probability `partial` when one of `tries` says what changed, else `full`."""
+    if rng.random() < partial:
+        for _ in range(tries):
+            text, desc = world.partial_caption(rng, twin)
+            if not world.satisfies(desc, scene):
+                return text
+    return full
+
+
+@dataclass
+class CePool:
+    """Everything stage 2 draws from, computed once: the encoders are frozen."""
+
+    samples: Sequence[world.Sample]
+    scenes: list[world.Scene]
+    twins: list[world.Scene]  # each sample's perturbed scene
+    twin_captions: list[str]
+    states: torch.Tensor  # image states (N, T, d) float16
+    vecs: torch.Tensor  # image vectors (N, e)
+    twin_states: torch.Tensor
+    captions: list[str]  # every training caption, for image->text negatives
+    caption_owner: torch.Tensor  # the sample each caption describes
+    caption_scenes: list[world.Scene]
+    caption_vecs: torch.Tensor
+
+
+def ce_pool(
+    model: JointModel,
+    tok: WordTokenizer,
+    samples: Sequence[world.Sample],
+    flip: float,
+    rng: random.Random,
+    progress: bool,
+) -> CePool:
+    """Twins rendered, states and vectors of every training image and caption."""
+    from tqdm import tqdm
+
+    twins = [perturbed_twin(rng, s.scene, flip) for s in samples]
+    twin_images = [
+        world.render(rng, w)
+        for w in tqdm(twins, desc="rendering twins", unit="img", disable=not progress)
+    ]
+    twin_captions = [world.captions(rng, w, 1)[0] for w in twins]
+    scenes = [s.scene for s in samples]
+    captions = [c for s in samples for c in s.captions]
+    owner = torch.tensor([i for i, s in enumerate(samples) for _c in s.captions])
+    caption_vecs = _caption_vectors(model, tok, captions)
+    states, vecs = _states(model, [s.image for s in samples])
+    twin_states, _ = _states(model, twin_images)
+    return CePool(
+        samples,
+        scenes,
+        twins,
+        twin_captions,
+        states,
+        vecs,
+        twin_states,
+        captions,
+        owner,
+        [scenes[i] for i in owner.tolist()],
+        caption_vecs,
+    )
+
+
+@dataclass
+class CePairs:
+    """One step's pairs: caption rows into `txt`, image states, the listwise index lists."""
+
+    texts: list[str]  # the positives' captions, in batch order
+    txt: torch.Tensor
+    pad: torch.Tensor
+    t_idx: torch.Tensor
+    img: torch.Tensor
+    lists: list[torch.Tensor]
+
+
+@torch.no_grad()
+def _encode(model: JointModel, tok: WordTokenizer, texts: list[str]) -> tuple[torch.Tensor, ...]:
+    ids, pad = tok.batch(texts)
+    return model.text_tokens(ids, pad), pad
+
+
+def ce_pairs(
+    model: JointModel,
+    tok: WordTokenizer,
+    pool: CePool,
+    idx: torch.Tensor,
+    rng: random.Random,
+    ranks: int,
+    partial: float,
+) -> CePairs:
+    """The pairs of one step over the samples `idx` (positives first, in batch order)."""
+    batch, picked, samples = len(idx), idx.tolist(), pool.samples
+    said = [caption_beside_twin(rng, samples[i], pool.twins[i], partial) for i in picked]
+    texts = [t for t, _d in said]
+    twin_texts = [
+        twin_text(rng, pool.twins[i], pool.twin_captions[i], samples[i].scene, partial)
+        for i in picked
+    ]
+    with torch.no_grad():
+        isim = pool.vecs[idx] @ pool.caption_vecs.t()  # these images against every caption
+        isim.masked_fill_(pool.caption_owner[None, :] == idx[:, None], float("-inf"))
+        ctop = isim.topk(min(ranks, len(pool.captions) - 1), dim=1).indices.tolist()
+    rcap = [
+        ranked_caption(rng, ctop[r], samples[i].scene, pool.caption_scenes)
+        for r, i in enumerate(picked)
+    ]
+    keep_rc = torch.tensor([c >= 0 for c in rcap])
+    ranked_texts = [pool.captions[c] for c in rcap if c >= 0]
+    txt, pad = _encode(model, tok, texts + twin_texts + ranked_texts)
+    with torch.no_grad():
+        sim = model.embed_texts(txt[:batch], pad[:batch]) @ pool.vecs.t()
+        sim[torch.arange(batch), idx] = float("-inf")
+        top = sim.topk(min(ranks, len(samples) - 1), dim=1).indices.tolist()
+    hard = [ranked_negative(rng, top[r], d, pool.scenes) for r, (_t, d) in enumerate(said)]
+    hard2 = [ranked_negative(rng, top[r], d, pool.scenes) for r, (_t, d) in enumerate(said)]
+    shift = torch.roll(idx, 1)
+    keep_shift = torch.tensor(
+        [
+            not world.satisfies(d, samples[j].scene)
+            for (_t, d), j in zip(said, shift.tolist(), strict=True)
+        ]
+    )
+    keep_hard = torch.tensor([h >= 0 for h in hard])
+    keep_hard2 = torch.tensor([h >= 0 for h in hard2])
+    rows, states = torch.arange(batch), pool.states
+    # the pairs, segment by segment: (caption rows, image states)
+    segments = [
+        (rows, states[idx]),  # positives
+        (rows[keep_shift], states[shift[keep_shift]]),  # a random wrong image
+        (rows[keep_hard], states[torch.tensor(hard)[keep_hard]]),  # ranked wrong images
+        (rows[keep_hard2], states[torch.tensor(hard2)[keep_hard2]]),
+        (rows, pool.twin_states[idx]),  # the perturbed scene's image
+        (rows + batch, states[idx]),  # the perturbed scene's caption
+        (2 * batch + torch.arange(len(ranked_texts)), states[idx[keep_rc]]),  # ranked
+    ]
+    start = torch.tensor([0, *itertools.accumulate(len(t) for t, _s in segments)])
+    who = [rows, rows[keep_shift], rows[keep_hard], rows[keep_hard2], rows, rows]
+    at = [start[k] + torch.arange(len(w)) for k, w in enumerate(who)]
+    lists = [
+        # a caption against the images: its own, then each kind of wrong one
+        _list_rows(batch, [(who[k], at[k]) for k in (1, 2, 3, 4)]),
+        # an image against the captions: its own, the twin's, a ranked wrong one
+        _list_rows(
+            batch,
+            [(who[5], at[5]), (rows[keep_rc], start[6] + torch.arange(len(ranked_texts)))],
+        ),
+    ]
+    return CePairs(
+        texts,
+        txt,
+        pad,
+        torch.cat([t for t, _s in segments]),
+        torch.cat([st for _t, st in segments]).float(),
+        lists,
+    )
