@@ -28,6 +28,7 @@ from PIL import Image
 
 from app.engine import Throughput, Ticket
 from app.metrics import Metrics
+from app.threads import SOLO_TEXTS, solo_threads
 from models.fusion import Ranked, fused_top_k
 from models.protocols import JointEncoder
 from models.rerankers import REGISTRY, Pairs, Scorer
@@ -231,7 +232,8 @@ class BatchWorker:
         texts = [i for i, w in enumerate(work) if w.query.kind == "text"]
         images = [i for i, w in enumerate(work) if w.query.kind == "image"]
         if texts:
-            v = self.model.encode_texts([str(work[i].query.text) for i in texts])
+            with solo_threads(len(texts) <= SOLO_TEXTS):
+                v = self.model.encode_texts([str(work[i].query.text) for i in texts])
             vecs.update(zip(texts, v, strict=True))
         if images:
             v, toks = self.model.encode_images([work[i].query.image for i in images])  # type: ignore[misc]
