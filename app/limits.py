@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -110,109 +111,128 @@ async def _busy(scope: Scope, receive: Receive, send: Send) -> None:
     await send(body)
 
 
+@dataclass(frozen=True)
+class HttpLimits:
+    """What `GuardedHttpToolsProtocol` enforces (the DUET_HTTP_* settings)."""
+
+    header_timeout_s: float
+    body_timeout_s: float
+    max_header_bytes: int
+    max_inflight: int
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol under `limits`, which `guarded_protocol` sets on a
+    subclass (uvicorn builds the protocol itself, so settings cannot come in as arguments)."""
+
+    limits: ClassVar[HttpLimits]
+    _timer: asyncio.TimerHandle | None = None
+    _header_bytes = 0
+
+    def _arm(self, seconds: float, why: str) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, self._expire, why)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self, why: str) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        self.logger.info("closing a slow client %s (%s not received in time)", self.client, why)
+        if why == "headers":
+            self._refuse(
+                408,
+                "request_timeout",
+                f"request headers not received within {self.limits.header_timeout_s:g} s "
+                "(DUET_HTTP_HEADER_TIMEOUT_S)",
+            )
+        else:
+            self.transport.close()  # the app's receive() then sees http.disconnect
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        body = json.dumps(error_body(code, message)).encode()
+        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, reason, len(body)) + body
+        )
+        self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s, "headers")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.transport.is_closing():  # refused: the rest is not parsed
+            super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        if self._timer is None:  # a keep-alive connection's next request
+            self._arm(self.limits.header_timeout_s, "headers")
+
+    def _count(self, n: int) -> None:
+        self._header_bytes += n
+        max_header_bytes = self.limits.max_header_bytes
+        if self._header_bytes > max_header_bytes and not self.transport.is_closing():
+            self._disarm()
+            self._refuse(
+                431,
+                "headers_too_large",
+                f"request line and headers exceed {max_header_bytes} bytes "
+                "(DUET_HTTP_MAX_HEADER_BYTES)",
+            )
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self.transport.is_closing():
+            return
+        self._arm(self.limits.body_timeout_s, "body")
+        if len(self.tasks) >= self.limits.max_inflight and not self.url.startswith(_ALWAYS):
+            app, self.app = self.app, _busy
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        else:
+            super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self.transport.is_closing():
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        if not self.transport.is_closing():
+            super().on_message_complete()
+
+
 def guarded_protocol(
     header_timeout_s: float, body_timeout_s: float, max_header_bytes: int, max_inflight: int
 ) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with a header deadline, a body deadline, a header cap and
     a cap on requests in flight (429 before the app; health, readiness and metrics exempt)."""
 
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        _timer: asyncio.TimerHandle | None = None
-        _header_bytes = 0
+    class Guarded(GuardedHttpToolsProtocol):
+        limits = HttpLimits(header_timeout_s, body_timeout_s, max_header_bytes, max_inflight)
 
-        def _arm(self, seconds: float, why: str) -> None:
-            self._disarm()
-            self._timer = self.loop.call_later(seconds, self._expire, why)
-
-        def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _expire(self, why: str) -> None:
-            self._timer = None
-            if self.transport.is_closing():
-                return
-            self.logger.info("closing a slow client %s (%s not received in time)", self.client, why)
-            if why == "headers":
-                self._refuse(
-                    408,
-                    "request_timeout",
-                    f"request headers not received within {header_timeout_s:g} s "
-                    "(DUET_HTTP_HEADER_TIMEOUT_S)",
-                )
-            else:
-                self.transport.close()  # the app's receive() then sees http.disconnect
-
-        def _refuse(self, status: int, code: str, message: str) -> None:
-            body = json.dumps(error_body(code, message)).encode()
-            reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
-            self.transport.write(
-                b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n" % (status, reason, len(body)) + body
-            )
-            self.transport.close()
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm(header_timeout_s, "headers")
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            if not self.transport.is_closing():  # refused: the rest is not parsed
-                super().data_received(data)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._header_bytes = 0
-            if self._timer is None:  # a keep-alive connection's next request
-                self._arm(header_timeout_s, "headers")
-
-        def _count(self, n: int) -> None:
-            self._header_bytes += n
-            if self._header_bytes > max_header_bytes and not self.transport.is_closing():
-                self._disarm()
-                self._refuse(
-                    431,
-                    "headers_too_large",
-                    f"request line and headers exceed {max_header_bytes} bytes "
-                    "(DUET_HTTP_MAX_HEADER_BYTES)",
-                )
-
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value) + 4)
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            if self.transport.is_closing():
-                return
-            self._arm(body_timeout_s, "body")
-            if len(self.tasks) >= max_inflight and not self.url.startswith(_ALWAYS):
-                app, self.app = self.app, _busy
-                try:
-                    super().on_headers_complete()
-                finally:
-                    self.app = app
-            else:
-                super().on_headers_complete()
-
-        def on_body(self, body: bytes) -> None:
-            if not self.transport.is_closing():
-                super().on_body(body)
-
-        def on_message_complete(self) -> None:
-            self._disarm()
-            if not self.transport.is_closing():
-                super().on_message_complete()
-
-    return GuardedHttpToolsProtocol
+    return Guarded
 
 
 def uvicorn_options(settings: Any) -> dict[str, Any]:

@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI
@@ -63,9 +63,35 @@ def _cache_backend(settings: Settings) -> CacheBackend:
     return LRUCache(settings.cache_max_entries, settings.cache_ttl_s)
 
 
-def create_app(settings: Settings, resources: Resources | None = None) -> FastAPI:
-    """Build the app; `resources` may be passed in (already loaded), else they load at start-up."""
-    metrics = Metrics()
+def _pipeline(
+    settings: Settings, res: Resources, cache: ResilientCache, metrics: Metrics
+) -> SearchPipeline:
+    """The search pipeline over the loaded model and index, sized for where the model runs."""
+    on_gpu = str(getattr(res.model, "device", "cpu")).startswith("cuda")
+    return SearchPipeline(
+        res.model,
+        res.index,
+        cache,
+        metrics,
+        fusion_lambda=settings.rerank_fusion_lambda,
+        theta=settings.rerank_theta,
+        workers=settings.workers or (1 if on_gpu else available_cores()),
+        torch_threads=settings.torch_threads,
+        cores=available_cores(),
+        worker_nice=settings.worker_nice,
+        max_batch=settings.max_batch,
+        max_queue=settings.max_queue,
+        rerank_max_batch=settings.rerank_max_batch or (4096 if on_gpu else 64),
+        timeout_s=settings.request_timeout_ms / 1000,
+        index_nprobe=settings.index_nprobe,
+        index_ef_search=settings.index_ef_search,
+    )
+
+
+def _lifespan(
+    settings: Settings, resources: Resources | None, metrics: Metrics
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Start-up (load unless given, start the pipeline and the index poller) and shut-down."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -77,25 +103,7 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
         cache = ResilientCache(
             _cache_backend(settings), metrics, timeout_s=settings.redis_timeout_ms / 1000
         )
-        on_gpu = str(getattr(res.model, "device", "cpu")).startswith("cuda")
-        pipeline = SearchPipeline(
-            res.model,
-            res.index,
-            cache,
-            metrics,
-            fusion_lambda=settings.rerank_fusion_lambda,
-            theta=settings.rerank_theta,
-            workers=settings.workers or (1 if on_gpu else available_cores()),
-            torch_threads=settings.torch_threads,
-            cores=available_cores(),
-            worker_nice=settings.worker_nice,
-            max_batch=settings.max_batch,
-            max_queue=settings.max_queue,
-            rerank_max_batch=settings.rerank_max_batch or (4096 if on_gpu else 64),
-            timeout_s=settings.request_timeout_ms / 1000,
-            index_nprobe=settings.index_nprobe,
-            index_ef_search=settings.index_ef_search,
-        )
+        pipeline = _pipeline(settings, res, cache, metrics)
         await pipeline.start()
         reloader = IndexReloader(pipeline, settings.index_dir, metrics, settings.index_poll_s)
         poller = (
@@ -124,10 +132,16 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
             await pipeline.stop()
             app.state.decoder.close()
 
+    return lifespan
+
+
+def create_app(settings: Settings, resources: Resources | None = None) -> FastAPI:
+    """Build the app; `resources` may be passed in (already loaded), else they load at start-up."""
+    metrics = Metrics()
     app = FastAPI(
         title="duet",
         version="0.1.0",
-        lifespan=lifespan,
+        lifespan=_lifespan(settings, resources, metrics),
         summary="Image-text retrieval: dot-product top-M, cross-encoder re-rank",
     )
     app.state.settings = settings

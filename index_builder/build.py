@@ -16,14 +16,8 @@ reusing the stored vectors and tokens of everything kept.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import itertools
-import json
 import logging
-import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from index_builder.assemble import assemble
 from index_builder.corpus import CorpusError, CorpusItem, CorpusSelection, read_corpus
 from index_builder.encode import (
-    PlanItem,
     _encode_local,
     _encode_rgb,
     autocast_dtype,
@@ -42,31 +36,20 @@ from index_builder.encode import (
     shard_path,
 )
 from index_builder.errors import BuildError
-from index_builder.sources import (
-    _apply_delete,
-    _check_duplicates,
-    _kept_items,
-    _load_base,
-    _shard_key,
-)
-from index_builder.write import (
-    IDENTICAL_FILES,
-    _bytes_per_item,
-    _concat,
-    _factories,
-    _new_version,
-    _write_indexes,
-    _write_npy,
-)
+from index_builder.plan import SHARDS_DIR, plan_shards
+from index_builder.publish import publish
+from index_builder.sources import _apply_delete, _check_duplicates, _load_base
+from index_builder.write import IDENTICAL_FILES, _bytes_per_item, _factories
 from models.builtin import BuiltinModel
 from models.device import resolve_device
 from models.loading import Models, manifest_model
 from store import ann, indexio
 
+__all__ = ["DEFAULT_SHARD_SIZE", "SHARDS_DIR", "BuildOptions", "BuildReport", "build"]
+
 log = logging.getLogger("duet.build")
 
 DEFAULT_SHARD_SIZE = 1024
-SHARDS_DIR = ".shards"
 
 
 @dataclass
@@ -129,8 +112,9 @@ def build(
     take a plain batched loop in this process, on the device they were loaded on.
 
     The stages, each a method of `_Build`: check the options -> read the corpus (and the base
-    of an append / delete) -> plan the shards -> encode the missing ones -> assemble rows and
-    arrays -> write the version -> publish it as `current`.
+    of an append / delete) -> plan the shards (`index_builder.plan`) -> encode the missing
+    ones -> assemble rows and arrays (`index_builder.assemble`) -> write the version and
+    publish it as `current` (`index_builder.publish`).
     """
     opts = BuildOptions(batch_size=batch_size, skip_bad=skip_bad, progress=progress, **options)
     return _Build(corpus, Path(out), model, opts).run()
@@ -153,16 +137,20 @@ class _Build:
         self._plan_shards()
         self._encode()
         self._assemble()
-        manifest = self._write()
-        shutil.rmtree(self.shard_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            self.shard_dir.parent.rmdir()  # only when no other build's shards wait there
+        manifest = publish(
+            self.out,
+            self.assembled,
+            self.factories,
+            self.model.token_shape,
+            self._manifest,
+        )
+        self.shards.remove()
         b = manifest["build"]
         return BuildReport(
             manifest["version"],
             self.out / manifest["version"],
-            len(self.image_rows),
-            len(self.text_rows),
+            len(self.assembled.image_rows),
+            len(self.assembled.text_rows),
             manifest["build_seconds"],
             self.skipped,
             encoded=b["encoded_items"],
@@ -244,41 +232,17 @@ class _Build:
     # -- stage 3: which shards exist, which are missing --------------------------------------
     def _plan_shards(self) -> None:
         opts = self.opts
-        self.plan = [
-            PlanItem(
-                i,
-                it.id,
-                str(it.image) if it.image else None,
-                it.image_rel,
-                it.line,
-                tuple(it.captions),
-            )
-            for i, it in enumerate(self.items)
-        ]
-        self.out.mkdir(parents=True, exist_ok=True)
-        key = _shard_key(
+        self.shards = plan_shards(
+            self.out,
             self.corpus,
             self.selection,
-            self.plan,
+            self.items,
             self.model,
             self.dev,
             opts.batch_size,
             opts.shard_size,
             self.base,
         )
-        self.shard_dir = self.out / SHARDS_DIR / key
-        n, size = len(self.plan), opts.shard_size
-        self.ranges = [(k, a, min(a + size, n)) for k, a in enumerate(range(0, n, size))]
-        self.shard_dir.mkdir(parents=True, exist_ok=True)
-        self.done = {k for k, _, _ in self.ranges if shard_path(self.shard_dir, k).is_file()}
-        self.missing = [r for r in self.ranges if r[0] not in self.done]
-        if self.done:
-            log.info(
-                "resuming: %d of %d shards already encoded in %s",
-                len(self.done),
-                len(self.ranges),
-                self.shard_dir,
-            )
         corpus_path = Path(self.corpus) if self.corpus is not None else Path("-")
         where = {it.line: it.where for it in self.items}
         self.item_error = lambda line, err: CorpusError(corpus_path, line, err, where.get(line))
@@ -287,24 +251,23 @@ class _Build:
         """Stop at a shard's first unreadable image unless skipping."""
         if self.opts.skip_bad:
             return
-        _, a, b = self.ranges[k]
-        images = [p for p in self.plan[a:b] if p.image is not None]
+        images = self.shards.image_items(k)
         for p, err in zip(images, arrays["image_error"].tolist(), strict=True):
             if err:
                 raise self.item_error(p.line, err)
 
     # -- stage 4: encode the missing shards ----------------------------------------------------
     def _encode(self) -> None:
-        opts, joint = self.opts, self.joint
-        for k in sorted(self.done):
-            self._check_shard(k, read_shard(shard_path(self.shard_dir, k), ("image_error",)))
+        opts, joint, shards = self.opts, self.joint, self.shards
+        for k in sorted(shards.done):
+            self._check_shard(k, read_shard(shard_path(shards.directory, k), ("image_error",)))
         t_enc = time.perf_counter()
-        self.encoded = sum(b - a for _, a, b in self.missing)
-        args = (self.plan, self.missing, self.shard_dir)
-        if self.missing and joint is None:
+        self.encoded = sum(b - a for _, a, b in shards.missing)
+        args = (shards.items, shards.missing, shards.directory)
+        if shards.missing and joint is None:
             assert isinstance(self.model, Models)
             _encode_rgb(*args, self.model, opts.batch_size, opts.progress, self._check_shard)
-        elif self.missing and opts.engine == "ray":
+        elif shards.missing and opts.engine == "ray":
             from index_builder.ray_engine import encode_ray
 
             assert joint is not None
@@ -317,7 +280,7 @@ class _Build:
                 opts.progress,
                 on_shard=self._check_shard,
             )
-        elif self.missing:
+        elif shards.missing:
             assert joint is not None
             _encode_local(
                 *args,
@@ -332,94 +295,22 @@ class _Build:
 
     # -- stage 5: kept base rows, then the new items in corpus order ---------------------------
     def _assemble(self) -> None:
-        base, model = self.base, self.model
-        kept, digest = _kept_items(
+        self.assembled = assemble(
             self.items,
-            self.plan,
-            [shard_path(self.shard_dir, k) for k, _, _ in self.ranges],
+            self.shards,
+            self.base,
+            self.kept_images,
+            self.kept_texts,
+            self.deleted,
+            self.model.dim,
             lambda line, err: self._bad(self.item_error(line, err)),
         )
-        if base is not None:
-            digest = hashlib.sha256(
-                json.dumps(
-                    [base.manifest.get("content_hash"), sorted(self.deleted), digest]
-                ).encode()
-            ).hexdigest()
-        self.kept, self.digest = kept, digest
-        new_images = [indexio.ImageRow(it.id, it.image_rel, it.meta) for it in kept if it.image]
-        new_texts = [
-            indexio.TextRow(f"{it.id}#{n}", cap, it.id if it.image else None, it.meta)
-            for it in kept
-            for n, cap in enumerate(it.captions)
-        ]
-        self.image_rows = [r for _, r in self.kept_images] + new_images
-        self.text_rows = [r for _, r in self.kept_texts] + new_texts
-        img_rows = [r for r, _ in self.kept_images]
-        txt_rows = [r for r, _ in self.kept_texts]
-        self.ivecs = _concat(
-            [*self._base_rows("image_vectors", img_rows), *self._shard_arrays("image_vectors")],
-            (0, model.dim),
-            np.float32,
-        )
-        self.tvecs = _concat(
-            [*self._base_rows("text_vectors", txt_rows), *self._shard_arrays("text_vectors")],
-            (0, model.dim),
-            np.float32,
-        )
-        if len(self.ivecs) != len(self.image_rows) or len(self.tvecs) != len(self.text_rows):
-            raise RuntimeError("encoded vectors do not match the item rows (stale shards?)")
-        # tokens (4 KiB per image) are streamed into the version, never held whole in memory
-        self.token_chunks = itertools.chain(
-            self._base_rows("image_tokens", img_rows), self._shard_arrays("image_tokens")
-        )
 
-    def _shard_arrays(self, name: str) -> Iterator[np.ndarray]:
-        for k, _, _ in self.ranges:
-            yield read_shard(shard_path(self.shard_dir, k), (name,))[name]
-
-    def _base_rows(self, name: str, rows: list[int]) -> Iterator[np.ndarray]:
-        if self.base is not None and rows:
-            src = getattr(self.base, name)
-            for i in range(0, len(rows), 4096):
-                yield np.asarray(src[rows[i : i + 4096]])
-
-    # -- stage 6: write the version in a temporary folder, then publish it -------------------
-    def _write(self) -> dict[str, Any]:
-        out, model = self.out, self.model
-        version = _new_version(out, self.digest)
-        tmp = out / f".building-{version}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        try:
-            indexes = _write_indexes(tmp, self.factories, self.ivecs, self.tvecs)
-            _write_npy(
-                tmp / indexio.IMAGE_TOKENS,
-                self.token_chunks,
-                (len(self.image_rows), *model.token_shape),
-                np.float16,
-            )
-            np.save(tmp / indexio.IMAGE_VECTORS, self.ivecs)
-            np.save(tmp / indexio.TEXT_VECTORS, self.tvecs)
-            indexio.write_items(tmp / indexio.ITEMS, self.image_rows, self.text_rows)
-            manifest = self._manifest(tmp, version, indexes)
-            indexio.write_atomic(
-                tmp / indexio.MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode()
-            )
-            for f in tmp.iterdir():
-                indexio.fsync_path(f)
-            indexio.fsync_path(tmp)
-            tmp.rename(out / version)
-            indexio.fsync_path(out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        indexio.point_current(out, version)
-        return manifest
-
+    # -- stage 6 (`publish`): write the version in a temporary folder, then publish it -------
     def _manifest(self, tmp: Path, version: str, indexes: dict[str, Any]) -> dict[str, Any]:
         """manifest.json: what was built, from what, with which models, how."""
         opts, model, factories = self.opts, self.model, self.factories
+        contents = self.assembled
         seconds = time.perf_counter() - self.t0
         rate = (
             round(self.encoded / self.encode_seconds, 1)
@@ -440,9 +331,9 @@ class _Build:
                 else f"image:{factories[0]} text:{factories[1]}"
             ),
             "indexes": indexes,
-            "counts": {"images": len(self.image_rows), "texts": len(self.text_rows)},
+            "counts": {"images": len(contents.image_rows), "texts": len(contents.text_rows)},
             "image_tokens": {"shape": list(model.token_shape), "dtype": "float16"},
-            "content_hash": self.digest,
+            "content_hash": contents.digest,
             "corpus": str(Path(self.corpus).resolve()) if self.corpus is not None else None,
             "corpus_selection": self.selection.as_json() if self.corpus is not None else None,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -458,19 +349,21 @@ class _Build:
                 "batch_size": opts.batch_size,
                 "shard_size": opts.shard_size,
                 "factory_arg": self.factory,
-                "shards": len(self.ranges),
-                "resumed_shards": len(self.done),
+                "shards": len(self.shards.ranges),
+                "resumed_shards": len(self.shards.done),
                 "encoded_items": self.encoded,
                 "encode_seconds": round(self.encode_seconds, 3),
                 "items_per_s": rate,
             },
             "files": {name: indexio.file_sha256(tmp / name) for name in IDENTICAL_FILES},
-            "bytes_per_item": _bytes_per_item(tmp, len(self.image_rows), len(self.text_rows)),
+            "bytes_per_item": _bytes_per_item(
+                tmp, len(contents.image_rows), len(contents.text_rows)
+            ),
         }
         if self.base is not None:
             manifest["base"] = {
                 "version": self.base.manifest.get("version"),
-                "appended": len(self.kept),
+                "appended": len(contents.kept),
                 "deleted": len(self.deleted),
             }
         return manifest

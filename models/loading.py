@@ -232,6 +232,108 @@ def check_choices(
     return enc_dir, rr_dir
 
 
+# -- loading ----------------------------------------------------------------------------------
+
+
+class _Loader:
+    """Loads the models of one `load_models` call: the builtin model once, on `device`."""
+
+    def __init__(self, model_dir: Path | None, device: str) -> None:
+        self.model_dir = model_dir
+        self.device = device
+        self._builtin: BuiltinModel | None = None
+
+    def joint(self) -> BuiltinModel:
+        """The builtin model from `model_dir` (None: the shipped weights), loaded once."""
+        if self._builtin is None:
+            self._builtin = BuiltinModel.load(self.model_dir, self.device)
+        return self._builtin
+
+    def builtin_part(self, model: BuiltinModel) -> Part:
+        """The builtin model as the manifest records it."""
+        return Part(
+            model.name,
+            model.fingerprint,
+            str(Path(self.model_dir).resolve()) if self.model_dir is not None else None,
+        )
+
+    def hf(self, cls: Callable[..., Any], path: Path, label: str, value: str) -> Any:
+        """A Hugging Face model; its load error names the choice that asked for it."""
+        try:
+            return cls(path, self.device)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{label}={value}: {exc}") from exc
+
+
+def _with_blip(enc: BiEncoder, enc_part: Part, blip: Any, rr_dir: Path, choice: str) -> Models:
+    """The encoder with a BLIP re-ranker: its cross-encoder, its vision encoder's tokens."""
+    why = {
+        "han": HAN_WHY,
+        "late": (
+            "needs the encoder's image tokens, and this deployment stores the "
+            f"BLIP re-ranker's ({choice})"
+        ),
+    }
+    return Models(
+        enc,
+        enc_part,
+        cross=blip,
+        tokens=blip.image_tokens,
+        token_part=Part(blip.name, blip.fingerprint, str(rr_dir.resolve())),
+        token_shape=blip.token_shape,
+        default_reranker="ce",
+        why=why,
+        joint=None,
+        late=None,
+    )
+
+
+def _with_joint_tokens(
+    enc: BiEncoder, enc_part: Part, loader: _Loader, reranker: str, *, same: bool, rl: str
+) -> Models:
+    """The encoder with the builtin model's re-rankers and tokens; `same`: the builtin model
+    is the encoder too (then late interaction and HAN work)."""
+    model = loader.joint()
+    token_part = loader.builtin_part(model)
+    weights = loader.model_dir or DEFAULT_WEIGHTS
+    han = HANReranker.load(weights, model, model.device) if same else None
+    if reranker == "han" and han is None:
+        raise ChoiceError(
+            f"{rl}=han: {weights} has no trained HAN head "
+            "(han.safetensors, han.json); `duet train --out DIR` trains the model "
+            f"with one. {rl} is {RERANKER_CHOICES}"
+        )
+    why: dict[str, str]
+    if reranker == "none":
+        why = {"*": f"is not configured ({rl}=none)"}  # every re-ranker
+        default = NONE
+    elif same:
+        why = {}  # the registry builds each from the joint model (han: if it has a head)
+        default = reranker if reranker in ("late", "han") else "ce"
+    else:
+        why = {
+            "han": HAN_WHY,
+            "late": (
+                f"needs token-level text features, which the {enc_part.name} encoder does "
+                "not provide"
+            ),
+        }
+        default = "ce"
+    return Models(
+        enc,
+        enc_part,
+        cross=None if reranker == "none" else model,
+        tokens=lambda images: model.encode_images(images)[1],
+        token_part=token_part,
+        token_shape=model.token_shape,
+        default_reranker=default,
+        why=why,
+        joint=model if same else None,
+        late=model if same and reranker != "none" else None,
+        han=han if reranker != "none" else None,
+    )
+
+
 def load_models(
     encoder: str = BUILTIN,
     reranker: str = "ce",
@@ -247,56 +349,18 @@ def load_models(
     encoder = encoder.strip() or BUILTIN
     reranker = reranker.strip() or "ce"
     enc_dir, rr_dir = check_choices(encoder, reranker, labels=labels)
-    builtin: BuiltinModel | None = None
-
-    def joint() -> BuiltinModel:
-        nonlocal builtin
-        if builtin is None:
-            builtin = BuiltinModel.load(model_dir, device)
-        return builtin
-
-    def builtin_part(model: BuiltinModel) -> Part:
-        return Part(
-            model.name,
-            model.fingerprint,
-            str(Path(model_dir).resolve()) if model_dir is not None else None,
-        )
-
-    def hf_load(cls: Callable[..., Any], path: Path, label: str, value: str) -> Any:
-        try:
-            return cls(path, device)
-        except ModelLoadError as exc:
-            raise ModelLoadError(f"{label}={value}: {exc}") from exc
-
+    loader = _Loader(model_dir, device)
     enc: BiEncoder
     if enc_dir is None:
-        enc = joint()
-        enc_part = builtin_part(joint())
+        enc = loader.joint()
+        enc_part = loader.builtin_part(loader.joint())
     else:
-        enc = hf_load(hf.HFDualEncoder, enc_dir, el, encoder)
+        enc = loader.hf(hf.HFDualEncoder, enc_dir, el, encoder)
         enc_part = Part(enc.name, enc.fingerprint, str(enc_dir.resolve()))
-
-    why = {"han": HAN_WHY}
     if rr_dir is not None:  # BLIP: its cross-encoder, its vision encoder's tokens
-        blip = hf_load(hf.HFBlipReranker, rr_dir, rl, reranker)
-        why["late"] = (
-            f"needs the encoder's image tokens, and this deployment stores the "
-            f"BLIP re-ranker's ({rl}={reranker})"
-        )
-        return Models(
-            enc,
-            enc_part,
-            cross=blip,
-            tokens=blip.image_tokens,
-            token_part=Part(blip.name, blip.fingerprint, str(rr_dir.resolve())),
-            token_shape=blip.token_shape,
-            default_reranker="ce",
-            why=why,
-            joint=None,
-            late=None,
-        )
+        blip = loader.hf(hf.HFBlipReranker, rr_dir, rl, reranker)
+        return _with_blip(enc, enc_part, blip, rr_dir, f"{rl}={reranker}")
     if reranker == "none" and enc_dir is not None:  # nothing to store: zero-width tokens
-        why = {"*": f"is not configured ({rl}=none)"}  # every re-ranker
         return Models(
             enc,
             enc_part,
@@ -305,41 +369,9 @@ def load_models(
             token_part=NO_TOKENS,
             token_shape=(0, 0),
             default_reranker=NONE,
-            why=why,
+            why={"*": f"is not configured ({rl}=none)"},  # every re-ranker
             joint=None,
             late=None,
         )
-    model = joint()  # builtin / late / han, or none with the builtin encoder: its tokens
-    token_part = builtin_part(model)
-    same = enc_dir is None
-    han = HANReranker.load(model_dir or DEFAULT_WEIGHTS, model, model.device) if same else None
-    if reranker == "han" and han is None:
-        raise ChoiceError(
-            f"{rl}=han: {model_dir or DEFAULT_WEIGHTS} has no trained HAN head "
-            "(han.safetensors, han.json); `duet train --out DIR` trains the model "
-            f"with one. {rl} is {RERANKER_CHOICES}"
-        )
-    if reranker == "none":
-        why = {"*": f"is not configured ({rl}=none)"}  # every re-ranker
-        default = NONE
-    elif same:
-        why = {}  # the registry builds each from the joint model (han: if it has a head)
-        default = reranker if reranker in ("late", "han") else "ce"
-    else:
-        why["late"] = (
-            f"needs token-level text features, which the {enc_part.name} encoder does not provide"
-        )
-        default = "ce"
-    return Models(
-        enc,
-        enc_part,
-        cross=None if reranker == "none" else model,
-        tokens=lambda images: model.encode_images(images)[1],
-        token_part=token_part,
-        token_shape=model.token_shape,
-        default_reranker=default,
-        why=why,
-        joint=model if same else None,
-        late=model if same and reranker != "none" else None,
-        han=han if reranker != "none" else None,
-    )
+    # builtin / late / han, or none with the builtin encoder: the joint model's tokens
+    return _with_joint_tokens(enc, enc_part, loader, reranker, same=enc_dir is None, rl=rl)
