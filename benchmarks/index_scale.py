@@ -1,7 +1,7 @@
 """How FAISS index types scale: build throughput, batch-1 latency, recall@10 and size vs N.
 
     .venv/bin/python benchmarks/index_scale.py                          # N = 10k, 100k, 1M
-    .venv/bin/python benchmarks/index_scale.py --sizes 2000 --plot '' --out ''   # quick check: prints, writes nothing
+    .venv/bin/python benchmarks/index_scale.py --sizes 2000 --plot '' --out ''  # quick, no files
 
 Vectors are synthetic but shaped like embeddings rather than noise: d = 128 (duet's
 embedding size), L2-normalised, searched by inner product, drawn from a two-level Gaussian
