@@ -1,4 +1,7 @@
-"""Recall@K of the bi-encoder alone and with cross-encoder re-ranking (the papers' protocol)."""
+"""Recall@K of the bi-encoder alone and with cross-encoder re-ranking (the papers' protocol), and
+partial-query precision, of a model over images and captions held in memory: `duet train`'s
+validation. The images and captions are encoded into a pool and scored by the same evaluator
+as `duet eval` (`models.eval_modes`)."""
 
 from __future__ import annotations
 
@@ -9,44 +12,14 @@ from PIL import Image
 
 from models import world
 from models.builtin import BuiltinModel
+from models.eval_metrics import KS, fit_matrix
+from models.eval_modes import Plan, evaluate_partial_pool, evaluate_pool
+from models.eval_pool import Pool
 from models.fusion import DEFAULT_FUSION_LAMBDA, fuse
 
-KS = (1, 5, 10)
-P_KS = (1, 10)
-
-
-def recall(good: np.ndarray) -> dict[str, float]:
-    """`good[q, r]` is True when the item at rank r answers query q -> R@1/5/10 in percent."""
-    return {f"R@{k}": float(100.0 * good[:, :k].any(axis=1).mean()) for k in KS}
-
-
-def fit_matrix(descs: Sequence[world.Desc], scenes: Sequence[world.Scene]) -> np.ndarray:
-    """(queries, pool) bool: query q's description fits pool scene i."""
-    return np.array([[world.satisfies(d, s) for s in scenes] for d in descs], dtype=bool)
-
-
-def precision(ranked: np.ndarray, fit: np.ndarray) -> dict[str, float]:
-    """P@1 and P@10 of `ranked` (Q, M) pool rows per query, best first, given `fit` (Q, pool):
-    the share of the top k whose scene fits the query, out of min(k, scenes in the pool that fit
-    it) so that 1.0 is always attainable. Queries that nothing fits are left out."""
-    have = fit.sum(axis=1)
-    keep = have > 0
-    got = np.take_along_axis(fit, ranked, axis=1)[keep]
-    return {
-        f"P@{k}": round(float((got[:, :k].sum(axis=1) / np.minimum(k, have[keep])).mean()), 4)
-        for k in P_KS
-    }
-
-
-def reorder(cand: np.ndarray, scores: np.ndarray) -> np.ndarray:
-    """Each query's candidates (Q, M) sorted by `scores` (Q, M), best first (stable)."""
-    return np.take_along_axis(cand, np.argsort(-scores, axis=1, kind="stable"), axis=1)
-
-
-def _recall(ranked: np.ndarray, hit: np.ndarray) -> dict[str, float]:
-    """`ranked` (Q, M) item indices per query; `hit[q, i]` is True when item i answers query q."""
-    rows = np.arange(ranked.shape[0])[:, None]
-    return recall(hit[rows, ranked])
+# pairs per cross-encoder call here (duet eval's is eval_pool.PAIR_BATCH): validation numbers
+# stay bit for bit those of earlier runs
+PAIR_BATCH = 1024
 
 
 def evaluate(
@@ -65,51 +38,27 @@ def evaluate(
     answered by any of its captions. Recalls are percentages, as the papers print them.
     Each λ of `sweep` adds the mode `ADD_λ` (the same scores fused with that weight).
     """
-    texts = [c for caps in captions for c in caps]
-    owner = np.array([i for i, caps in enumerate(captions) for _ in caps])
-    iv, itok = encode_images(model, images, batch)
-    tv = np.concatenate(
-        [model.encode_texts(texts[s : s + batch]) for s in range(0, len(texts), batch)]
+    pool = encode_pool(model, images, captions, batch)
+    fusions = [("rerank", fuse, fusion_lambda), *((f"ADD_{lam}", fuse, lam) for lam in sweep)]
+    plan = Plan(
+        candidates=candidates,
+        modes=("dot", "coop"),
+        fusions=fusions,
+        pair_batch=PAIR_BATCH,
+        digits=None,
     )
-    sim = tv @ iv.T  # (texts, images)
-    hit_t2i = owner[:, None] == np.arange(len(images))[None, :]
-    m = min(candidates, len(images))
-    cand_t2i = np.argsort(-sim, axis=1, kind="stable")[:, :m]
-    cand_i2t = np.argsort(-sim.T, axis=1, kind="stable")[:, : min(candidates, len(texts))]
-
-    def ce(q_texts: list[str], toks: np.ndarray) -> np.ndarray:
-        out = [
-            model.score_pairs(q_texts[s : s + 1024], toks[s : s + 1024])
-            for s in range(0, len(q_texts), 1024)
-        ]
-        return np.concatenate(out)
-
-    t2i_pairs_text = [texts[q] for q in range(len(texts)) for _ in range(m)]
-    s_t2i = ce(t2i_pairs_text, itok[cand_t2i.reshape(-1)]).reshape(cand_t2i.shape)
-    mi = cand_i2t.shape[1]
-    i2t_pairs_text = [texts[j] for j in cand_i2t.reshape(-1)]
-    s_i2t = ce(i2t_pairs_text, np.repeat(itok, mi, axis=0)).reshape(cand_i2t.shape)
-    d_t2i = np.take_along_axis(sim, cand_t2i, axis=1)
-    d_i2t = np.take_along_axis(sim.T, cand_i2t, axis=1)
-    swept = {
-        f"ADD_{lam}": {
-            "t2i": _recall(reorder(cand_t2i, fuse(d_t2i, s_t2i, lam)), hit_t2i),
-            "i2t": _recall(reorder(cand_i2t, fuse(d_i2t, s_i2t, lam)), hit_t2i.T),
-        }
-        for lam in sweep
-    }
+    result = evaluate_pool(pool, model, plan)
+    modes, fused = result["modes"], result["sweeps"]["fusion"]
     return {
-        "dot": {"t2i": _recall(cand_t2i, hit_t2i), "i2t": _recall(cand_i2t, hit_t2i.T)},
-        "ce_only": {
-            "t2i": _recall(reorder(cand_t2i, s_t2i), hit_t2i),
-            "i2t": _recall(reorder(cand_i2t, s_i2t), hit_t2i.T),
-        },
-        "rerank": {
-            "t2i": _recall(reorder(cand_t2i, fuse(d_t2i, s_t2i, fusion_lambda)), hit_t2i),
-            "i2t": _recall(reorder(cand_i2t, fuse(d_i2t, s_i2t, fusion_lambda)), hit_t2i.T),
-        },
-        **swept,
+        "dot": _recalls(modes["dot"]),
+        "ce_only": _recalls(modes["coop"]),
+        **{name: _recalls(r) for name, r in fused.items()},
     }
+
+
+def _recalls(entry: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """An `evaluate_pool` entry's recalls per direction, without its timings."""
+    return {"t2i": entry["t2i"], "i2t": entry["i2t"]}
 
 
 def encode_images(
@@ -124,6 +73,29 @@ def encode_images(
     return np.concatenate(vecs), np.concatenate(toks)
 
 
+def encode_pool(
+    model: BuiltinModel,
+    images: Sequence[Image.Image],
+    captions: Sequence[Sequence[str]],
+    batch: int = 256,
+    scenes: Sequence[world.Scene] | None = None,
+) -> Pool:
+    """The pool of `images` and their `captions` (image i's captions are the text queries it
+    answers), encoded `batch` at a time; `scenes`, when given, are the images'."""
+    iv, itok = encode_images(model, images, batch)
+    texts = [c for caps in captions for c in caps]
+    owner = np.array([i for i, caps in enumerate(captions) for _ in caps], dtype=np.int64)
+    tv = (
+        np.concatenate(
+            [model.encode_texts(texts[s : s + batch]) for s in range(0, len(texts), batch)]
+        )
+        if texts
+        else np.zeros((0, iv.shape[1]), dtype=np.float32)
+    )
+    found: list[world.Scene | None] = [*scenes] if scenes is not None else [None] * len(images)
+    return Pool(iv, itok, tv, texts, owner, len(images), len(texts), found)
+
+
 def partial_precision(
     model: BuiltinModel,
     images: Sequence[Image.Image],
@@ -133,26 +105,24 @@ def partial_precision(
     lambdas: Sequence[float] = (DEFAULT_FUSION_LAMBDA,),
     batch: int = 256,
 ) -> dict[str, dict[str, float]]:
-    """P@1 / P@10 (`precision`) of partial text queries over `images` (whose scenes are
-    `scenes`): dot, the cross-encoder alone over the top `candidates`, and ADD_λ per λ."""
-    iv, itok = encode_images(model, images, batch)
+    """P@1 / P@10 (`models.eval_metrics.precision`) of partial text queries over `images`
+    (whose scenes are `scenes`): dot, the cross-encoder alone over the top `candidates`, and
+    ADD_λ per λ."""
+    pool = encode_pool(model, images, [], batch, scenes)
     texts = [t for t, _d in queries]
     fit = fit_matrix([d for _t, d in queries], scenes)
-    sim = model.encode_texts(texts) @ iv.T
-    cand = np.argsort(-sim, axis=1, kind="stable")[:, : min(candidates, len(images))]
-    dots = np.take_along_axis(sim, cand, axis=1)
-    pairs = [texts[q] for q in range(len(texts)) for _ in range(cand.shape[1])]
-    flat = cand.reshape(-1)
-    logits = np.concatenate(
-        [
-            model.score_pairs(pairs[s : s + 1024], itok[flat[s : s + 1024]])
-            for s in range(0, len(pairs), 1024)
-        ]
-    ).reshape(cand.shape)
-    out = {"dot": precision(cand, fit), "ce_only": precision(reorder(cand, logits), fit)}
-    for lam in lambdas:
-        out[f"ADD_{lam}"] = precision(reorder(cand, fuse(dots, logits, lam)), fit)
-    return out
+    result = evaluate_partial_pool(
+        pool,
+        texts,
+        model.encode_texts(texts),
+        fit,
+        model,
+        candidates=candidates,
+        lambdas=lambdas,
+        pair_batch=PAIR_BATCH,
+    )
+    modes = dict(result["modes"])
+    return {"dot": modes.pop("dot"), "ce_only": modes.pop("coop"), **modes}
 
 
 def format_table(result: dict[str, dict[str, dict[str, float]]]) -> str:

@@ -13,8 +13,11 @@ import pytest
 import torch
 
 from duet import evaluation
-from duet.evaluation import EvalError, evaluate_index, load_pool
+from duet.evaluation import evaluate_index, load_pool
 from models.builtin import BuiltinModel
+from models.eval_metrics import top_m
+from models.eval_modes import EvalError
+from models.eval_pool import TextTokens, TokenScorer
 from models.fusion import fuse, norm_fuse
 from models.rerankers import REGISTRY
 from tests.conftest import REPO
@@ -75,7 +78,7 @@ def test_sweeps_and_distractors(
     } | {"ADD_0.8"}
 
 
-def _eval_scorer(name: str, model: object, theta: float) -> evaluation.TokenScorer:
+def _eval_scorer(name: str, model: object, theta: float) -> TokenScorer:
     """`duet eval`'s scorer of registry entry `name` (what cmd_eval builds)."""
     entry = REGISTRY[name]
     assert entry.evaluate is not None
@@ -91,7 +94,7 @@ def test_late_and_han_modes_rerank_the_same_candidates(
     from models.late import late_scores
 
     _, pool = load_pool(index_dir, model.fingerprint)
-    tt = evaluation.TextTokens.of(model, pool.texts, batch=64)  # several batches, padded
+    tt = TextTokens.of(model, pool.texts, batch=64)  # several batches, padded
     assert tt.tokens.shape[:2] == tt.mask.shape and tt.mask.any(axis=1).all()
     torch.manual_seed(0)
     han = HANReranker(HAN(HANConfig()), model)
@@ -110,7 +113,7 @@ def test_late_and_han_modes_rerank_the_same_candidates(
     for d in ("t2i", "i2t"):
         assert res["modes"]["late"][d] == res["modes"]["dot"][d]
     # han: brute force over the top-10 with HANReranker.score_pairs on the caption strings
-    cand, _ = evaluation.top_m(pool.image_vecs, pool.text_vecs, 10)
+    cand, _ = top_m(pool.image_vecs, pool.text_vecs, 10)
     scores = np.stack(
         [
             han.score_pairs(
@@ -132,7 +135,7 @@ def test_late_and_han_modes_rerank_the_same_candidates(
         token_scorers={"late": _eval_scorer("late", model, 1.0)},
         text_tokens=tt,
     )
-    t_cand, t_dots = evaluation.top_m(pool.text_vecs, pool.image_vecs, 10)
+    t_cand, t_dots = top_m(pool.text_vecs, pool.image_vecs, 10)
     q_tok, q_mask = model.text_token_features(pool.texts)
     s_l = np.stack(
         [

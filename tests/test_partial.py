@@ -16,7 +16,7 @@ from duet.evaluation import evaluate_partial, load_pool
 from models import world
 from models.builtin import BuiltinModel
 from models.ce_negatives import caption_beside_twin, ranked_negative, twin_text
-from models.evaluate import fit_matrix, precision
+from models.eval_metrics import fit_matrix, precision
 from models.fusion import DEFAULT_FUSION_LAMBDA
 from models.losses import cmr_loss
 from models.tokenizer import UNK, WordTokenizer, unknown_words

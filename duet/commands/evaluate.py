@@ -133,14 +133,9 @@ def eval_modes() -> tuple[str, ...]:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
-    from duet.evaluation import (
-        M_SWEEP,
-        TextTokens,
-        evaluate_index,
-        evaluate_partial,
-        format_tables,
-        load_pool,
-    )
+    from duet.evaluation import evaluate_index, evaluate_partial, load_pool
+    from models.eval_modes import M_SWEEP, format_tables
+    from models.eval_pool import TextTokens
     from models.loading import check_choices, load_models
     from models.world import partial_queries
 
