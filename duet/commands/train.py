@@ -22,12 +22,12 @@ def add(sub: Any) -> None:
         "train",
         formatter_class=HelpFormatter,
         help="train duet's own model on the synthetic world",
-        description="Train duet's model from scratch on CPU in three stages "
+        description="Train duet's model from scratch on CPU in four stages "
         "and save safetensors weights, config and vocabulary: (0) the image tower "
         "on the scenes' patch labels, (1) the joint "
         "bi-encoder / cross-encoder, (2) the cross-encoder afresh on the frozen "
         "token states, with many more steps, (3) the HAN head over the frozen "
-        "states (han.safetensors). --from skips stage 1.",
+        "states (han.safetensors). --from skips stages 0 and 1 (about 48 min in all on 2 cores).",
     )
     t.add_argument(
         "--out",
