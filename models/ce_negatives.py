@@ -49,6 +49,11 @@ def _states(
     return torch.cat(states), torch.cat(vecs)
 
 
+def _log_uniform_rank(rng: random.Random, n: int) -> int:
+    """A rank below `n` drawn log-uniformly: the hardest few as likely as each decade below."""
+    return min(int(math.exp(rng.uniform(0.0, math.log(n + 1)))) - 1, n - 1)
+
+
 def ranked_negative(
     rng: random.Random,
     ranked: Sequence[int],
@@ -60,9 +65,9 @@ def ranked_negative(
     log-uniformly (the hardest few as likely as each decade below them); -1 when `tries`
     draws all fit."""
     for _ in range(tries):
-        r = min(int(math.exp(rng.uniform(0.0, math.log(len(ranked) + 1)))) - 1, len(ranked) - 1)
-        if not world.satisfies(desc, scenes[ranked[r]]):
-            return ranked[r]
+        i = ranked[_log_uniform_rank(rng, len(ranked))]
+        if not world.satisfies(desc, scenes[i]):
+            return i
     return -1
 
 
@@ -76,8 +81,7 @@ def ranked_caption(
     """One of `ranked` (training captions, best first for an image of `scene`) that `scene`
     does not fit, at a rank drawn log-uniformly; -1 when `tries` draws all fit."""
     for _ in range(tries):
-        r = min(int(math.exp(rng.uniform(0.0, math.log(len(ranked) + 1)))) - 1, len(ranked) - 1)
-        c = ranked[r]
+        c = ranked[_log_uniform_rank(rng, len(ranked))]
         if not world.satisfies(world.full_desc(caption_scenes[c]), scene):
             return c
     return -1
