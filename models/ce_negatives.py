@@ -99,6 +99,27 @@ def _caption_vectors(
     return torch.cat(out)
 
 
+@torch.no_grad()
+def _caption_top(
+    vecs: torch.Tensor,
+    caption_vecs: torch.Tensor,
+    owner: torch.Tensor,
+    ranks: int,
+    batch: int = 256,
+) -> torch.Tensor:
+    """Per image (rows of `vecs`), the `ranks` captions the bi-encoder ranks highest for it among
+    those of other images (`owner`: the image each caption describes), best first (N, ranks)
+    int32. Computed once: the encoders are frozen in stage 2, so the ranking never changes."""
+    k = min(ranks, len(caption_vecs) - 1)
+    out = []
+    for s in range(0, len(vecs), batch):
+        sim = vecs[s : s + batch] @ caption_vecs.t()
+        mine = torch.arange(s, s + len(sim))
+        sim.masked_fill_(owner[None, :] == mine[:, None], float("-inf"))
+        out.append(sim.topk(k, dim=1).indices.int())
+    return torch.cat(out)
+
+
 def _list_rows(b: int, columns: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """(b, 1 + len(columns)) logit indices: row r's positive (logit r) in column 0, then per
     column the logit index of row r's negative of that kind, -1 where it has none; each
@@ -154,9 +175,10 @@ class CePool:
     vecs: torch.Tensor  # image vectors (N, e)
     twin_states: torch.Tensor
     captions: list[str]  # every training caption, for image->text negatives
-    caption_owner: torch.Tensor  # the sample each caption describes
     caption_scenes: list[world.Scene]
-    caption_vecs: torch.Tensor
+    # per image, the training captions of other images the bi-encoder ranks highest for it,
+    # best first (N, ranks)
+    caption_top: torch.Tensor
 
 
 def ce_pool(
@@ -166,8 +188,10 @@ def ce_pool(
     flip: float,
     rng: random.Random,
     progress: bool,
+    ranks: int,
 ) -> CePool:
-    """Twins rendered, states and vectors of every training image and caption."""
+    """Twins rendered, states and vectors of every training image, each image's `ranks`
+    best-ranked captions of other images."""
     from tqdm import tqdm
 
     twins = [perturbed_twin(rng, s.scene, flip) for s in samples]
@@ -191,9 +215,8 @@ def ce_pool(
         vecs,
         twin_states,
         captions,
-        owner,
         [scenes[i] for i in owner.tolist()],
-        caption_vecs,
+        _caption_top(vecs, caption_vecs, owner, ranks),
     )
 
 
@@ -232,10 +255,7 @@ def ce_pairs(
         twin_text(rng, pool.twins[i], pool.twin_captions[i], samples[i].scene, partial)
         for i in picked
     ]
-    with torch.no_grad():
-        isim = pool.vecs[idx] @ pool.caption_vecs.t()  # these images against every caption
-        isim.masked_fill_(pool.caption_owner[None, :] == idx[:, None], float("-inf"))
-        ctop = isim.topk(min(ranks, len(pool.captions) - 1), dim=1).indices.tolist()
+    ctop = pool.caption_top[idx].tolist()
     rcap = [
         ranked_caption(rng, ctop[r], samples[i].scene, pool.caption_scenes)
         for r, i in enumerate(picked)

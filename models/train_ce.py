@@ -116,7 +116,7 @@ def train_cross_encoder(
     trained = [p for n, p in model.named_parameters() if n.startswith(CROSS_ENCODER)]
     for n, p in model.named_parameters():
         p.requires_grad_(n.startswith(CROSS_ENCODER))
-    pool = ce_pool(model, tok, samples, flip, rng, progress)
+    pool = ce_pool(model, tok, samples, flip, rng, progress, ranks)
     opt = torch.optim.AdamW([*trained, *ground.parameters()], lr=lr, weight_decay=0.01)
     ema: dict[str, float] = {}
     bar = tqdm(range(steps), desc="training cross-encoder", unit="step", disable=not progress)
