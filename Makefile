@@ -39,7 +39,9 @@ serve: demo-index
 	@echo ""
 	DUET_INDEX_DIR=$(INDEXES) DUET_HOST=$(HOST) DUET_PORT=$(PORT) $(BIN)/duet serve
 
+# installs the system tools pip cannot (apt-get, where it may), or says what will be skipped
 test: $(STAMP)
+	@bash tests/system-tools.sh
 	$(BIN)/python -m pytest -q
 
 # the inner loop: everything that needs no real service, index build or training

@@ -107,11 +107,13 @@ def evaluate_index(
     token_scorers: dict[str, TokenScorer] | None = None,
     text_tokens: TextTokens | None = None,
     progress: Callable[[str], None] = lambda _: None,
+    bars: bool = False,
 ) -> dict[str, Any]:
     """The `duet eval` result: {"pool", "modes": {mode: {t2i, i2t, ms_per_query}}, "sweeps"}.
 
     `token_scorers` ("late", "han") re-rank the same top-M as coop from token features:
-    `text_tokens` (every pool text's) and the pool's image tokens.
+    `text_tokens` (every pool text's) and the pool's image tokens. `progress` gets a line per
+    stage; `bars`: a progress bar on stderr per re-ranker scoring.
     """
     plan = Plan(
         candidates=candidates,
@@ -121,6 +123,7 @@ def evaluate_index(
         ce_full_queries=ce_full_queries,
         ce_full_max_pool=CE_FULL_MAX_POOL,
         seed=seed,
+        bars=bars,
     )
     return evaluate_pool(
         pool,
@@ -143,6 +146,7 @@ def evaluate_partial(
     token_scorers: dict[str, TokenScorer] | None = None,
     token_encoder: TokenEncoder | None = None,
     fusion_lambda: float = DEFAULT_FUSION_LAMBDA,
+    bars: bool = False,
 ) -> dict[str, Any]:
     """Precision of partial text->image queries over the pool's images: {"queries", "judged",
     "candidates", "modes": {mode: {"P@1", "P@10"}}}. Re-rankers reorder the dot product's top
@@ -169,4 +173,5 @@ def evaluate_partial(
         lambdas=(fusion_lambda,),
         token_scorers=token_scorers,
         token_encoder=token_encoder,
+        bars=bars,
     )

@@ -73,6 +73,7 @@ class Plan:
     seed: int = 0  # draws ce-full's query sample
     pair_batch: int = PAIR_BATCH  # pairs per re-ranker call
     digits: int | None = 2  # recalls rounded to; None: as computed
+    bars: bool = False  # a progress bar (stderr) per re-ranker scoring
 
 
 @dataclass
@@ -145,6 +146,11 @@ def _check(
         )
 
 
+def _bar(plan: Plan, direction: str, what: str) -> str | None:
+    """The progress bar's name for scoring `what` in `direction`, if the plan shows bars."""
+    return f"{direction}: {what}" if plan.bars else None
+
+
 def _record(table: dict[str, Any], name: str, d: str, recalls: Any, ms: float) -> None:
     """`table[name]`'s recalls and ms per query for direction `d`."""
     table.setdefault(name, {})[d] = recalls
@@ -178,7 +184,14 @@ def _token_mode(
     c = min(plan.candidates, run.cand.shape[1])
     t0 = time.perf_counter()
     scores = token_scores(
-        scorer, tt, run.d, run.queries, run.cand[:, :c], run.dots[:, :c], plan.pair_batch
+        scorer,
+        tt,
+        run.d,
+        run.queries,
+        run.cand[:, :c],
+        run.dots[:, :c],
+        plan.pair_batch,
+        _bar(plan, run.d.name, name),
     )
     # plus encoding the text side: the query's words (t2i) or each candidate's (i2t)
     per_text = tt.seconds / max(1, len(run.d.texts))
@@ -196,7 +209,9 @@ def _cross_modes(
     d, cand, dots, k = run.d, run.cand, run.dots, plan.candidates
     m = min(max([k, *plan.m_sweep]), cand.shape[1])
     t0 = time.perf_counter()
-    logits = cross_scores(reranker, d, run.queries, cand[:, :m], plan.pair_batch)
+    logits = cross_scores(
+        reranker, d, run.queries, cand[:, :m], plan.pair_batch, _bar(plan, d.name, f"top {m}")
+    )
     ce_ms_per_pair = 1000 * (time.perf_counter() - t0) / logits.size
     coop = functools.partial(run.recall, run.queries)
     if "coop" in plan.modes:
@@ -231,7 +246,14 @@ def _ce_full(
     progress(f"{d.name}: ce-full over {len(d.item_vecs)} items for {len(sample)} queries")
     every = np.broadcast_to(np.arange(len(d.item_vecs)), (len(sample), len(d.item_vecs)))
     t0 = time.perf_counter()
-    full = cross_scores(reranker, d, sample, np.ascontiguousarray(every), plan.pair_batch)
+    full = cross_scores(
+        reranker,
+        d,
+        sample,
+        np.ascontiguousarray(every),
+        plan.pair_batch,
+        _bar(plan, d.name, "ce-full"),
+    )
     full_ms = 1000 * (time.perf_counter() - t0) / len(sample)
     entry = result["modes"].setdefault("ce-full", {"queries": {}})
     entry[d.name] = run.recall(sample, every, full)
@@ -255,6 +277,7 @@ def evaluate_partial_pool(
     token_scorers: dict[str, TokenScorer] | None = None,
     token_encoder: TokenEncoder | None = None,
     pair_batch: int = PAIR_BATCH,
+    bars: bool = False,
 ) -> dict[str, Any]:
     """Precision of partial text->image queries (`texts`, encoded as `query_vecs`; `fit[q, i]`:
     query q fits pool image i) over the pool's images: {"queries", "judged", "candidates",
@@ -285,10 +308,12 @@ def evaluate_partial_pool(
         words = TextTokens(*token_encoder.text_token_features(texts), seconds=0.0)
         for name, scorer in token_scorers.items():
             if name in modes:
-                scores = token_scores(scorer, words, d, queries, cand, dots, pair_batch)
+                bar = f"partial: {name}" if bars else None
+                scores = token_scores(scorer, words, d, queries, cand, dots, pair_batch, bar)
                 out["modes"][name] = precision(reorder(cand, scores), fit)
     if reranker is not None and "coop" in modes:
-        logits = cross_scores(reranker, d, queries, cand, pair_batch)
+        bar = f"partial: top {candidates}" if bars else None
+        logits = cross_scores(reranker, d, queries, cand, pair_batch, bar)
         out["modes"]["coop"] = precision(reorder(cand, logits), fit)
         for lam in lambdas:
             out["modes"][f"ADD_{lam}"] = precision(reorder(cand, fuse(dots, logits, lam)), fit)

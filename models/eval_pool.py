@@ -10,7 +10,7 @@ image->text query answered by any of its captions.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,18 +113,33 @@ class TextTokens:
         return cls(tokens, mask, time.perf_counter() - t0)
 
 
+def pair_batches(n: int, batch: int, bar: str | None = None) -> Iterator[int]:
+    """The start of each `batch` pairs of `n`, counted on a progress bar (stderr) named `bar`
+    when one is given."""
+    from tqdm import tqdm
+
+    with tqdm(
+        total=n, desc=bar, unit="pair", unit_scale=True, leave=False, disable=bar is None
+    ) as shown:
+        for s in range(0, n, batch):
+            yield s
+            shown.update(min(batch, n - s))
+
+
 def cross_scores(
     reranker: PairReranker,
     d: Direction,
     queries: np.ndarray,
     cand: np.ndarray,
     batch: int = PAIR_BATCH,
+    bar: str | None = None,
 ) -> np.ndarray:
-    """Cross-encoder logits (Q, M) for each query against its candidates, `batch` pairs a call."""
+    """Cross-encoder logits (Q, M) for each query against its candidates, `batch` pairs a call
+    (on a progress bar named `bar`, if given)."""
     q = np.repeat(queries, cand.shape[1])
     it = cand.reshape(-1)
     out = []
-    for s in range(0, len(q), batch):
+    for s in pair_batches(len(q), batch, bar):
         qs, its = q[s : s + batch], it[s : s + batch]
         out.append(
             reranker.score_pairs(
@@ -143,13 +158,14 @@ def token_scores(
     cand: np.ndarray,
     dots: np.ndarray,
     batch: int = PAIR_BATCH,
+    bar: str | None = None,
 ) -> np.ndarray:
     """A token-level re-ranker's scores (Q, M) for each query against its candidates; `tt`
     holds the token features of the texts `d.text_ids` rows index."""
     q = np.repeat(queries, cand.shape[1])
     it, dd = cand.reshape(-1), dots.reshape(-1)
     out = []
-    for s in range(0, len(q), batch):
+    for s in pair_batches(len(q), batch, bar):
         qs, its = q[s : s + batch], it[s : s + batch]
         t = d.text_ids(qs, its)
         out.append(

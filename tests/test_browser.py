@@ -5,14 +5,13 @@ loaded; upload an image, check the caption hits (issue 16)."""
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import Service, start_service, stop_service
+from tests.conftest import Service, start_service, stop_service, system_tool
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.chrome.service import Service as DriverService  # noqa: E402
@@ -23,12 +22,10 @@ pytestmark = pytest.mark.slow
 
 
 def _tools() -> tuple[str, str]:
-    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if browser is None or driver is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium / chromedriver missing; .ci/run installs them with apt-get")
-        pytest.skip("chromium and chromium-driver not installed (apt-get install them)")
-    return browser, driver
+    return (
+        system_tool("chromium", "apt-get install chromium"),
+        system_tool("chromedriver", "apt-get install chromium-driver"),
+    )
 
 
 @pytest.fixture(scope="module")

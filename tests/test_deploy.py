@@ -3,7 +3,7 @@
 There is no Docker engine here, so each artefact is checked by the real tool that can check
 it without one: Debian's docker-compose and the compose-spec JSON schema, promtool and a real
 Prometheus server scraping a real `duet serve`, hadolint, and the Kubernetes OpenAPI schemas
-(kubernetes-validate). Missing tools fail under CI=true (.ci/run installs them), else skip.
+(kubernetes-validate). Missing tools fail under CI=true (make test installs them), else skip.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ import pytest
 import yaml
 
 from app.config import Settings
-from tests.conftest import REPO, Service, free_port, start_service, stop_service
+from tests.conftest import REPO, Service, free_port, start_service, stop_service, system_tool
 
 DEPLOY = REPO / "deploy"
 COMPOSE = REPO / "docker-compose.yml"
@@ -35,17 +34,17 @@ PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "duet.json"
 K8S = sorted((DEPLOY / "k8s").rglob("*.yaml"))
 SETTINGS = sorted(f"DUET_{name.upper()}" for name in Settings.model_fields)
-VENV_BIN = Path(sys.executable).parent
+# how to get each tool pip cannot (make test installs them with apt-get where it may)
+GET = {
+    "docker-compose": "apt-get install docker-compose",
+    "promtool": "apt-get install prometheus",
+    "prometheus": "apt-get install prometheus",
+}
 
 
 def tool(name: str) -> str:
     """Path of a command-line tool, from the venv or PATH; fail under CI, else skip."""
-    found = shutil.which(name, path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{name} is not installed; .ci/run installs it")
-        pytest.skip(f"{name} is not installed")
-    return found
+    return system_tool(name, GET.get(name, "make install (the dev extra)"))
 
 
 def run(*cmd: str, **kw: Any) -> subprocess.CompletedProcess[str]:

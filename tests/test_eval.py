@@ -181,6 +181,14 @@ def test_cli_json_and_errors(index_dir: Path) -> None:
     assert body["pool"] == {"images": 40, "texts": 200}
     assert set(body["modes"]["coop"]["t2i"]) == {"R@1", "R@5", "R@10"}
     assert {"t2i", "i2t"} <= set(body["modes"]["dot"]["ms_per_query"])
+    # the re-ranker's scoring shows a progress bar per direction on stderr, unless asked not to
+    assert "t2i: top 20" in out.stderr and "i2t: top 20" in out.stderr and "pair" in out.stderr
+    quiet = subprocess.run(
+        [*cmd, "--no-progress"], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    assert json.loads(quiet.stdout)["modes"]["coop"]["t2i"] == body["modes"]["coop"]["t2i"]
+    assert "pair" not in quiet.stderr, quiet.stderr
     bad = subprocess.run(
         [*cmd[:-1], "dot,late-ish"], capture_output=True, text=True, cwd=REPO, timeout=120
     )

@@ -47,6 +47,11 @@ def add(sub: Any) -> None:
     )
     e.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     e.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (by default each re-ranker's scoring shows one on stderr)",
+    )
+    e.add_argument(
         "--modes",
         default=None,
         help="comma-separated: dot, coop, late, han, ce-full (default: all; han "
@@ -161,6 +166,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         fusion_sweep=args.fusion_sweep,
         ce_full_queries=args.ce_full_queries,
         progress=say,
+        bars=not args.no_progress,
         token_scorers=scorers,
         text_tokens=TextTokens.of(model.joint, pool.texts) if model.joint and scorers else None,
     )
@@ -177,6 +183,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 modes=modes,
                 token_scorers=scorers,
                 token_encoder=model.joint,
+                bars=not args.no_progress,
             ),
         }
     result["index_version"] = version
