@@ -16,18 +16,16 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from tqdm import tqdm
 
-from models.builtin import BuiltinModel, pixel_bytes
+from models.builtin import BuiltinModel, encode_ids, encode_pixels, pixel_bytes
 from models.joint import JointModel
 from models.loading import Models
 from store import indexio
@@ -66,36 +64,22 @@ class Encoder:
         self.image_size = model.model.cfg.image_size
         self.net: JointModel = model.model if device.type == "cpu" else _moved(model, device)
 
-    def _autocast(self) -> AbstractContextManager[Any]:
-        if self.dtype is None:
-            return nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
-
-    @torch.inference_mode()
     def images(
         self, pixels: torch.Tensor | Sequence[torch.Tensor]
     ) -> tuple[np.ndarray, np.ndarray]:
         """uint8 (B, 3, S, S) (or B tensors (3, S, S)) -> ((B, dim) float32 unit vectors,
-        (B, T, d) float16 tokens)."""
+        (B, T, d) float16 tokens), by the service's own `encode_pixels`."""
         if not isinstance(pixels, torch.Tensor):
             pixels = torch.stack(list(pixels))
         if self.device.type == "cuda":  # page-locked, so the copy can overlap the last batch
             pixels = pixels.pin_memory()
         x = pixels.to(self.device, non_blocking=True).float() / 255.0
-        with self._autocast():
-            toks = self.net.image_tokens(x)
-            vec = self.net.embed_images(toks)
-        vec = F.normalize(vec.float(), dim=-1)
-        return vec.cpu().numpy(), toks.half().cpu().numpy()
+        return encode_pixels(self.net, x, self.dtype)
 
-    @torch.inference_mode()
     def texts(self, texts: Sequence[str]) -> np.ndarray:
-        """Captions -> (n, dim) float32 unit vectors."""
+        """Captions -> (n, dim) float32 unit vectors, by the service's own `encode_ids`."""
         ids, pad = self.tokenizer.batch(list(texts))
-        ids, pad = ids.to(self.device), pad.to(self.device)
-        with self._autocast():
-            vec = self.net.embed_texts(self.net.text_tokens(ids, pad), pad)
-        return F.normalize(vec.float(), dim=-1).cpu().numpy()
+        return encode_ids(self.net, ids.to(self.device), pad.to(self.device), self.dtype)
 
 
 class ImageEncoder(Protocol):

@@ -6,10 +6,13 @@ import hashlib
 import json
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
@@ -42,6 +45,37 @@ def pixel_bytes(images: Sequence[Image.Image], size: int) -> torch.Tensor:
 def pixels(images: Sequence[Image.Image], size: int) -> torch.Tensor:
     """PIL images -> float tensor (B, 3, size, size) in [0, 1]."""
     return pixel_bytes(images, size).float() / 255.0
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager[Any]:
+    return nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# The one encode path: the service's queries (`BuiltinModel`) and the builder's index
+# (`index_builder.encode.Encoder`, on any device, under autocast there) both call these, so an
+# index's vectors and a query's are the same function of their input.
+@torch.inference_mode()
+def encode_pixels(
+    net: JointModel, x: torch.Tensor, dtype: torch.dtype | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pixels (B, 3, S, S) in [0, 1] on `net`'s device -> ((B, dim) float32 unit vectors,
+    (B, T, d) float16 image states); under autocast to `dtype` when given, the vectors
+    re-normalised in float32 after it."""
+    with _autocast(x.device, dtype):
+        toks = net.image_tokens(x)
+        vec = net.embed_images(toks)
+    return F.normalize(vec.float(), dim=-1).cpu().numpy(), toks.half().cpu().numpy()
+
+
+@torch.inference_mode()
+def encode_ids(
+    net: JointModel, ids: torch.Tensor, pad: torch.Tensor, dtype: torch.dtype | None = None
+) -> np.ndarray:
+    """Token ids and padding mask (`WordTokenizer.batch`) on `net`'s device -> (n, dim)
+    float32 unit vectors; under autocast to `dtype` when given."""
+    with _autocast(ids.device, dtype):
+        vec = net.embed_texts(net.text_tokens(ids, pad), pad)
+    return F.normalize(vec.float(), dim=-1).cpu().numpy()
 
 
 def save_model(model: JointModel, tokenizer: WordTokenizer, out: Path) -> None:
@@ -114,19 +148,13 @@ class BuiltinModel:
         return normalise(text)
 
     # -- bi-encoder -----------------------------------------------------------
-    @torch.inference_mode()
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         """Texts -> (n, dim) float32, L2-normalised."""
-        ids, pad = self._batch(texts)
-        vec = self.model.embed_texts(self.model.text_tokens(ids, pad), pad)
-        return vec.float().cpu().numpy()
+        return encode_ids(self.model, *self._batch(texts))
 
-    @torch.inference_mode()
     def encode_images(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
         """Images -> ((n, dim) float32 L2-normalised vectors, (n, T, d) float16 image states)."""
-        toks = self.model.image_tokens(pixels(images, self.model.cfg.image_size).to(self.device))
-        vec = self.model.embed_images(toks)
-        return vec.float().cpu().numpy(), toks.half().cpu().numpy()
+        return encode_pixels(self.model, pixels(images, self.model.cfg.image_size).to(self.device))
 
     @torch.inference_mode()
     def text_token_features(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

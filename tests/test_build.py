@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from index_builder.build import build
 from index_builder.corpus import CorpusError
@@ -53,6 +54,14 @@ def test_build_writes_a_version_and_points_current(
     vec = loaded.text_index.reconstruct(7)
     np.testing.assert_allclose(vec, model.encode_texts([row.text])[0], atol=1e-5)
     assert row.image_id is not None and row.id.startswith(row.image_id + "#")
+    # one encode path: the stored image vector and tokens are what the service computes for
+    # that image as a query
+    image = loaded.store.images([3])[0]
+    assert image.path is not None
+    path = Path(image.path) if Path(image.path).is_absolute() else corpus.parent / image.path
+    qvec, qtok = model.encode_images([Image.open(path)])
+    np.testing.assert_allclose(loaded.image_index.reconstruct(3), qvec[0], atol=1e-5)
+    np.testing.assert_allclose(loaded.image_tokens[3], qtok[0], atol=2e-3)
 
 
 def test_rebuild_makes_a_new_version_and_keeps_the_old(
