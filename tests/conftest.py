@@ -20,6 +20,9 @@ from models.builtin import BuiltinModel
 from models.trainconfig import HELD_OUT_SEED_BASE
 from models.world import write_corpus
 
+# helper modules' asserts get pytest's detailed messages too
+pytest.register_assert_rewrite("tests.deploy_helpers", "tests.hf_wiring_helpers")
+
 REPO = Path(__file__).resolve().parent.parent
 DUET = [sys.executable, "-m", "duet.cli"]
 
@@ -38,10 +41,15 @@ SLOW_FIXTURES = {
 # ... and so does every test of these modules (training, docker/k8s tooling, checkpoints)
 SLOW_MODULES = {
     "test_train",
-    "test_deploy",
+    "test_deploy_compose",
+    "test_deploy_dockerfile",
+    "test_deploy_first_run",
+    "test_deploy_k8s",
+    "test_deploy_monitoring",
     "test_hf",
     "test_index_scale",
     "test_builder_scale",
+    "test_builder_ann",
     "test_karpathy",
     "test_paper_tables",
 }

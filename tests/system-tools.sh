@@ -8,9 +8,9 @@ set -uo pipefail
 
 # tool, Debian package, the tests that need it
 tools=(
-  "docker-compose|docker-compose|tests/test_deploy.py: the compose files parsed by docker-compose"
-  "promtool|prometheus|tests/test_deploy.py: the alert rules checked and unit-tested by promtool"
-  "prometheus|prometheus|tests/test_deploy.py: a real Prometheus scraping the service"
+  "docker-compose|docker-compose|tests/test_deploy_compose.py: the compose files parsed by docker-compose"
+  "promtool|prometheus|tests/test_deploy_monitoring.py: the alert rules checked and unit-tested by promtool"
+  "prometheus|prometheus|tests/test_deploy_monitoring.py: a real Prometheus scraping the service"
   "chromium|chromium|tests/test_browser.py: the page in a real headless browser"
   "chromedriver|chromium-driver|tests/test_browser.py: Selenium drives chromium through it"
 )

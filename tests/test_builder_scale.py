@@ -1,5 +1,6 @@
-"""The builder at scale: index types, per-call search parameters, recall, resumable and
-incremental builds, the Ray engine."""
+"""The builder at scale through real builds: every index family built and served, bad
+factories refused before encoding, resumable and incremental builds, the Ray engine.
+The ANN layer on its own is tested in test_builder_ann.py."""
 
 from __future__ import annotations
 
@@ -7,33 +8,23 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 import pytest
-import torch
 
 from index_builder.build import build
 from index_builder.corpus import CorpusError
-from index_builder.encode import autocast_dtype
 from index_builder.errors import BuildError
 from index_builder.write import IDENTICAL_FILES
 from models.builtin import BuiltinModel
-from models.device import DeviceError, resolve_device
 from store import ann, indexio
+from tests.builder_helpers import FAMILIES
 from tests.conftest import DUET, REPO
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-FAMILIES = ["Flat", "IVF4,Flat", "IVF4_HNSW32,SQ8", "IVF4,PQ8x4", "HNSW32"]
-
-
-def _unit(n: int, d: int = 32, seed: int = 0) -> np.ndarray:
-    x = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
 def _corpus(src: Path, dst: Path, lines: list[str], name: str = "manifest.jsonl") -> Path:
@@ -55,134 +46,6 @@ def _lines(corpus: Path) -> list[str]:
 def _same_files(a: Path, b: Path) -> None:
     for name in IDENTICAL_FILES:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
-
-
-# -- store.ann ------------------------------------------------------------------------------
-
-
-def test_default_factory_follows_faiss_guidance() -> None:
-    assert ann.default_factory(40) == "Flat"
-    assert ann.default_factory(ann.FLAT_MAX) == "Flat"
-    ivf = ann.default_factory(500_000)
-    nlist = int(ivf[3 : ivf.index(",")])
-    assert ivf.endswith(",Flat") and 4 * 500_000**0.5 <= nlist <= 16 * 500_000**0.5
-    assert ann.default_factory(5_000_000).endswith("_HNSW32,SQ8")
-    index = ann.make_index("IVF1024,Flat", 32)
-    assert 30 * 1024 <= ann.training_size(index, 10**7) <= 256 * 1024
-    assert ann.training_size(index, 5000) == 5000
-
-
-def test_recall_matches_brute_force() -> None:
-    vecs, queries = _unit(3000), _unit(200, seed=1)
-    index = ann.build_index("IVF32,Flat", vecs)
-    truth = np.argsort(-(queries @ vecs.T), axis=1)[:, :10]
-    for nprobe in (1, 4, 32):
-        knobs = ann.SearchKnobs(nprobe=nprobe)
-        params = ann.search_params(index, knobs)
-        assert params is not None
-        _, got = index.search(queries, 10, params=params.params)
-        expected = np.mean([len(set(g) & set(t)) / 10 for g, t in zip(got, truth, strict=True)])
-        assert ann.recall_at_k(index, vecs, queries, 10, knobs) == pytest.approx(expected)
-    assert ann.recall_at_k(index, vecs, queries, 10, ann.SearchKnobs(nprobe=32)) == 1.0
-    assert ann.recall_at_k(index, vecs, queries, 10, ann.SearchKnobs(nprobe=1)) < 0.9
-
-
-def test_per_call_params_do_not_touch_the_shared_index() -> None:
-    vecs, queries = _unit(4000), _unit(50, seed=2)
-    ivf = ann.build_index("IVF64,Flat", vecs)
-    hnsw: Any = ann.build_index("HNSW32", vecs)
-    own_nprobe, own_ef = faiss.extract_index_ivf(ivf).nprobe, hnsw.hnsw.efSearch
-    cases = [
-        (ivf, ann.SearchKnobs(nprobe=1)),
-        (ivf, ann.SearchKnobs(nprobe=64)),
-        (hnsw, ann.SearchKnobs(ef_search=16)),
-        (hnsw, ann.SearchKnobs(ef_search=256)),
-    ]
-    expected = [ann.search(index, queries, 10, knobs)[1] for index, knobs in cases]
-    assert not np.array_equal(expected[0], expected[1])  # nprobe matters here
-    results: dict[int, list[np.ndarray]] = {i: [] for i in range(len(cases))}
-    start = threading.Barrier(len(cases))
-
-    def run(i: int) -> None:
-        start.wait()
-        for _ in range(30):
-            results[i].append(ann.search(cases[i][0], queries, 10, cases[i][1])[1])
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for i, got in results.items():
-        assert all(np.array_equal(g, expected[i]) for g in got), cases[i][1]
-    assert faiss.extract_index_ivf(ivf).nprobe == own_nprobe
-    assert hnsw.hnsw.efSearch == own_ef
-
-
-def test_service_search_uses_its_settings_per_call() -> None:
-    from types import SimpleNamespace
-
-    from app.batch import BatchWorker
-    from app.config import Settings
-
-    settings = Settings(index_nprobe=1, index_ef_search=8)
-    vecs, query = _unit(4000), _unit(1, seed=3)
-    index = ann.build_index("IVF64,Flat", vecs)
-    faiss.extract_index_ivf(index).nprobe = 64  # what the pipeline must not rely on or touch
-    fake = SimpleNamespace(
-        search_knobs=ann.SearchKnobs(settings.index_nprobe, settings.index_ef_search)
-    )
-    cand = BatchWorker.top(fake, query, index, 10)  # type: ignore[arg-type]
-    _, want = ann.search(index, query, 10, ann.SearchKnobs(nprobe=1))
-    assert cand.rows.tolist() == want[0][want[0] >= 0].tolist()
-    assert faiss.extract_index_ivf(index).nprobe == 64
-    assert Settings().index_nprobe == ann.DEFAULT_NPROBE
-
-
-def test_ivf_hnsw_quantizer_gets_ef_search_per_call() -> None:
-    index = ann.build_index("IVF16_HNSW32,SQ8", _unit(2000))
-    params = ann.search_params(index, ann.SearchKnobs(nprobe=8, ef_search=40))
-    assert params is not None and params.params.nprobe == 8
-    assert params.params.quantizer_params is not None and params.keep[0].efSearch == 40
-    assert ann.search_params(ann.build_index("Flat", _unit(10)), ann.SearchKnobs()) is None
-
-
-def test_same_vectors_same_index_bytes() -> None:
-    vecs = _unit(400)
-    for factory in FAMILIES:
-        a = faiss.serialize_index(ann.build_index(factory, vecs))
-        b = faiss.serialize_index(ann.build_index(factory, vecs))
-        assert a.tobytes() == b.tobytes(), factory
-
-
-def test_device_selection() -> None:
-    assert resolve_device("cpu").type == "cpu"
-    assert autocast_dtype(torch.device("cpu")) is None
-    if not torch.cuda.is_available():
-        assert resolve_device("auto").type == "cpu"
-        with pytest.raises(DeviceError):
-            resolve_device("cuda")
-
-
-def test_autocast_path_matches_fp32(model: BuiltinModel, corpus: Path) -> None:
-    """The GPU path's autocast code, run on CPU in bf16: same shapes, dtypes, close vectors."""
-    from index_builder.encode import Encoder, PlanItem, decode
-
-    items = [
-        PlanItem(i, str(i), str(corpus.parent / f"images/{i:04d}.png"), None, i + 1, ())
-        for i in range(4)
-    ]
-    pixels = torch.stack([p for p in (decode(it, 64).pixels for it in items) if p is not None])
-    exact = Encoder(model, torch.device("cpu"))
-    mixed = Encoder(model, torch.device("cpu"))
-    mixed.dtype = torch.bfloat16
-    (v32, t32), (v16, t16) = exact.images(pixels), mixed.images(pixels)
-    assert v16.dtype == np.float32 and t16.dtype == np.float16 and t16.shape == t32.shape
-    np.testing.assert_allclose(np.linalg.norm(v16, axis=1), 1.0, atol=1e-5)
-    assert (v16 * v32).sum(axis=1).min() > 0.98
-    texts = ["a small red circle", "two blue squares"]
-    assert (mixed.texts(texts) * exact.texts(texts)).sum(axis=1).min() > 0.98
-    np.testing.assert_allclose(exact.texts(texts), model.encode_texts(texts), atol=1e-5)
 
 
 # -- factories through `duet build` --------------------------------------------------------

@@ -1,4 +1,9 @@
-"""End to end: generated corpus -> `duet build` -> `duet serve` (real uvicorn) -> httpx."""
+"""End to end: generated corpus -> `duet build` -> `duet serve` (real uvicorn) -> httpx.
+
+The search API on a shared running service (hits, re-ranking, caching, metrics, bad requests),
+and requests still answered while Redis is killed under the service. Refusals at start-up are
+in test_e2e_startup.py.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,7 @@ import collections
 import io
 import itertools
 import json
-import os
 import re
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -19,17 +22,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from models.builtin import save_model
 from models.fusion import DEFAULT_FUSION_LAMBDA
-from models.joint import JointConfig, JointModel
-from models.tokenizer import WordTokenizer
-from models.world import vocabulary
 from tests.conftest import (
-    DUET,
-    REPO,
     RedisServer,
     Service,
     start_redis,
@@ -382,99 +378,3 @@ def test_redis_killed_and_restarted_under_load(index_dir: Path, tmp_path: Path) 
         redis.stop()
         stop_service(svc)
     assert len(codes) > 20 and set(codes) == {200}, collections.Counter(codes)
-
-
-def test_index_from_another_model_is_refused(corpus: Path, tmp_path: Path) -> None:
-    other = tmp_path / "other-model"
-    tok = WordTokenizer(vocabulary())
-    save_model(JointModel(JointConfig(vocab_size=tok.vocab_size)), tok, other)
-    out = tmp_path / "idx"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run(
-        [
-            *DUET,
-            "build",
-            "--corpus",
-            str(corpus),
-            "--out",
-            str(out),
-            "--model-dir",
-            str(other),
-            "--no-progress",
-        ],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
-    proc = subprocess.run(
-        [*DUET, "serve"],
-        env={**env, "DUET_INDEX_DIR": str(out)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2
-    assert "was built by model" in proc.stderr and "rebuild the index" in proc.stderr
-
-
-def test_missing_index_says_how_to_build(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(tmp_path / "none")}
-    proc = subprocess.run([*DUET, "serve"], env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "duet build" in proc.stderr
-
-
-@pytest.mark.parametrize(
-    ("env", "says"),
-    [
-        ({"DUET_RERANK_MAX_BATCH": "lots"}, "DUET_RERANK_MAX_BATCH"),
-        ({"DUET_DEVICE": "tpu"}, "DUET_DEVICE"),
-    ],
-)
-def test_bad_setting_is_a_clear_error(index_dir: Path, env: dict[str, str], says: str) -> None:
-    full = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(index_dir), **env}
-    proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
-
-
-@pytest.mark.parametrize(
-    "command",
-    [
-        ["build", "--corpus", "CORPUS", "--out", "OUT"],
-        ["eval", "--index", "INDEX", "--modes", "dot"],
-        ["demo-index", "--out", "OUT", "--images", "2"],
-    ],
-)
-def test_every_command_reads_the_same_dotenv(
-    command: list[str], corpus: Path, index_dir: Path, tmp_path: Path
-) -> None:
-    """One configuration path (issue 14): a .env in the working directory configures build,
-    eval and demo-index as it configures serve, so they cannot encode with other models than
-    the service serves. Here it names a model directory that does not exist."""
-    (tmp_path / ".env").write_text(f"DUET_MODEL_DIR={tmp_path / 'no-such-model'}\n")
-    args = [
-        {"CORPUS": str(corpus), "OUT": str(tmp_path / "out"), "INDEX": str(index_dir)}.get(a, a)
-        for a in command
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DUET_")}
-    proc = subprocess.run(
-        [*DUET, *args],
-        env={**env, "PYTHONPATH": str(REPO)},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "no-such-model" in proc.stderr and "Traceback" not in proc.stderr
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_cuda_without_a_gpu_is_refused(index_dir: Path) -> None:
-    full = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "DUET_INDEX_DIR": str(index_dir),
-        "DUET_DEVICE": "cuda",
-    }
-    proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr

@@ -3,15 +3,13 @@
 
 build (the real CLI) -> serve (real uvicorn on a socket) -> query; every expected score is
 computed here with `HFDualEncoder` / `HFBlipReranker` on the corpus' own files. Random weights:
-this checks the plumbing, not retrieval quality.
+this checks the plumbing, not retrieval quality. Wrong DUET_ENCODER / DUET_RERANKER choices
+are in test_hf_wiring_choices.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,11 +27,10 @@ from models.fusion import DEFAULT_FUSION_LAMBDA, sigmoid
 from models.hf import HFBlipReranker, HFDualEncoder
 from models.loading import ChoiceError, Models, load_models
 from models.rerankers import menu as reranker_menu
-from models.trainconfig import DEFAULT_WEIGHTS
 from models.world import write_corpus
 from store import indexio
-from tests.conftest import DUET, REPO, Service, start_service, stop_service
-from tests.hf_checkpoints import make_blip, make_clip, make_siglip
+from tests.conftest import Service, start_service, stop_service
+from tests.hf_wiring_helpers import make_checkpoints
 
 N_IMAGES = 24
 TOKEN = "wiring-token"
@@ -42,12 +39,7 @@ QUERY = "a small red circle left of a large blue square"
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    return {
-        "clip": make_clip(root / "clip"),
-        "siglip": make_siglip(root / "siglip"),
-        "blip": make_blip(root / "blip"),
-    }
+    return make_checkpoints(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")
@@ -240,58 +232,6 @@ def test_serving_an_index_of_another_encoder_is_refused(
     assert "was built by model 'hf-clip:" in err and "hf-siglip:" in err
     assert "encoder hf-clip:" in err and str(ckpt["clip"].resolve()) in err
     assert "DUET_ENCODER" in err and "rebuild the index" in err
-
-
-@pytest.mark.parametrize(
-    "case", ["encoder-is-blip", "reranker-is-clip", "missing", "late", "han", "han-untrained"]
-)
-def test_wrong_choices_exit_2_naming_the_variable(
-    case: str,
-    ckpt: dict[str, Path],
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    encoder, reranker, want = {
-        "encoder-is-blip": (
-            ckpt["blip"],
-            "builtin",
-            "DUET_ENCODER={}: not a CLIP or SIGLIP checkpoint (its config.json "
-            "says model_type 'blip')",
-        ),
-        "reranker-is-clip": ("builtin", ckpt["clip"], "DUET_RERANKER={}: not a BLIP checkpoint"),
-        "missing": (tmp_path / "nope", "builtin", "DUET_ENCODER={}: no such directory"),
-        "late": (ckpt["clip"], "late", "DUET_RERANKER=late needs token-level text features"),
-        "han": (ckpt["clip"], "han", "DUET_RERANKER=han needs token-level text features"),
-        "han-untrained": ("builtin", "han", "DUET_RERANKER=han: {} has no trained HAN head"),
-    }[case]
-    monkeypatch.setenv("DUET_ENCODER", str(encoder))
-    monkeypatch.setenv("DUET_RERANKER", str(reranker))
-    monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("served"))
-    bad = encoder if "DUET_ENCODER" in want else reranker
-    if case == "han-untrained":  # duet's weights without the HAN head beside them
-        bad = tmp_path / "weights"
-        bad.mkdir()
-        for name in ("model.safetensors", "config.json", "vocab.json"):
-            shutil.copy(DEFAULT_WEIGHTS / name, bad / name)
-        monkeypatch.setenv("DUET_MODEL_DIR", str(bad))
-    assert main(["serve", "--index-dir", str(tmp_path)]) == 2
-    assert want.format(bad) in capsys.readouterr().err
-
-
-def test_duet_serve_exits_2_for_a_wrong_kind(ckpt: dict[str, Path], tmp_path: Path) -> None:
-    """The real process: exit status 2 and the message, before any index is read."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "DUET_ENCODER": str(ckpt["blip"]),
-        "DUET_INDEX_DIR": str(tmp_path),
-    }
-    proc = subprocess.run(
-        [*DUET, "serve"], capture_output=True, text=True, env=env, timeout=120, cwd=REPO
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert f"duet: error: DUET_ENCODER={ckpt['blip']}: not a CLIP or SIGLIP" in proc.stderr
 
 
 # -- eval --------------------------------------------------------------------------------------

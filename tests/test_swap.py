@@ -27,7 +27,7 @@ from models.builtin import BuiltinModel
 from models.trainconfig import HELD_OUT_SEED_BASE
 from models.world import write_corpus
 from store.indexio import IMAGE_TOKENS, ITEMS, MANIFEST, file_sha256, point_current, resolve_current
-from tests.conftest import start_service, stop_service
+from tests.conftest import Service, start_service, stop_service
 from tests.test_e2e import _metric
 
 pytestmark = pytest.mark.slow
@@ -60,13 +60,9 @@ def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
-def test_swap_under_load_never_mixes_versions(
-    corpus: Path, model: BuiltinModel, tmp_path: Path
-) -> None:
-    idx = tmp_path / "idx"
-    v1 = build(corpus, idx, model, progress=False)
-    corpus2 = _prefixed_corpus(tmp_path / "corpus2", 24, HELD_OUT_SEED_BASE + 12, "b-")
-    ids = {v1.version: _ids(v1.path)}
+def _queries(corpus: Path) -> tuple[list[str], list[str]]:
+    """What the load searches for: two captions of each of the first 12 images, and the first
+    6 images, base64-encoded."""
     captions = [
         c for line in corpus.read_text().splitlines()[:12] for c in json.loads(line)["captions"][:2]
     ]
@@ -74,30 +70,47 @@ def test_swap_under_load_never_mixes_versions(
         base64.b64encode(p.read_bytes()).decode()
         for p in sorted((corpus.parent / "images").glob("*.png"))[:6]
     ]
+    return captions, images
+
+
+def _search_until_stopped(
+    svc: Service,
+    w: int,
+    captions: list[str],
+    images: list[str],
+    stop: threading.Event,
+    results: list[tuple[int, int, dict[str, Any]]],
+) -> None:
+    """Load worker `w`: text and image searches back to back until `stop` is set, each answer
+    appended to `results` as (worker, status, body); a transport failure as status -1."""
+    with svc.client() as c:
+        for n in itertools.count():
+            if stop.is_set():
+                return
+            i = w + 7 * n  # `candidates` varies so that few requests are cache hits
+            opts = {"top_k": 5, "candidates": 10 + n % 30, "rerank": i % 2 == 0}
+            try:
+                if i % 3 == 2:
+                    r = c.post("/search/image", json={"image_b64": images[i % len(images)], **opts})
+                else:
+                    r = c.post("/search/text", json={"query": captions[i % len(captions)], **opts})
+                results.append((w, r.status_code, r.json()))
+            except httpx.HTTPError as exc:  # recorded, so the report shows every failure
+                results.append((w, -1, {"error": repr(exc)}))
+
+
+def test_swap_under_load_never_mixes_versions(
+    corpus: Path, model: BuiltinModel, tmp_path: Path
+) -> None:
+    idx = tmp_path / "idx"
+    v1 = build(corpus, idx, model, progress=False)
+    corpus2 = _prefixed_corpus(tmp_path / "corpus2", 24, HELD_OUT_SEED_BASE + 12, "b-")
+    ids = {v1.version: _ids(v1.path)}
+    captions, images = _queries(corpus)
     cached_q = {"query": "a small red circle left of a large blue square", "top_k": 5}
     svc = start_service(idx, tmp_path / "serve.log", DUET_INDEX_POLL_S="0.2")
     results: list[tuple[int, int, dict[str, Any]]] = []  # (worker, status, body)
     stop = threading.Event()
-
-    def worker(w: int) -> None:
-        with svc.client() as c:
-            for n in itertools.count():
-                if stop.is_set():
-                    return
-                i = w + 7 * n  # `candidates` varies so that few requests are cache hits
-                opts = {"top_k": 5, "candidates": 10 + n % 30, "rerank": i % 2 == 0}
-                try:
-                    if i % 3 == 2:
-                        r = c.post(
-                            "/search/image", json={"image_b64": images[i % len(images)], **opts}
-                        )
-                    else:
-                        r = c.post(
-                            "/search/text", json={"query": captions[i % len(captions)], **opts}
-                        )
-                    results.append((w, r.status_code, r.json()))
-                except httpx.HTTPError as exc:  # recorded, so the report shows every failure
-                    results.append((w, -1, {"error": repr(exc)}))
 
     try:
         with svc.client() as c:
@@ -106,7 +119,10 @@ def test_swap_under_load_never_mixes_versions(
         assert before["cached"] is True and before["index_version"] == v1.version
 
         with ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(worker, w) for w in range(6)]
+            futures = [
+                pool.submit(_search_until_stopped, svc, w, captions, images, stop, results)
+                for w in range(6)
+            ]
             _wait_for(lambda: len(results) >= 80, "80 requests before the swap")
             v2 = build(corpus2, idx, model, progress=False)  # re-points `current`
             ids[v2.version] = _ids(v2.path)
@@ -226,6 +242,49 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
 ]
 
 
+def _refuse_broken(
+    c: httpx.Client,
+    idx: Path,
+    good: Path,
+    case: tuple[str, Callable[[Path], None], str],
+    *,
+    version: str,
+    query: dict[str, Any],
+    refused: int,
+    tmp_path: Path,
+) -> int:
+    """One BROKEN case, copied from `good` into `idx` and made `current` while `version`
+    serves: the poller refuses it once, the old version still answers, /readyz says why (no
+    host paths), and an explicit /admin/reload retries and is refused. `refused`: the refusals
+    counted before; returns it with these two added."""
+    name, damage, reason = case
+    shutil.copytree(good, idx / name)
+    damage(idx / name)
+    point_current(idx, name)
+    _wait_for(
+        lambda n=name: (  # type: ignore[misc]
+            (c.get("/readyz").json()["reload"]["last_refused"] or {}).get("version") == n
+        ),
+        f"{name} refused",
+    )
+    refused += 1
+    time.sleep(0.5)  # five more polls: the same broken files are not retried
+    assert _metric(c.get("/metrics").text, "duet_index_reloads_total", result="refused") == refused
+    r = c.post("/search/text", json=query)
+    assert r.status_code == 200 and r.json()["index_version"] == version
+    last = c.get("/readyz").json()["reload"]["last_refused"]
+    assert reason in last["reason"] and last["at"], last
+    # /readyz is unauthenticated: no host paths (/admin/reload has them)
+    assert "path" not in last and str(tmp_path) not in last["reason"], last
+    r = c.post("/admin/reload", headers=AUTH)  # an explicit reload retries
+    refused += 1
+    assert r.status_code == 409, r.text
+    err = r.json()["error"]
+    assert err["code"] == "index_refused" and reason in err["message"]
+    assert err["version"] == name and err["serving"] == version
+    return refused
+
+
 def test_broken_versions_are_refused_while_the_old_one_serves(
     index_dir: Path, tmp_path: Path
 ) -> None:
@@ -240,35 +299,17 @@ def test_broken_versions_are_refused_while_the_old_one_serves(
     refused = 0
     try:
         with svc.client() as c:
-            for name, damage, reason in BROKEN:
-                shutil.copytree(good, idx / name)
-                damage(idx / name)
-                point_current(idx, name)
-                _wait_for(
-                    lambda n=name: (  # type: ignore[misc]
-                        (c.get("/readyz").json()["reload"]["last_refused"] or {}).get("version")
-                        == n
-                    ),
-                    f"{name} refused",
+            for case in BROKEN:
+                refused = _refuse_broken(
+                    c,
+                    idx,
+                    good,
+                    case,
+                    version=version,
+                    query=query,
+                    refused=refused,
+                    tmp_path=tmp_path,
                 )
-                refused += 1
-                time.sleep(0.5)  # five more polls: the same broken files are not retried
-                assert (
-                    _metric(c.get("/metrics").text, "duet_index_reloads_total", result="refused")
-                    == refused
-                )
-                r = c.post("/search/text", json=query)
-                assert r.status_code == 200 and r.json()["index_version"] == version
-                last = c.get("/readyz").json()["reload"]["last_refused"]
-                assert reason in last["reason"] and last["at"], last
-                # /readyz is unauthenticated: no host paths (/admin/reload has them)
-                assert "path" not in last and str(tmp_path) not in last["reason"], last
-                r = c.post("/admin/reload", headers=AUTH)  # an explicit reload retries
-                refused += 1
-                assert r.status_code == 409, r.text
-                err = r.json()["error"]
-                assert err["code"] == "index_refused" and reason in err["message"]
-                assert err["version"] == name and err["serving"] == version
 
             point_current(idx, "nowhere")  # `current` -> a missing directory
             _wait_for(

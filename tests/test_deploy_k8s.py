@@ -1,0 +1,48 @@
+"""The Kubernetes manifests under deploy/k8s: every resource matches its OpenAPI schema
+(kubernetes-validate, strict), and the api Deployment, Services, volumes and builder Job fit
+together."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from tests.deploy_helpers import DEPLOY, K8S, load_yaml_docs
+
+
+def test_k8s_manifests_match_their_schemas() -> None:
+    kinds = set()
+    for path in K8S:
+        for doc in load_yaml_docs(path):
+            kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+            kinds.add(doc["kind"])
+    assert {"Deployment", "Service", "Job", "PersistentVolumeClaim", "ConfigMap"} <= kinds
+
+
+def test_k8s_schema_check_catches_a_typo() -> None:
+    doc = next(d for d in load_yaml_docs(DEPLOY / "k8s" / "api.yaml") if d["kind"] == "Deployment")
+    doc["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_k8s_api_probes_gpu_and_volume() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for p in K8S for d in load_yaml_docs(p)}
+    pod = docs[("Deployment", "duet-api")]["spec"]["template"]["spec"]
+    api = pod["containers"][0]
+    assert api["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert api["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert api["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]}
+    assert claims == {"duet-indexes"} and ("PersistentVolumeClaim", "duet-indexes") in docs
+    job = docs[("Job", "duet-index-builder")]["spec"]["template"]["spec"]
+    assert job["containers"][0]["args"][0] == "build"
+    assert {v["persistentVolumeClaim"]["claimName"] for v in job["volumes"]} == {
+        "duet-indexes",
+        "duet-corpus",
+    }
+    assert ("Service", "duet-api") in docs and ("Service", "duet-redis") in docs
+    assert docs[("ConfigMap", "duet-config")]["data"]["DUET_REDIS_URL"].startswith(
+        "redis://duet-redis:"
+    )

@@ -1,0 +1,117 @@
+"""End to end, start-up: `duet serve`, `build`, `eval` and `demo-index` as real processes refuse
+to start, with exit status 2 and a clear message, on an index from another model, a missing
+index, a bad setting, a .env naming a missing model, or CUDA without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.builtin import save_model
+from models.joint import JointConfig, JointModel
+from models.tokenizer import WordTokenizer
+from models.world import vocabulary
+from tests.conftest import DUET, REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_index_from_another_model_is_refused(corpus: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other-model"
+    tok = WordTokenizer(vocabulary())
+    save_model(JointModel(JointConfig(vocab_size=tok.vocab_size)), tok, other)
+    out = tmp_path / "idx"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run(
+        [
+            *DUET,
+            "build",
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(out),
+            "--model-dir",
+            str(other),
+            "--no-progress",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    proc = subprocess.run(
+        [*DUET, "serve"],
+        env={**env, "DUET_INDEX_DIR": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "was built by model" in proc.stderr and "rebuild the index" in proc.stderr
+
+
+def test_missing_index_says_how_to_build(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(tmp_path / "none")}
+    proc = subprocess.run([*DUET, "serve"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "duet build" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"DUET_RERANK_MAX_BATCH": "lots"}, "DUET_RERANK_MAX_BATCH"),
+        ({"DUET_DEVICE": "tpu"}, "DUET_DEVICE"),
+    ],
+)
+def test_bad_setting_is_a_clear_error(index_dir: Path, env: dict[str, str], says: str) -> None:
+    full = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(index_dir), **env}
+    proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["build", "--corpus", "CORPUS", "--out", "OUT"],
+        ["eval", "--index", "INDEX", "--modes", "dot"],
+        ["demo-index", "--out", "OUT", "--images", "2"],
+    ],
+)
+def test_every_command_reads_the_same_dotenv(
+    command: list[str], corpus: Path, index_dir: Path, tmp_path: Path
+) -> None:
+    """One configuration path (issue 14): a .env in the working directory configures build,
+    eval and demo-index as it configures serve, so they cannot encode with other models than
+    the service serves. Here it names a model directory that does not exist."""
+    (tmp_path / ".env").write_text(f"DUET_MODEL_DIR={tmp_path / 'no-such-model'}\n")
+    args = [
+        {"CORPUS": str(corpus), "OUT": str(tmp_path / "out"), "INDEX": str(index_dir)}.get(a, a)
+        for a in command
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DUET_")}
+    proc = subprocess.run(
+        [*DUET, *args],
+        env={**env, "PYTHONPATH": str(REPO)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "no-such-model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_refused(index_dir: Path) -> None:
+    full = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "DUET_INDEX_DIR": str(index_dir),
+        "DUET_DEVICE": "cuda",
+    }
+    proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr
