@@ -36,9 +36,11 @@ fi
 if [[ -n "${can_apt:-}" ]]; then
   echo "make test: installing ${packages[*]} with apt-get (DUET_TEST_NO_APT=1 to skip)"
   export DEBIAN_FRONTEND=noninteractive
-  "${sudo[@]}" apt-get update -qq &&
-    "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null ||
-    echo "make test: apt-get failed; the tests below will be skipped"
+  log=$(mktemp)
+  { "${sudo[@]}" apt-get update -qq &&
+    "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${packages[@]}"; } >"$log" 2>&1 ||
+    { tail -n 20 "$log"; echo "make test: apt-get failed (above); the tests below will be skipped"; }
+  rm -f "$log"
 fi
 for entry in "${missing[@]}"; do
   IFS='|' read -r tool package why <<<"$entry"
