@@ -116,10 +116,18 @@ class TextTokens:
 def pair_batches(n: int, batch: int, bar: str | None = None) -> Iterator[int]:
     """The start of each `batch` pairs of `n`, counted on a progress bar (stderr) named `bar`
     when one is given."""
+    import sys
+
     from tqdm import tqdm
 
     with tqdm(
-        total=n, desc=bar, unit="pair", unit_scale=True, leave=False, disable=bar is None
+        total=n,
+        desc=bar,
+        unit="pair",
+        unit_scale=True,
+        leave=False,
+        disable=bar is None,
+        mininterval=0.5 if sys.stderr.isatty() else 15.0,  # a log file gets a line a while
     ) as shown:
         for s in range(0, n, batch):
             yield s
