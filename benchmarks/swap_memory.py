@@ -13,7 +13,6 @@ Afterwards `current` points at the original version again and the copy is remove
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import shutil
@@ -22,13 +21,13 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from models import world
-from store.indexio import MANIFEST, point_current, resolve_current
+from store.indexio import Manifest, point_current, resolve_current
 
 REPO = Path(__file__).resolve().parent.parent
 FIELDS = ("VmRSS", "RssAnon", "RssFile")
@@ -71,18 +70,17 @@ def start(index_dir: Path, port: int, token: str) -> subprocess.Popen[bytes]:
     raise SystemExit("duet serve did not become ready")
 
 
-def copy_version(original: Path, copy: Path) -> dict[str, Any]:
+def copy_version(original: Path, copy: Path) -> Manifest:
     """Copy a version's files to `copy` under a new version name; its manifest."""
     shutil.copytree(original, copy)
-    manifest: dict[str, Any] = json.loads((copy / MANIFEST).read_text())
-    manifest["version"] = copy.name
-    (copy / MANIFEST).write_text(json.dumps(manifest))
+    manifest = replace(Manifest.read(copy), version=copy.name)
+    manifest.write(copy)
     return manifest
 
 
 def print_summary(
     original: Path,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     result: object,
     swap_s: float,
     before: dict[str, int],
@@ -93,7 +91,7 @@ def print_summary(
     files = sum(f.stat().st_size for f in original.iterdir()) // 2**20
     faiss_mib = sum((original / n).stat().st_size for n in ("image.faiss", "text.faiss")) // 2**20
     print(
-        f"index {original.name}: {manifest['counts']}, files {files} MiB "
+        f"index {original.name}: {asdict(manifest.counts)}, files {files} MiB "
         f"(FAISS {faiss_mib} MiB); swap answered {result} in {swap_s:.2f} s"
     )
     print("| RSS MiB | before | peak during | after 2 s |\n|---|---|---|---|")

@@ -47,7 +47,7 @@ def assemble(
     kept, digest = _kept_items(items, shards.items, shards.paths(), bad)
     if base is not None:
         digest = hashlib.sha256(
-            json.dumps([base.manifest.get("content_hash"), sorted(deleted), digest]).encode()
+            json.dumps([base.manifest.content_hash, sorted(deleted), digest]).encode()
         ).hexdigest()
     new_images = [indexio.ImageRow(it.id, it.image_rel, it.meta) for it in kept if it.image]
     new_texts = [

@@ -44,6 +44,16 @@ from models.builtin import BuiltinModel
 from models.device import resolve_device
 from models.loading import Models, manifest_model
 from store import ann, indexio
+from store.manifest import (
+    BaseRecord,
+    BuildSettings,
+    CorpusRecord,
+    Counts,
+    ImageTokens,
+    IndexStats,
+    Manifest,
+    ManifestModel,
+)
 
 __all__ = ["DEFAULT_SHARD_SIZE", "SHARDS_DIR", "BuildOptions", "BuildReport", "build"]
 
@@ -61,13 +71,13 @@ class BuildReport:
     images: int
     texts: int
     seconds: float
+    manifest: Manifest
     skipped: list[str] = field(default_factory=list)
     encoded: int = 0  # corpus items encoded by this run (not resumed from shards)
     resumed_shards: int = 0
     shards: int = 0
     encode_seconds: float = 0.0
     items_per_s: float = 0.0
-    manifest: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -145,20 +155,20 @@ class _Build:
             self._manifest,
         )
         self.shards.remove()
-        b = manifest["build"]
+        b = manifest.build or BuildSettings()
         return BuildReport(
-            manifest["version"],
-            self.out / manifest["version"],
+            manifest.version,
+            self.out / manifest.version,
             len(self.assembled.image_rows),
             len(self.assembled.text_rows),
-            manifest["build_seconds"],
+            manifest.build_seconds,
+            manifest,
             self.skipped,
-            encoded=b["encoded_items"],
-            resumed_shards=b["resumed_shards"],
-            shards=b["shards"],
+            encoded=b.encoded_items,
+            resumed_shards=b.resumed_shards,
+            shards=b.shards,
             encode_seconds=self.encode_seconds,
-            items_per_s=b["items_per_s"],
-            manifest=manifest,
+            items_per_s=b.items_per_s,
         )
 
     # -- stage 1: the options, the device --------------------------------------------------
@@ -197,13 +207,10 @@ class _Build:
     def _read(self) -> None:
         opts, model = self.opts, self.model
         base = _load_base(self.out) if (opts.append or opts.delete is not None) else None
-        if (
-            base is not None
-            and (built_by := base.manifest.get("model", {}).get("fingerprint")) != model.fingerprint
-        ):
+        if base is not None and (built_by := base.manifest.model.fingerprint) != model.fingerprint:
             raise BuildError(
                 f"--append/--delete: {base.path.name} was built by model {built_by!r}"
-                f"{indexio.built_with(base.manifest)}, this build encodes with "
+                f"{base.manifest.model.built_with()}, this build encodes with "
                 f"{model.fingerprint!r}; use the models that built it (--encoder, "
                 "--reranker, --model-dir) or build a fresh index with --corpus"
             )
@@ -220,8 +227,8 @@ class _Build:
         self.kept_images, self.kept_texts, self.deleted = _apply_delete(base, opts.delete)
         if base is not None:
             _check_duplicates(self.items, self.kept_images, self.kept_texts)
-        if self.factory is None and base is not None:  # an append keeps the base's choice
-            self.factory = base.manifest.get("build", {}).get("factory_arg")
+        if self.factory is None and base is not None and base.manifest.build is not None:
+            self.factory = base.manifest.build.factory_arg  # an append keeps the base's choice
         n_img = len(self.kept_images) + sum(1 for it in self.items if it.image is not None)
         n_txt = len(self.kept_texts) + sum(len(it.captions) for it in self.items)
         try:
@@ -307,7 +314,7 @@ class _Build:
         )
 
     # -- stage 6 (`publish`): write the version in a temporary folder, then publish it -------
-    def _manifest(self, tmp: Path, version: str, indexes: dict[str, Any]) -> dict[str, Any]:
+    def _manifest(self, tmp: Path, version: str, indexes: dict[str, IndexStats]) -> Manifest:
         """manifest.json: what was built, from what, with which models, how."""
         opts, model, factories = self.opts, self.model, self.factories
         contents = self.assembled
@@ -318,52 +325,46 @@ class _Build:
             else 0.0
         )
         cuda_joint = self.dev.type == "cuda" and self.joint is not None
-        manifest: dict[str, Any] = {
-            "format": indexio.FORMAT_VERSION,
-            "version": version,
+        return Manifest(
+            version=version,
             # encoder and token source (what the re-ranker reads); the service checks both
-            "model": manifest_model(model),
-            "dim": model.dim,
-            "metric": "inner_product",
-            "index_type": (
+            model=ManifestModel.from_json(manifest_model(model)),
+            dim=model.dim,
+            index_type=(
                 factories[0]
                 if factories[0] == factories[1]
                 else f"image:{factories[0]} text:{factories[1]}"
             ),
-            "indexes": indexes,
-            "counts": {"images": len(contents.image_rows), "texts": len(contents.text_rows)},
-            "image_tokens": {"shape": list(model.token_shape), "dtype": "float16"},
-            "content_hash": contents.digest,
-            "corpus": str(Path(self.corpus).resolve()) if self.corpus is not None else None,
-            "corpus_selection": self.selection.as_json() if self.corpus is not None else None,
-            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "build_seconds": round(seconds, 2),
-            "skipped": len(self.skipped),
-            "build": {
-                "engine": opts.engine,
-                "device": self.dev.type,
-                "autocast": str(autocast_dtype(self.dev)).replace("torch.", "")
+            indexes=indexes,
+            counts=Counts(len(contents.image_rows), len(contents.text_rows)),
+            image_tokens=ImageTokens(list(model.token_shape), "float16"),
+            content_hash=contents.digest,
+            corpus=str(Path(self.corpus).resolve()) if self.corpus is not None else None,
+            corpus_selection=(
+                CorpusRecord(**self.selection.as_json()) if self.corpus is not None else None
+            ),
+            built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            build_seconds=round(seconds, 2),
+            skipped=len(self.skipped),
+            build=BuildSettings(
+                engine=opts.engine,
+                device=self.dev.type,
+                autocast=str(autocast_dtype(self.dev)).replace("torch.", "")
                 if cuda_joint
                 else None,
-                "workers": self.workers,
-                "batch_size": opts.batch_size,
-                "shard_size": opts.shard_size,
-                "factory_arg": self.factory,
-                "shards": len(self.shards.ranges),
-                "resumed_shards": len(self.shards.done),
-                "encoded_items": self.encoded,
-                "encode_seconds": round(self.encode_seconds, 3),
-                "items_per_s": rate,
-            },
-            "files": {name: indexio.file_sha256(tmp / name) for name in IDENTICAL_FILES},
-            "bytes_per_item": _bytes_per_item(
-                tmp, len(contents.image_rows), len(contents.text_rows)
+                workers=self.workers,
+                batch_size=opts.batch_size,
+                shard_size=opts.shard_size,
+                factory_arg=self.factory,
+                shards=len(self.shards.ranges),
+                resumed_shards=len(self.shards.done),
+                encoded_items=self.encoded,
+                encode_seconds=round(self.encode_seconds, 3),
+                items_per_s=rate,
             ),
-        }
-        if self.base is not None:
-            manifest["base"] = {
-                "version": self.base.manifest.get("version"),
-                "appended": len(contents.kept),
-                "deleted": len(self.deleted),
-            }
-        return manifest
+            files={name: indexio.file_sha256(tmp / name) for name in IDENTICAL_FILES},
+            bytes_per_item=_bytes_per_item(tmp, len(contents.image_rows), len(contents.text_rows)),
+            base=None
+            if self.base is None
+            else BaseRecord(self.base.manifest.version, len(contents.kept), len(self.deleted)),
+        )

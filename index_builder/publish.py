@@ -3,20 +3,19 @@ then rename it into place and point `current` at it."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from index_builder.assemble import Assembled
 from index_builder.write import _new_version, _write_indexes, _write_npy
 from store import indexio
+from store.manifest import IndexStats, Manifest
 
 # (the temporary folder, the version name, the indexes' measurements) -> manifest.json
-Describe = Callable[[Path, str, dict[str, Any]], dict[str, Any]]
+Describe = Callable[[Path, str, dict[str, IndexStats]], Manifest]
 
 
 def publish(
@@ -25,7 +24,7 @@ def publish(
     factories: tuple[str, str],
     token_shape: tuple[int, ...],
     describe: Describe,
-) -> dict[str, Any]:
+) -> Manifest:
     """Write `contents` as a new version of `out`, make it `current`; its manifest."""
     version = _new_version(out, contents.digest)
     tmp = out / f".building-{version}"
@@ -44,9 +43,7 @@ def publish(
         np.save(tmp / indexio.TEXT_VECTORS, contents.tvecs)
         indexio.write_items(tmp / indexio.ITEMS, contents.image_rows, contents.text_rows)
         manifest = describe(tmp, version, indexes)
-        indexio.write_atomic(
-            tmp / indexio.MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode()
-        )
+        manifest.write(tmp)
         for f in tmp.iterdir():
             indexio.fsync_path(f)
         indexio.fsync_path(tmp)

@@ -21,6 +21,7 @@ from index_builder.errors import BuildError
 from models.builtin import BuiltinModel
 from models.loading import Models
 from store import indexio
+from store.manifest import Manifest
 
 
 @dataclass
@@ -28,7 +29,7 @@ class _Base:
     """The current version an append/delete starts from."""
 
     path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     images: list[indexio.ImageRow]
     texts: list[indexio.TextRow]
     image_vectors: np.ndarray
@@ -57,7 +58,7 @@ def _shard_key(
                 "autocast": str(autocast_dtype(dev)),
                 "batch_size": batch_size,
                 "shard_size": shard_size,
-                "base": base.manifest.get("version") if base else None,
+                "base": base.manifest.version if base else None,
                 "corpus": selection.as_json(),  # a different --split or --images-root never resumes
             },
             sort_keys=True,
@@ -113,7 +114,7 @@ def _kept_items(
 def _load_base(out: Path) -> _Base:
     try:
         path = indexio.resolve_current(out)
-        manifest = indexio.read_manifest(path)
+        manifest = Manifest.read(path)
     except indexio.IndexLoadError as exc:
         raise BuildError(f"--append/--delete need a current version: {exc}") from exc
     con = sqlite3.connect(f"file:{path / indexio.ITEMS}?mode=ro", uri=True)

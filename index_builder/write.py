@@ -15,6 +15,7 @@ import numpy as np
 from index_builder.errors import BuildError
 from index_builder.sources import _Base
 from store import ann, indexio
+from store.manifest import IndexStats
 
 log = logging.getLogger("duet.build")
 
@@ -44,10 +45,10 @@ def _factories(
 
 def _write_indexes(
     tmp: Path, factories: tuple[str, str], ivecs: np.ndarray, tvecs: np.ndarray
-) -> dict[str, Any]:
+) -> dict[str, IndexStats]:
     """Train and fill both indexes, measure recall@10 against exact search, write them."""
     knobs = ann.SearchKnobs()
-    info: dict[str, Any] = {}
+    info: dict[str, IndexStats] = {}
     for name, file, factory, vecs, other in (
         ("image", indexio.IMAGE_INDEX, factories[0], ivecs, tvecs),
         ("text", indexio.TEXT_INDEX, factories[1], tvecs, ivecs),
@@ -60,14 +61,14 @@ def _write_indexes(
         queries = ann.query_sample(other if len(other) else vecs, RECALL_QUERIES)
         recall = ann.recall_at_k(index, vecs, queries, RECALL_K, knobs)
         faiss.write_index(index, str(tmp / file))
-        info[name] = {
-            "factory": factory,
-            "count": int(index.ntotal),
-            "bytes_per_vector": round((tmp / file).stat().st_size / max(index.ntotal, 1), 2),
-            f"recall_at_{RECALL_K}": round(recall, 4),
-            "recall_queries": len(queries),
-            "search_params": knobs.as_json(),
-        }
+        info[name] = IndexStats(
+            factory=factory,
+            count=int(index.ntotal),
+            bytes_per_vector=round((tmp / file).stat().st_size / max(index.ntotal, 1), 2),
+            recall_at_10=round(recall, 4),  # RECALL_K
+            recall_queries=len(queries),
+            search_params=knobs.as_json(),
+        )
         log.info(
             "%s index %s: recall@%d %.4f vs exact (%d queries), %.1f bytes/vector",
             name,
@@ -75,7 +76,7 @@ def _write_indexes(
             RECALL_K,
             recall,
             len(queries),
-            info[name]["bytes_per_vector"],
+            info[name].bytes_per_vector,
         )
     return info
 

@@ -12,7 +12,6 @@ DIR/current -> <version>      symlink, replaced atomically
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sqlite3
@@ -25,10 +24,17 @@ from typing import Any
 import faiss
 import numpy as np
 
-from models.errors import UserError
 from store import ann
 
-MANIFEST = "manifest.json"
+# re-exported (`X as X`): the builder, the service and the tests reach them through indexio
+from store.errors import IndexLoadError as IndexLoadError
+from store.errors import ModelMismatchError as ModelMismatchError
+from store.files import file_sha256 as file_sha256
+from store.files import fsync_path as fsync_path
+from store.files import write_atomic as write_atomic
+from store.manifest import MANIFEST as MANIFEST
+from store.manifest import Manifest as Manifest
+
 IMAGE_INDEX = "image.faiss"
 TEXT_INDEX = "text.faiss"
 IMAGE_TOKENS = "image_tokens.npy"
@@ -36,43 +42,6 @@ ITEMS = "items.sqlite"
 IMAGE_VECTORS = "image_vectors.npy"
 TEXT_VECTORS = "text_vectors.npy"
 CURRENT = "current"
-FORMAT_VERSION = 1
-
-
-class IndexLoadError(UserError, RuntimeError):
-    """An index directory is missing, incomplete or unreadable."""
-
-
-class ModelMismatchError(IndexLoadError):
-    """The index was built by a different model than the one loaded."""
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with Path(path).open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp name, fsync, rename, fsync the directory: a file is whole or absent."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory, so a rename in it is durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def resolve_current(index_dir: Path) -> Path:
@@ -90,28 +59,6 @@ def version_dir(path: Path) -> Path:
     """A version directory, given either itself or an index directory (then its `current`)."""
     path = Path(path)
     return path if (path / MANIFEST).is_file() else resolve_current(path)
-
-
-def read_manifest(version: Path) -> dict[str, Any]:
-    """A version's manifest.json, or IndexLoadError naming the file."""
-    try:
-        manifest: dict[str, Any] = json.loads((Path(version) / MANIFEST).read_text())
-    except (OSError, ValueError) as exc:
-        raise IndexLoadError(f"cannot read {Path(version) / MANIFEST}: {exc}") from exc
-    return manifest
-
-
-def built_with(manifest: dict[str, Any]) -> str:
-    """` (encoder X from DIR, re-ranker Y from DIR)` from a manifest's `model`; '' for a version
-    built before the two were recorded."""
-    model = manifest.get("model", {})
-    parts = []
-    for key, label in (("encoder", "encoder"), ("reranker", "image tokens for")):
-        part = model.get(key)
-        if isinstance(part, dict) and part.get("fingerprint"):
-            where = f" from {part['dir']}" if part.get("dir") else ""
-            parts.append(f"{label} {part['fingerprint']}{where}")
-    return f" ({', '.join(parts)})" if parts else ""
 
 
 def point_current(index_dir: Path, version: str) -> None:
@@ -228,7 +175,7 @@ class IndexVersion:
     """One loaded, immutable index version."""
 
     path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     image_index: faiss.Index
     text_index: faiss.Index
     image_tokens: np.ndarray  # (n_images, T, d) float16, memory-mapped
@@ -236,11 +183,11 @@ class IndexVersion:
 
     @property
     def version(self) -> str:
-        return str(self.manifest["version"])
+        return self.manifest.version
 
     @property
     def fingerprint(self) -> str:
-        return str(self.manifest["model"]["fingerprint"])
+        return str(self.manifest.model.fingerprint)
 
     def close(self) -> None:
         """Release the version now: close the item store, free the vectors, unmap the tokens.
@@ -260,17 +207,17 @@ class IndexVersion:
     def images_root(self) -> Path | None:
         """The folder the item store's image paths are relative to: the corpus's images root
         (a Karpathy file's --images-root) or the corpus file's folder; None if unrecorded."""
-        selection = self.manifest.get("corpus_selection") or {}
-        if selection.get("images_root"):
-            return Path(selection["images_root"])
-        corpus = self.manifest.get("corpus")
+        selection = self.manifest.corpus_selection
+        if selection is not None and selection.images_root:
+            return Path(selection.images_root)
+        corpus = self.manifest.corpus
         return Path(corpus).parent if corpus else None
 
     def verify(self) -> None:
         """Prove the version whole before it serves, or raise IndexLoadError saying what is
         wrong: every file's sha256 against the manifest's `files`, the item store sound with
         one row per FAISS row, and the stored vectors and tokens finite."""
-        for name, digest in self.manifest.get("files", {}).items():
+        for name, digest in self.manifest.files.items():
             try:
                 actual = file_sha256(self.path / name)
             except OSError as exc:
@@ -303,11 +250,11 @@ class IndexVersion:
         """Load a version directory; refuse it if another model built it. On a CUDA `device`
         Flat indexes search on the GPU (`ann.place`)."""
         path = Path(path)
-        manifest = read_manifest(path)
-        built_by = manifest.get("model", {}).get("fingerprint")
+        manifest = Manifest.read(path)
+        built_by, built_with = manifest.model.fingerprint, manifest.model.built_with()
         if expect_fingerprint is not None and built_by != expect_fingerprint:
             raise ModelMismatchError(
-                f"index {path} was built by model {built_by!r}{built_with(manifest)} but the "
+                f"index {path} was built by model {built_by!r}{built_with} but the "
                 f"service loaded {expect_fingerprint!r}; rebuild the index with these models "
                 "(`duet build --encoder E --reranker R`, the same choices as DUET_ENCODER and "
                 "DUET_RERANKER) or start the service with the ones that built it (DUET_ENCODER, "
@@ -320,10 +267,10 @@ class IndexVersion:
             store = ItemStore(path / ITEMS)
         except (OSError, RuntimeError, ValueError, sqlite3.Error) as exc:
             raise IndexLoadError(f"index {path} is incomplete or corrupt: {exc}") from exc
-        counts = manifest.get("counts", {})
+        counts = manifest.counts
         if (
-            image_index.ntotal != counts.get("images")
-            or text_index.ntotal != counts.get("texts")
+            image_index.ntotal != counts.images
+            or text_index.ntotal != counts.texts
             or tokens.shape[0] != image_index.ntotal
         ):
             raise IndexLoadError(f"index {path}: counts in {MANIFEST} do not match the files")

@@ -98,7 +98,7 @@ def test_each_family_builds_and_serves(
     (tmp_path / "none.txt").write_text("")
     report = build(None, out, model, progress=False, factory=factory, delete=tmp_path / "none.txt")
     assert report.encoded == 0
-    m = report.manifest
+    m = report.manifest.to_json()  # as manifest.json holds it
     assert m["index_type"] == factory and m["counts"] == {"images": 40, "texts": 200}
     for name in ("image", "text"):
         info = m["indexes"][name]
@@ -230,7 +230,7 @@ def test_append_then_delete_matches_a_fresh_build(
     assert added.encoded == 10 and added.images == 30  # only the new items were encoded
     deleted = build(None, out, model, progress=False, delete=tmp_path / "gone.txt")
     assert deleted.encoded == 0 and deleted.images == 25 and deleted.texts == 125
-    assert deleted.manifest["index_type"] == factory  # the base's factory carries over
+    assert deleted.manifest.index_type == factory  # the base's factory carries over
     ref = build(fresh, tmp_path / "ref", model, progress=False, factory=factory, workers=0)
 
     queries = ["a small red circle", "two blue squares", "a green triangle above a circle"]
@@ -293,5 +293,9 @@ def test_ray_engine_writes_the_same_index_as_local(
         )
     finally:
         ray.shutdown()
-    assert remote.encoded == 12 and remote.manifest["build"]["engine"] == "ray"
+    assert (
+        remote.encoded == 12
+        and remote.manifest.build is not None
+        and remote.manifest.build.engine == "ray"
+    )
     _same_files(local.path, remote.path)

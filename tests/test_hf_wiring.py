@@ -122,7 +122,7 @@ def test_build_stores_the_encoder_vectors_and_the_blip_tokens(
     clip_index: Path, direct: dict[str, Any]
 ) -> None:
     path = indexio.resolve_current(clip_index)
-    manifest = indexio.read_manifest(path)
+    manifest = indexio.Manifest.read(path).to_json()
     enc, blip = direct["enc"], direct["blip"]
     model = manifest["model"]
     assert model["encoder"]["fingerprint"] == enc.fingerprint
@@ -284,7 +284,7 @@ async def test_reranker_none_stores_no_tokens_and_serves_the_dot_order(
 ) -> None:
     _build(corpus, tmp_path, "--encoder", str(ckpt["siglip"]), "--reranker", "none")
     path = indexio.resolve_current(tmp_path)
-    manifest = indexio.read_manifest(path)
+    manifest = indexio.Manifest.read(path).to_json()
     assert manifest["image_tokens"]["shape"] == [0, 0]
     assert manifest["model"]["reranker"] == {"name": "none", "fingerprint": "none"}
     models = load_models(str(ckpt["siglip"]), "none")
@@ -324,7 +324,10 @@ def test_clip_with_the_builtin_cross_encoder_stores_builtin_tokens(
         builtin.encode_images([first])[1][0].astype(np.float32),
         atol=1e-3,
     )
-    assert indexio.read_manifest(path)["model"]["reranker"]["fingerprint"] == builtin.fingerprint
+    assert (
+        indexio.Manifest.read(path).to_json()["model"]["reranker"]["fingerprint"]
+        == builtin.fingerprint
+    )
     # an append must encode with the models that built the base
     assert main(["build", "--append", str(corpus), "--out", str(tmp_path)]) == 2
     assert "--append/--delete" in capsys.readouterr().err
@@ -371,7 +374,7 @@ def test_reload_refuses_a_version_built_with_another_encoder(
         _build(
             corpus, clip_index, "--encoder", str(ckpt["siglip"]), "--reranker", str(ckpt["blip"])
         )
-        siglip = indexio.read_manifest(indexio.resolve_current(clip_index))
+        siglip = indexio.Manifest.read(indexio.resolve_current(clip_index)).to_json()
         assert siglip["model"]["encoder"]["name"] == "hf-siglip"
         r = c.post("/admin/reload", headers={"authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 409, r.text

@@ -177,6 +177,7 @@ def _add_demo(sub: Any) -> None:
 def cmd_build(args: argparse.Namespace) -> int:
     from index_builder.build import build
     from models.loading import load_models
+    from store.manifest import BuildSettings
 
     setup_logging()
     if args.corpus and args.append:
@@ -223,20 +224,21 @@ def cmd_build(args: argparse.Namespace) -> int:
         images_root=args.images_root,
     )
     m = report.manifest
+    b = m.build or BuildSettings()
     print(
         f"built {report.path} ({report.images} images, {report.texts} texts, "
-        f"{m['index_type']}) in {report.seconds:.1f}s; "
+        f"{m.index_type}) in {report.seconds:.1f}s; "
         f"{Path(args.out) / 'current'} -> {report.version}"
     )
     print(
         f"encoded {report.encoded} items in {report.encode_seconds:.1f}s: "
-        f"{report.items_per_s:.1f} items/s ({m['build']['engine']} engine, "
-        f"{m['build']['device']}); {report.resumed_shards} of {report.shards} shards resumed"
+        f"{report.items_per_s:.1f} items/s ({b.engine} engine, "
+        f"{b.device}); {report.resumed_shards} of {report.shards} shards resumed"
     )
-    for name, info in m["indexes"].items():
+    for name, info in m.indexes.items():
         print(
-            f"  {name}: {info['factory']}, recall@10 {info['recall_at_10']:.4f} vs exact, "
-            f"{info['bytes_per_vector']:.1f} bytes/vector"
+            f"  {name}: {info.factory}, recall@10 {info.recall_at_10:.4f} vs exact, "
+            f"{info.bytes_per_vector:.1f} bytes/vector"
         )
     if report.skipped:
         print(f"skipped {len(report.skipped)} bad entries:")

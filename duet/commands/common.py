@@ -94,10 +94,13 @@ def model_options(p: argparse.ArgumentParser, verb: str) -> None:
 
 def index_corpus(index: Path) -> dict[str, object] | None:
     """What `duet eval` evaluated: the corpus file an index was built from and its split."""
-    from store.indexio import read_manifest, version_dir
+    from store.indexio import Manifest, version_dir
 
-    manifest = read_manifest(version_dir(index))
-    corpus = manifest.get("corpus")
-    if corpus is None:
+    manifest = Manifest.read(version_dir(index))
+    if manifest.corpus is None:
         return None
-    return {"path": corpus, **(manifest.get("corpus_selection") or {"format": "manifest"})}
+    selection = manifest.corpus_selection
+    return {
+        "path": manifest.corpus,
+        **(selection.to_json() if selection else {"format": "manifest"}),
+    }
