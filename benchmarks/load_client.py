@@ -36,7 +36,7 @@ class Queries:
     """Different captions (a held-out world seed, scenes drawn without rendering them), made
     before the load starts so the load generator spends its CPU on requests only."""
 
-    def __init__(self, seed: int, n: int = 60_000) -> None:
+    def __init__(self, seed: int, n: int = 150_000) -> None:
         rng = random.Random(seed)
         seen: dict[str, None] = {}
         while len(seen) < n:
