@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -54,6 +54,18 @@ def _log_uniform_rank(rng: random.Random, n: int) -> int:
     return min(int(math.exp(rng.uniform(0.0, math.log(n + 1)))) - 1, n - 1)
 
 
+def _ranked_draw(
+    rng: random.Random, ranked: Sequence[int], fits: Callable[[int], bool], tries: int
+) -> int:
+    """One of `ranked` (best first) that does not `fit`, at a rank drawn log-uniformly (the
+    hardest few as likely as each decade below them); -1 when `tries` draws all fit."""
+    for _ in range(tries):
+        i = ranked[_log_uniform_rank(rng, len(ranked))]
+        if not fits(i):
+            return i
+    return -1
+
+
 def ranked_negative(
     rng: random.Random,
     ranked: Sequence[int],
@@ -61,14 +73,8 @@ def ranked_negative(
     scenes: Sequence[world.Scene],
     tries: int = 10,
 ) -> int:
-    """One of `ranked` (training images, best first) that `desc` does not fit, at a rank drawn
-    log-uniformly (the hardest few as likely as each decade below them); -1 when `tries`
-    draws all fit."""
-    for _ in range(tries):
-        i = ranked[_log_uniform_rank(rng, len(ranked))]
-        if not world.satisfies(desc, scenes[i]):
-            return i
-    return -1
+    """One of `ranked` (training images, best first) that `desc` does not fit (`_ranked_draw`)."""
+    return _ranked_draw(rng, ranked, lambda i: world.satisfies(desc, scenes[i]), tries)
 
 
 def ranked_caption(
@@ -79,12 +85,10 @@ def ranked_caption(
     tries: int = 10,
 ) -> int:
     """One of `ranked` (training captions, best first for an image of `scene`) that `scene`
-    does not fit, at a rank drawn log-uniformly; -1 when `tries` draws all fit."""
-    for _ in range(tries):
-        c = ranked[_log_uniform_rank(rng, len(ranked))]
-        if not world.satisfies(world.full_desc(caption_scenes[c]), scene):
-            return c
-    return -1
+    does not fit (`_ranked_draw`)."""
+    return _ranked_draw(
+        rng, ranked, lambda c: world.satisfies(world.full_desc(caption_scenes[c]), scene), tries
+    )
 
 
 @torch.no_grad()
