@@ -69,6 +69,25 @@ def test_pattern_checks_the_served_fusion_when_the_sweep_has_it() -> None:
         assert row[1] is holds and key in row[0] and f"({r1 - 50:+.1f})" in row[2]
 
 
+def test_served_checks_read_issue_13s_goals_off_the_numbers() -> None:
+    key = paper_tables.DEFAULT_FUSION
+    plain: dict[str, Any] = {
+        "sweeps": {"M": {"10": _mode(90, 90), "20": _mode(91, 90), "50": _mode(90, 91)}}
+    }
+    served: dict[str, Any] = {
+        "modes": {"dot": _mode(70, 71), "coop": _mode(90, 91)},
+        "partial": {"modes": {"dot": {"P@1": 0.5, "P@10": 0.5}, key: {"P@1": 0.95, "P@10": 0.81}}},
+    }
+    checks = paper_tables.served_checks(plain, served, key)
+    assert [ok for _, ok, _ in checks] == [True, True, True], checks
+    assert "P@1 0.950, P@10 0.810" in checks[0][2] and "t2i 90.0 vs 90.0" in checks[1][2]
+    # one query fewer at M = 50 than at 10 fails the M check; P@10 below 0.80 the partial one
+    plain["sweeps"]["M"]["50"] = _mode(89.9, 91)
+    served["partial"]["modes"][key]["P@10"] = 0.79
+    served["modes"]["coop"] = _mode(69, 91)
+    assert [ok for _, ok, _ in paper_tables.served_checks(plain, served, key)] == [False] * 3
+
+
 @pytest.mark.slow
 def test_a_tiny_run_writes_every_table(tmp_path: Path) -> None:
     out = tmp_path / "results.md"
@@ -96,7 +115,10 @@ def test_a_tiny_run_writes_every_table(tmp_path: Path) -> None:
         "With distractors (pool: 60 images, 300 texts)",
         "M sweep",
         "Score fusion",
+        f"As served: M = 50, {paper_tables.DEFAULT_FUSION}",
+        "Partial queries, the kind people type (300 from world seed 1013000;",
     ):
         assert heading in text
     for mode in ("dot (bi-encoder)", "coop (", "late (", "han (", "ce-full ("):
         assert f"| {mode}" in text
+    assert f"| {paper_tables.DEFAULT_FUSION} | " in text  # the served rows, full and partial
