@@ -25,9 +25,15 @@ from models.joint import JointModel
 from models.tokenizer import WordTokenizer
 
 
-def perturbed_twin(rng: random.Random, scene: world.Scene, flip: float) -> world.Scene:
-    """A hard negative scene: the relation flipped with probability `flip` (pairs only), else
-    `world.perturb`."""
+def perturbed_twin(
+    rng: random.Random, scene: world.Scene, flip: float, count: float = 0.0
+) -> world.Scene:
+    """A hard negative scene: the group's count changed (2 <-> 3) with probability `count` where
+    it can be, else the relation flipped with probability `flip` (pairs only), else
+    `world.perturb` (which changes a count only rarely: one option of six, outside the binding
+    swaps)."""
+    if count > 0 and world.recountable(scene) and rng.random() < count:
+        return world.recount(scene)
     if scene.relation is not None and rng.random() < flip:
         return replace(scene, relation=world.INVERSE[scene.relation])
     return world.perturb(rng, scene)
@@ -193,12 +199,13 @@ def ce_pool(
     rng: random.Random,
     progress: bool,
     ranks: int,
+    count: float = 0.0,
 ) -> CePool:
-    """Twins rendered, states and vectors of every training image, each image's `ranks`
-    best-ranked captions of other images."""
+    """Twins (`perturbed_twin`) rendered, states and vectors of every training image, each
+    image's `ranks` best-ranked captions of other images."""
     from tqdm import tqdm
 
-    twins = [perturbed_twin(rng, s.scene, flip) for s in samples]
+    twins = [perturbed_twin(rng, s.scene, flip, count) for s in samples]
     twin_images = [
         world.render(rng, w)
         for w in tqdm(twins, desc="rendering twins", unit="img", disable=not progress)

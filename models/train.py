@@ -86,6 +86,7 @@ def train(
             progress,
             partial=cfg.partial,
             reset=not cfg.ce_warm,
+            count=cfg.ce_count,
         )
     ce_seconds = time.perf_counter() - t0 - joint_seconds
     han = None
@@ -210,7 +211,7 @@ def _command(cfg: TrainConfig, out: Path, init_from: Path | None) -> str:
         f"duet train --out {out} --seed {cfg.seed} --images {cfg.images} "
         f"--tower-steps {cfg.tower_steps} --steps {cfg.steps} --batch {cfg.batch} "
         f"--ce-steps {cfg.ce_steps} "
-        f"--han-steps {cfg.han_steps} --ce-lr {cfg.ce_lr}"
+        f"--han-steps {cfg.han_steps} --ce-lr {cfg.ce_lr} --ce-count {cfg.ce_count}"
         + (" --ce-warm" if cfg.ce_warm else "")
         + (
             f" --tune --lr {cfg.lr} --warmup {cfg.warmup} --easy-steps {cfg.easy_steps}"

@@ -8,7 +8,8 @@ random image, a training image the bi-encoder ranks high for it, at a rank drawn
 below `ranks` (over the whole training set: the candidates the service will hand the re-ranker,
 from the hardest few to the easy-but-wrong ones deeper in its list), its scene perturbed
 (rendered) and a caption of that perturbed scene. `flip` of the perturbations are relation
-flips, the mistake the bi-encoder makes most. No negative fits the caption: a partial caption
+flips, the mistake the bi-encoder makes most; `count` of the scenes whose group can hold two or
+three things get the other count. No negative fits the caption: a partial caption
 is only paired with a perturbed image that breaks something it says, and ranked images that
 fit it are skipped.
 
@@ -103,6 +104,7 @@ def train_cross_encoder(
     progress: bool = True,
     partial: float = 0.0,
     reset: bool = True,
+    count: float = 0.0,
 ) -> None:
     """Train `model`'s cross-encoder in place, re-initialised first unless `reset` is False;
     everything else stays frozen."""
@@ -116,7 +118,7 @@ def train_cross_encoder(
     trained = [p for n, p in model.named_parameters() if n.startswith(CROSS_ENCODER)]
     for n, p in model.named_parameters():
         p.requires_grad_(n.startswith(CROSS_ENCODER))
-    pool = ce_pool(model, tok, samples, flip, rng, progress, ranks)
+    pool = ce_pool(model, tok, samples, flip, rng, progress, ranks, count)
     opt = torch.optim.AdamW([*trained, *ground.parameters()], lr=lr, weight_decay=0.01)
     ema: dict[str, float] = {}
     bar = tqdm(range(steps), desc="training cross-encoder", unit="step", disable=not progress)

@@ -44,6 +44,11 @@ class TrainConfig:
     ce_warm: bool = False  # stage 2 fine-tunes the cross-encoder it is given instead of afresh
     tune: bool = False  # with --from: stage 1 continues from that model for `steps` steps
     ce_flip: float = 0.5  # share of the perturbed negatives that are relation flips
+    # share of the scenes with a group of two or three small things whose perturbed negative is
+    # the other count (world.perturb alone gave 122 of 20,000 twins). Off: tried afresh (0.3)
+    # and as a 400-step --ce-warm fine-tune (0.5), it changed nothing beyond a few queries of
+    # 5,000 either way (models/weights/README.md, "Tried and not shipped")
+    ce_count: float = 0.0
     # a hard negative's rank among the bi-encoder's training images, drawn log-uniformly below
     # this: the top 50 of a 1,000-2,000 image index is the top 500-1,000 of 20,000 training
     # images, and a cross-encoder that only ever saw the top 8 ranked the easy-but-wrong

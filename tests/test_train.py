@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
@@ -181,6 +182,43 @@ def test_perturbed_twin_flips_relations_at_the_asked_rate() -> None:
     assert all(perturbed_twin(rng, s, 1.0) != s for s in scenes)  # singles: world.perturb
     flipped = sum(perturbed_twin(rng, s, 0.0).relation != s.relation for s in pairs)
     assert flipped < len(pairs)  # flip=0 leaves it to world.perturb, which flips only some
+
+
+def test_perturbed_twin_changes_counts_at_the_asked_rate() -> None:
+    rng = random.Random(5)
+    scenes = [world.sample_scene(rng) for _ in range(3000)]
+    groups = [s for s in scenes if world.recountable(s)]
+    assert len(groups) > 300
+    for s in groups:
+        twin = perturbed_twin(rng, s, 0.5, count=1.0)
+        assert {s.a.count, twin.a.count} == {2, 3} and twin.b == s.b
+        assert not world.satisfies(world.full_desc(s), twin)  # a true negative
+    # large things are never made three (they would not fit), singles never get a count
+    assert all(
+        perturbed_twin(rng, s, 0.5, count=1.0).a.count in (1, s.a.count)
+        for s in scenes
+        if not world.recountable(s)
+    )
+    recounted = sum(perturbed_twin(rng, s, 0.5, count=0.3).a.count != s.a.count for s in groups)
+    assert 0.2 * len(groups) < recounted < 0.45 * len(groups)
+    rare = sum(perturbed_twin(rng, s, 0.5).a.count != s.a.count for s in groups)
+    assert rare < 0.1 * len(groups)  # world.perturb alone: one option of six, outside the swaps
+
+
+def test_the_recorded_command_asks_for_the_same_config() -> None:
+    from duet.cli import parser
+    from duet.commands.train import config_of
+    from models.train import _command
+
+    cfg = replace(
+        TrainConfig(), ce_warm=True, ce_steps=400, ce_lr=3e-4, ce_count=0.5, han_steps=0, seed=3
+    )
+    argv = shlex.split(_command(cfg, Path("/tmp/out"), Path("models/weights")))
+    assert argv[:2] == ["duet", "train"] and "--ce-count" in argv
+    assert config_of(parser().parse_args(argv[1:])) == cfg
+    tuned = replace(cfg, tune=True, lr=1e-4, warmup=10, easy_steps=0, aux_weight=0.25)
+    argv = shlex.split(_command(tuned, Path("/tmp/out"), Path("models/weights")))
+    assert config_of(parser().parse_args(argv[1:])) == tuned
 
 
 def test_cli_from_needs_a_model_directory(tmp_path: Path) -> None:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from duet.commands.common import (
     HelpFormatter,
     fail,
     setup_logging,
 )
+
+if TYPE_CHECKING:
+    from models.trainconfig import TrainConfig
 
 
 def add(sub: Any) -> None:
@@ -27,7 +30,8 @@ def add(sub: Any) -> None:
         "on the scenes' patch labels, (1) the joint "
         "bi-encoder / cross-encoder, (2) the cross-encoder afresh on the frozen "
         "token states, with many more steps, (3) the HAN head over the frozen "
-        "states (han.safetensors). --from skips stages 0 and 1 (about 48 min in all on 2 cores).",
+        "states (han.safetensors). On 2 cores: about 41-45 min in all; --from skips stages 0 "
+        "and 1 (about 30 min; with --ce-warm --ce-steps 400, about 8).",
     )
     t.add_argument(
         "--out",
@@ -45,6 +49,16 @@ def add(sub: Any) -> None:
     t.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     t.add_argument("--batch", type=int, default=defaults.batch, help="pairs per batch")
     _add_stage_options(t, defaults)
+    _add_cross_encoder_options(t, defaults)
+    t.add_argument(
+        "--from",
+        dest="init_from",
+        default=None,
+        metavar="DIR",
+        help="skip stage 1: keep the towers and projections of the trained model in "
+        "DIR exactly (same vectors and token states) and train stages 2 and 3 on top",
+    )
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(fn=cmd_train)
 
 
@@ -58,29 +72,10 @@ def _add_stage_options(t: argparse.ArgumentParser, defaults: Any) -> None:
         "colour and size is centred where (0 = none)",
     )
     t.add_argument(
-        "--ce-steps",
-        type=int,
-        default=defaults.ce_steps,
-        help="stage 2: cross-encoder steps on the frozen states (0 = keep stage 1's; "
-        "not with --from)",
-    )
-    t.add_argument(
         "--han-steps",
         type=int,
         default=defaults.han_steps,
         help="stage 3: HAN head steps (0 = no HAN head; with --from, DIR's head is kept)",
-    )
-    t.add_argument(
-        "--ce-lr",
-        type=float,
-        default=defaults.ce_lr,
-        help=f"stage 2: peak learning rate (default {defaults.ce_lr})",
-    )
-    t.add_argument(
-        "--ce-warm",
-        action="store_true",
-        help="stage 2 fine-tunes the cross-encoder it is given (DIR's with --from, "
-        "else stage 1's) instead of training one afresh",
     )
     t.add_argument(
         "--tune",
@@ -114,24 +109,43 @@ def _add_stage_options(t: argparse.ArgumentParser, defaults: Any) -> None:
         help="stage 1: steps with random negatives only before the hard ones "
         f"(default {defaults.easy_steps})",
     )
+
+
+def _add_cross_encoder_options(t: argparse.ArgumentParser, defaults: Any) -> None:
+    """Stage 2: the cross-encoder on the frozen states."""
     t.add_argument(
-        "--from",
-        dest="init_from",
-        default=None,
-        metavar="DIR",
-        help="skip stage 1: keep the towers and projections of the trained model in "
-        "DIR exactly (same vectors and token states) and train stages 2 and 3 on top",
+        "--ce-steps",
+        type=int,
+        default=defaults.ce_steps,
+        help="stage 2: cross-encoder steps on the frozen states (0 = keep stage 1's; "
+        "not with --from)",
     )
-    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.add_argument(
+        "--ce-lr",
+        type=float,
+        default=defaults.ce_lr,
+        help=f"stage 2: peak learning rate (default {defaults.ce_lr})",
+    )
+    t.add_argument(
+        "--ce-count",
+        type=float,
+        default=defaults.ce_count,
+        help="stage 2: share of the scenes with a group of two or three small things whose "
+        "perturbed negative has the other count",
+    )
+    t.add_argument(
+        "--ce-warm",
+        action="store_true",
+        help="stage 2 fine-tunes the cross-encoder it is given (DIR's with --from, "
+        "else stage 1's) instead of training one afresh",
+    )
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from models.evaluate import format_table
-    from models.train import train
+def config_of(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig `duet train`'s options ask for (the rest at their defaults)."""
     from models.trainconfig import TrainConfig
 
-    setup_logging()
-    cfg = TrainConfig(
+    return TrainConfig(
         seed=args.seed,
         images=args.images,
         steps=args.steps,
@@ -141,12 +155,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         han_steps=args.han_steps,
         ce_lr=args.ce_lr,
         ce_warm=args.ce_warm,
+        ce_count=args.ce_count,
         tune=args.tune,
         lr=args.lr,
         warmup=args.warmup,
         easy_steps=args.easy_steps,
         aux_weight=args.aux_weight,
     )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from models.evaluate import format_table
+    from models.train import train
+
+    setup_logging()
+    cfg = config_of(args)
     if args.tune and not args.init_from:
         return fail("--tune continues the model of --from DIR: give --from")
     init_from = Path(args.init_from) if args.init_from else None

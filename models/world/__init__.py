@@ -43,6 +43,8 @@ from models.world.scenes import (
     Scene,
     Thing,
     perturb,
+    recount,
+    recountable,
     sample_scene,
 )
 
@@ -78,6 +80,8 @@ __all__ = [
     "partial_queries",
     "perturb",
     "png_bytes",
+    "recount",
+    "recountable",
     "render",
     "render_layout",
     "sample_scene",

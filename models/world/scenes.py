@@ -139,7 +139,7 @@ def perturb(rng: random.Random, s: Scene, binding: float = 0.6) -> Scene:
         options.append("swap_colour")
     if s.a.shape != s.b.shape:
         options.append("swap_shape")
-    if s.a.count > 1 and s.a.size == "small":  # three large shapes would not fit
+    if recountable(s):
         options.append("count")
     swaps = [o for o in options if o in ("flip", "swap_colour", "swap_shape")]
     choice = rng.choice(swaps if rng.random() < binding else options)
@@ -150,10 +150,20 @@ def perturb(rng: random.Random, s: Scene, binding: float = 0.6) -> Scene:
     if choice == "swap_shape":
         return replace(s, a=replace(s.a, shape=s.b.shape), b=replace(s.b, shape=s.a.shape))
     if choice == "count":
-        return replace(s, a=replace(s.a, count=5 - s.a.count))  # 2 <-> 3
+        return recount(s)
     if rng.random() < 0.5 and not (choice == "size" and s.a.count == 3):
         return replace(s, a=_change(rng, s.a, choice))
     return replace(s, b=_change(rng, s.b, choice))
+
+
+def recountable(s: Scene) -> bool:
+    """Whether `recount` may change `s`: a group of small things (three large would not fit)."""
+    return s.b is not None and s.a.count > 1 and s.a.size == "small"
+
+
+def recount(s: Scene) -> Scene:
+    """`s` with two things in its group instead of three, or three instead of two."""
+    return replace(s, a=replace(s.a, count=5 - s.a.count))
 
 
 def _change(rng: random.Random, t: Thing, what: str) -> Thing:
