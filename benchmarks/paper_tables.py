@@ -1,6 +1,6 @@
 """The papers' tables on duet's own world: writes docs/results.md from `duet eval`.
 
-    .venv/bin/python benchmarks/paper_tables.py            # about 30 min on 2 CPU cores
+    .venv/bin/python benchmarks/paper_tables.py            # about 20 min on 2 CPU cores
 
 1. Generates the test split (1,000 images, 5 captions each, world seed 1,002,026: never
    used in training) and a distractor corpus (1,000 more images, seed 1,003,003), builds
@@ -8,8 +8,8 @@
 2. Runs `duet eval --json` on the test index with every mode, the M sweep and the fusion
    sweep, then again with the distractors joined to the pool (Rerank-Smart Table 5; ce-full is
    left out there: it is allowed on pools of at most 1,000 images).
-   Once more as the service ranks by default (`served_tables`): M = 50, ADD_0.8, and 300
-   partial queries of the kind people type, judged by whether each hit's scene fits.
+   Once more as the service ranks by default (`served_tables`): M = 50, the default ADD_λ,
+   and 300 partial queries of the kind people type, judged by whether each hit's scene fits.
 3. Writes the tables, the raw JSON and the pattern the papers report, checked on these
    numbers (re-ranking lifts R@1 by >= 10 points, coop at most 2 points below ce-full at >= 50x
    less time, distractors hurt every mode and coop least; served partial precision, coop

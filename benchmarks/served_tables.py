@@ -1,10 +1,10 @@
 """docs/results.md's served section: the test split as the service ranks it by default.
 
 `paper_tables.py` prints the papers' tables at M = 10, as the papers do. The service re-ranks
-the dot product's top 50 (`candidates` in app/schemas.py) and fuses with λ = 0.8, and people
-type partial queries ("a red circle", "two blue squares") rather than full captions; this
-module adds one `duet eval` run at the service's M with partial queries, its tables and the
-checks issue 13 set for the shipped model.
+the dot product's top 50 (`candidates` in app/schemas.py) and fuses them (ADD_λ, λ =
+DUET_RERANK_FUSION_LAMBDA), and people type partial queries ("a red circle", "two blue
+squares") rather than full captions; this module adds one `duet eval` run at the service's M
+with partial queries, its tables and the checks issue 13 set for the shipped model.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from models.builtin import BuiltinModel
 from models.eval_metrics import top_m
 from models.eval_modes import EvalError
 from models.eval_pool import TextTokens, TokenScorer
-from models.fusion import fuse, norm_fuse
+from models.fusion import DEFAULT_FUSION_LAMBDA, fuse, norm_fuse
 from models.rerankers import REGISTRY
 from tests.conftest import REPO
 
@@ -75,7 +75,7 @@ def test_sweeps_and_distractors(
     assert a["sweeps"]["M"]["20"]["t2i"] == a["modes"]["coop"]["t2i"]  # M=20 is the default
     assert set(a["sweeps"]["fusion"]) == {
         f"{f}_{lam}" for f in ("ADD", "NORM_ADD") for lam in (0.1, 0.5, 0.9)
-    } | {"ADD_0.8"}
+    } | {f"ADD_{DEFAULT_FUSION_LAMBDA}"}
 
 
 def _eval_scorer(name: str, model: object, theta: float) -> TokenScorer:
