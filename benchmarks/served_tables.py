@@ -82,11 +82,10 @@ def served_checks(
 
 def served_markdown(served: dict[str, Any], fusion: str, table: Callable[..., str]) -> list[str]:
     """The served section's lines: full captions at the service's M, then partial queries."""
+    from models.eval_modes import format_partial  # the table `duet eval` prints
+
     fused = served.get("sweeps", {}).get("fusion", {}).get(fusion)
     full = {**served, "modes": {**served["modes"], **({fusion: fused} if fused else {})}}
-    part = served["partial"]
-    rows = ["| mode | P@1 | P@10 |", "|---|---|---|"]
-    rows += [f"| {k} | {r['P@1']:.3f} | {r['P@10']:.3f} |" for k, r in part["modes"].items()]
     return [
         f"## As served: M = {SERVED_M}, {fusion}",
         "",
@@ -95,10 +94,9 @@ def served_markdown(served: dict[str, Any], fusion: str, table: Callable[..., st
         "",
         table(full),
         "",
-        f"Partial queries, the kind people type ({part['queries']} from world seed "
-        f"{part['seed']}; {part['judged']} have a fitting image in the pool): each hit is "
-        "judged by whether its scene fits the query; P@k counts out of min(k, fitting images).",
+        "Partial queries, the kind people type; each hit is judged by whether its scene fits "
+        "the query:",
         "",
-        *rows,
+        format_partial(served["partial"]),
         "",
     ]

@@ -116,7 +116,7 @@ def test_a_tiny_run_writes_every_table(tmp_path: Path) -> None:
         "M sweep",
         "Score fusion",
         f"As served: M = 50, {paper_tables.DEFAULT_FUSION}",
-        "Partial queries, the kind people type (300 from world seed 1013000;",
+        "partial queries: 300 (world seed 1013000), ",
     ):
         assert heading in text
     for mode in ("dot (bi-encoder)", "coop (", "late (", "han (", "ce-full ("):
