@@ -83,6 +83,15 @@ def ranked_negative(
     return _ranked_draw(rng, ranked, lambda i: world.satisfies(desc, scenes[i]), tries)
 
 
+def mined_negative(
+    rng: random.Random, mined: Sequence[int], desc: world.Desc, scenes: Sequence[world.Scene]
+) -> int:
+    """One of an image's `mined` negatives (`models.ce_mining`) that `desc`, the caption it is
+    shown with this step (perhaps partial), does not fit, drawn at random; -1 when none."""
+    usable = [j for j in mined if j >= 0 and not world.satisfies(desc, scenes[j])]
+    return rng.choice(usable) if usable else -1
+
+
 def ranked_caption(
     rng: random.Random,
     ranked: Sequence[int],
@@ -189,6 +198,9 @@ class CePool:
     # per image, the training captions of other images the bi-encoder ranks highest for it,
     # best first (N, ranks)
     caption_top: torch.Tensor
+    # per image, the wrong images the cross-encoder itself scores highest (models.ce_mining),
+    # -1 padded; None: not mined
+    mined: torch.Tensor | None = None
 
 
 def ce_pool(
@@ -244,9 +256,27 @@ class CePairs:
 
 
 @torch.no_grad()
-def _encode(model: JointModel, tok: WordTokenizer, texts: list[str]) -> tuple[torch.Tensor, ...]:
+def encode_texts(
+    model: JointModel, tok: WordTokenizer, texts: list[str]
+) -> tuple[torch.Tensor, ...]:
+    """(text states, padding mask) of `texts`."""
     ids, pad = tok.batch(texts)
     return model.text_tokens(ids, pad), pad
+
+
+def _mined_draws(
+    rng: random.Random, pool: CePool, idx: torch.Tensor, said: Sequence[tuple[str, world.Desc]]
+) -> torch.Tensor | None:
+    """Per row of the step, one of its image's mined negatives that its caption does not fit
+    (-1: none); None, drawing nothing, when the pool was not mined (unmined runs keep their
+    draws)."""
+    if pool.mined is None:
+        return None
+    lists = pool.mined[idx].tolist()
+    return torch.tensor(
+        [mined_negative(rng, lists[r], d, pool.scenes) for r, (_t, d) in enumerate(said)],
+        dtype=torch.long,
+    )
 
 
 def ce_pairs(
@@ -273,7 +303,7 @@ def ce_pairs(
     ]
     keep_rc = torch.tensor([c >= 0 for c in rcap])
     ranked_texts = [pool.captions[c] for c in rcap if c >= 0]
-    txt, pad = _encode(model, tok, texts + twin_texts + ranked_texts)
+    txt, pad = encode_texts(model, tok, texts + twin_texts + ranked_texts)
     with torch.no_grad():
         sim = model.embed_texts(txt[:batch], pad[:batch]) @ pool.vecs.t()
         sim[torch.arange(batch), idx] = float("-inf")
@@ -300,12 +330,18 @@ def ce_pairs(
         (rows + batch, states[idx]),  # the perturbed scene's caption
         (2 * batch + torch.arange(len(ranked_texts)), states[idx[keep_rc]]),  # ranked
     ]
+    mined = _mined_draws(rng, pool, idx, said)
+    if mined is not None:  # the wrong images the cross-encoder itself prefers
+        segments.append((rows[mined >= 0], states[mined[mined >= 0]]))
     start = torch.tensor([0, *itertools.accumulate(len(t) for t, _s in segments)])
     who = [rows, rows[keep_shift], rows[keep_hard], rows[keep_hard2], rows, rows]
     at = [start[k] + torch.arange(len(w)) for k, w in enumerate(who)]
+    columns = [(who[k], at[k]) for k in (1, 2, 3, 4)]
+    if mined is not None:
+        columns.append((rows[mined >= 0], start[7] + torch.arange(int((mined >= 0).sum()))))
     lists = [
         # a caption against the images: its own, then each kind of wrong one
-        _list_rows(batch, [(who[k], at[k]) for k in (1, 2, 3, 4)]),
+        _list_rows(batch, columns),
         # an image against the captions: its own, the twin's, a ranked wrong one
         _list_rows(
             batch,

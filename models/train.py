@@ -87,6 +87,7 @@ def train(
             partial=cfg.partial,
             reset=not cfg.ce_warm,
             count=cfg.ce_count,
+            mine=cfg.ce_mine,
         )
     ce_seconds = time.perf_counter() - t0 - joint_seconds
     han = None
@@ -212,6 +213,7 @@ def _command(cfg: TrainConfig, out: Path, init_from: Path | None) -> str:
         f"--tower-steps {cfg.tower_steps} --steps {cfg.steps} --batch {cfg.batch} "
         f"--ce-steps {cfg.ce_steps} "
         f"--han-steps {cfg.han_steps} --ce-lr {cfg.ce_lr} --ce-count {cfg.ce_count}"
+        + (f" --ce-mine {cfg.ce_mine}" if cfg.ce_mine else "")
         + (" --ce-warm" if cfg.ce_warm else "")
         + (
             f" --tune --lr {cfg.lr} --warmup {cfg.warmup} --easy-steps {cfg.easy_steps}"

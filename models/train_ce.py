@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from models import world
+from models.ce_mining import mine_negatives
 from models.ce_negatives import ce_pairs, ce_pool
 from models.joint import CROSS_ENCODER, JointModel
 from models.losses import ce_bce_loss
@@ -105,9 +106,13 @@ def train_cross_encoder(
     partial: float = 0.0,
     reset: bool = True,
     count: float = 0.0,
+    mine: int = 0,
 ) -> None:
     """Train `model`'s cross-encoder in place, re-initialised first unless `reset` is False;
-    everything else stays frozen."""
+    everything else stays frozen. With `mine` > 0 every image's caption is also shown the
+    wrong images the cross-encoder itself scores highest among the bi-encoder's top `mine`
+    (`models.ce_mining`), mined again halfway (the cross-encoder's new mistakes) and, when
+    it starts trained (not `reset`), before the first step too."""
     from tqdm import tqdm
 
     batch = min(batch, len(samples))
@@ -126,6 +131,8 @@ def train_cross_encoder(
         for group in opt.param_groups:
             warm = min(1.0, (step + 1) / 50)
             group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
+        if mine > 0 and (step == steps // 2 or (step == 0 and not reset)):
+            pool.mined = mine_negatives(model, tok, pool, mine, rng, progress)
         idx = torch.tensor(rng.sample(range(len(samples)), batch))
         pairs = ce_pairs(model, tok, pool, idx, rng, ranks, partial)
         picked = idx.tolist()

@@ -101,6 +101,29 @@ def test_ce_warm_fine_tunes_the_source_cross_encoder_and_keeps_its_han(
         ).read_bytes()
 
 
+def test_ce_mine_mines_halfway_and_first_when_warm(
+    scratch: tuple[Path, dict[str, object]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import models.train_ce as train_ce
+
+    src, _ = scratch
+    real, calls = train_ce.mine_negatives, []
+
+    def counted(*args: object) -> torch.Tensor:  # the real mining, its calls counted
+        mined = real(*args)  # type: ignore[arg-type]
+        calls.append(int((mined >= 0).sum()))
+        return mined
+
+    monkeypatch.setattr(train_ce, "mine_negatives", counted)
+    mining = replace(TINY, ce_mine=10, ce_steps=4, han_steps=0)
+    warm = train(replace(mining, ce_warm=True), tmp_path / "w", progress=False, init_from=src)
+    assert len(calls) == 2 and all(c > 0 for c in calls)  # before step 0, then at step 2
+    assert "--ce-mine 10" in str(warm["command"])
+    calls.clear()
+    train(mining, tmp_path / "c", progress=False, init_from=src)
+    assert len(calls) == 1  # afresh: only once its own ranking means something
+
+
 def test_load_encoders_takes_an_older_cross_encoder_shape(tmp_path: Path) -> None:
     """A model saved with two fusion layers and no fusion positions (duet before the
     cross-encoder stage) gives its encoders to a model of this version's shape."""
@@ -211,10 +234,17 @@ def test_the_recorded_command_asks_for_the_same_config() -> None:
     from models.train import _command
 
     cfg = replace(
-        TrainConfig(), ce_warm=True, ce_steps=400, ce_lr=3e-4, ce_count=0.5, han_steps=0, seed=3
+        TrainConfig(),
+        ce_warm=True,
+        ce_steps=400,
+        ce_lr=3e-4,
+        ce_count=0.5,
+        ce_mine=50,
+        han_steps=0,
+        seed=3,
     )
     argv = shlex.split(_command(cfg, Path("/tmp/out"), Path("models/weights")))
-    assert argv[:2] == ["duet", "train"] and "--ce-count" in argv
+    assert argv[:2] == ["duet", "train"] and "--ce-count" in argv and "--ce-mine" in argv
     assert config_of(parser().parse_args(argv[1:])) == cfg
     tuned = replace(cfg, tune=True, lr=1e-4, warmup=10, easy_steps=0, aux_weight=0.25)
     argv = shlex.split(_command(tuned, Path("/tmp/out"), Path("models/weights")))

@@ -1,0 +1,72 @@
+"""Stage 2's mined negatives: the wrong training images the cross-encoder itself ranks highest.
+
+The ranked negatives of `models.ce_negatives` are drawn by the bi-encoder's rank, so the few
+images the cross-encoder wrongly prefers deep in a list are seldom among them; those are the
+ones that make a deeper list (M = 50) rank worse than a shallow one (M = 10). Mining scores,
+for one full caption of every training image, the bi-encoder's top `depth` other images that
+the caption does not fit, as the service would hand them to the re-ranker, and keeps the
+`keep` the cross-encoder scores highest: the query's own worst confusions, shown to it as
+negatives from then on.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from models import world
+from models.ce_negatives import CePool, encode_texts
+from models.inference import CrossEncoderRuntime
+from models.joint import JointModel
+from models.tokenizer import WordTokenizer
+
+KEEP = 4  # mined negatives kept per training image
+
+
+@torch.no_grad()
+def mine_negatives(
+    model: JointModel,
+    tok: WordTokenizer,
+    pool: CePool,
+    depth: int,
+    rng: random.Random,
+    progress: bool = True,
+    keep: int = KEEP,
+    chunk: int = 64,
+) -> torch.Tensor:
+    """(N, keep) int64 training-image indices, per training image the wrong images its
+    cross-encoder scores highest for one of its full captions among the bi-encoder's top
+    `depth` that the caption does not fit, highest first; -1 where fewer were found."""
+    from tqdm import tqdm
+
+    was_training = model.training
+    model.eval()
+    n, scenes = len(pool.samples), pool.scenes
+    out = torch.full((n, keep), -1, dtype=torch.long)
+    runtime = CrossEncoderRuntime(model)  # the service's forward: same logits, 1.5x faster
+    texts = [rng.choice(s.captions) for s in pool.samples]
+    bar = tqdm(total=n, desc="mining negatives", unit="caption", disable=not progress)
+    for s in range(0, n, chunk):
+        rows = range(s, min(n, s + chunk))
+        txt, pad = encode_texts(model, tok, texts[s : s + len(rows)])
+        sim = model.embed_texts(txt, pad) @ pool.vecs.t()
+        sim[torch.arange(len(rows)), torch.tensor(rows)] = float("-inf")
+        top = sim.topk(min(depth, n - 1), dim=1).indices.tolist()
+        cands = [
+            [j for j in top[r] if not world.satisfies(world.full_desc(scenes[i]), scenes[j])]
+            for r, i in enumerate(rows)
+        ]
+        who = torch.tensor([r for r, c in enumerate(cands) for _ in c], dtype=torch.long)
+        flat = torch.tensor([j for c in cands for j in c], dtype=torch.long)
+        if len(flat):
+            lengths = (~pad).sum(dim=1).tolist()
+            logits = runtime.logits(txt, lengths, who, pool.states[flat].float())
+            for r, i in enumerate(rows):
+                mine = who == r
+                best = logits[mine].topk(min(keep, int(mine.sum()))).indices
+                out[i, : len(best)] = flat[mine][best]
+        bar.update(len(rows))
+    bar.close()
+    model.train(was_training)
+    return out

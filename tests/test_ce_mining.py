@@ -1,0 +1,100 @@
+"""Stage 2's mined negatives (models.ce_mining) and the depth report (models.ce_depth), on the
+shipped model and small held-out worlds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from models import world
+from models.builtin import BuiltinModel
+from models.ce_depth import depth_report, depth_split
+from models.ce_mining import mine_negatives
+from models.ce_negatives import CePool, ce_pairs, ce_pool
+from models.trainconfig import HELD_OUT_SEED_BASE
+
+
+@pytest.fixture(scope="module")
+def pool_and_model() -> tuple[CePool, BuiltinModel, list[world.Sample]]:
+    model = BuiltinModel.load()
+    samples = list(world.generate(60, HELD_OUT_SEED_BASE + 70_000))
+    pool = ce_pool(model.model, model.tokenizer, samples, 0.5, random.Random(0), False, 20)
+    return pool, model, samples
+
+
+def test_mined_negatives_are_the_cross_encoders_top_wrong_candidates(
+    pool_and_model: tuple[CePool, BuiltinModel, list[world.Sample]],
+) -> None:
+    pool, model, samples = pool_and_model
+    jm, tok = model.model, model.tokenizer
+    mined = mine_negatives(jm, tok, pool, depth=10, rng=random.Random(5), progress=False, keep=3)
+    drawn = random.Random(5)
+    texts = [drawn.choice(s.captions) for s in samples]  # the captions mining used
+    assert mined.shape == (60, 3)
+    with torch.no_grad():
+        ids, pad = tok.batch(texts)
+        txt = jm.text_tokens(ids, pad)
+        sims = jm.embed_texts(txt, pad) @ pool.vecs.t()
+        for i, s in enumerate(samples):
+            sims[i, i] = float("-inf")
+            top = sims[i].topk(10).indices.tolist()
+            wrong = [
+                j for j in top if not world.satisfies(world.full_desc(s.scene), samples[j].scene)
+            ]
+            logits = jm.itm_logits(
+                txt[[i] * len(wrong)], pad[[i] * len(wrong)], pool.states[wrong].float()
+            )
+            want = [wrong[k] for k in logits.argsort(descending=True)[:3].tolist()]
+            got = [j for j in mined[i].tolist() if j >= 0]
+            assert got == want, i  # the training forward agrees with the runtime mining used
+            assert all(j != i for j in got)
+
+
+def test_mined_negatives_join_the_captions_lists(
+    pool_and_model: tuple[CePool, BuiltinModel, list[world.Sample]],
+) -> None:
+    pool, model, samples = pool_and_model
+    plain = ce_pairs(model.model, model.tokenizer, pool, torch.arange(8), random.Random(1), 20, 0.5)
+    pool.mined = mine_negatives(model.model, model.tokenizer, pool, 10, random.Random(5), False)
+    pool_mined = pool.mined
+    try:
+        idx = torch.arange(8, 16)
+        pairs = ce_pairs(model.model, model.tokenizer, pool, idx, random.Random(1), 20, 0.5)
+    finally:
+        pool.mined = None
+    assert plain.lists[0].shape[1] == 5 and pairs.lists[0].shape[1] == 6
+    column = pairs.lists[0][:, 5]
+    assert (column >= 0).sum() >= 4  # most captions have a wrong image the CE likes
+    mined = pool_mined[idx].tolist()
+    for r, at in enumerate(column.tolist()):
+        if at < 0:
+            continue
+        # the pair at that logit reads row r's caption and one of its image's mined images,
+        # which that caption (full or partial) does not fit
+        assert pairs.t_idx[at] == r
+        shown = [
+            j for j in mined[r] if j >= 0 and torch.equal(pairs.img[at], pool.states[j].float())
+        ]
+        desc = world.parse(pairs.texts[r])
+        assert shown and desc is not None
+        assert not world.satisfies(desc, samples[shown[0]].scene)
+
+
+def test_depth_report_counts_agree(model: BuiltinModel) -> None:
+    samples = list(world.generate(40, HELD_OUT_SEED_BASE - 1))
+    split = depth_split(model, samples, depths=(1, 3, 10))
+    dot = (
+        model.encode_texts([c for s in samples for c in s.captions])
+        @ model.encode_images([s.image for s in samples])[0].T
+    ).argmax(axis=1)
+    owner = [i for i, s in enumerate(samples) for _c in s.captions]
+    # at depth 1 the cross-encoder has one candidate: the dot product's first
+    assert split["t2i"]["R@1"][1] == round(100 * float((dot == owner).mean()), 2)
+    for name, r in split.items():
+        moved = (r["R@1"][10] - r["R@1"][1]) * r["queries"] / 100
+        assert round(moved) == len(r["won"]) - len(r["lost"]), name
+        assert all(isinstance(row["fits"], bool) for row in r["lost"] + r["won"])
+    with pytest.raises(ValueError, match="test split"):
+        depth_report(model, [HELD_OUT_SEED_BASE + 2026], 10)
