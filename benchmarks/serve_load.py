@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 
 from benchmarks.load_client import Cell, Queries, closed_loop, overload  # noqa: E402
+from models.fusion import DEFAULT_FUSION_LAMBDA  # noqa: E402
 
 
 def _free_port() -> int:
@@ -258,8 +259,9 @@ def write_report(
         f"x {args.rounds} interleaved rounds; every query a different caption (no cache hits).",
         "The baseline (`benchmarks/baseline_server.py`) is the script a user would write: a sync "
         "FastAPI endpoint running encode -> FAISS -> the model's PyTorch cross-encoder forward "
-        "-> ADD_0.8 per request, torch's default threads, no cache, no batching. Throughput "
-        "counts full answers only (degraded and refused ones are counted apart).",
+        f"-> ADD_{DEFAULT_FUSION_LAMBDA} per request, torch's default threads, no cache, no "
+        "batching. Throughput counts full answers only (degraded and refused ones are counted "
+        "apart).",
         "",
         f"![throughput and latency against concurrency]({png.name})",
         "",

@@ -1,5 +1,5 @@
 """The serving benchmark compares like with like: the baseline script ranks exactly as duet's
-default does (same model, same index, ADD_0.8), and the benchmark runs end to end."""
+default does (same model, same index, the default ADD_λ), and the benchmark runs end to end."""
 
 from __future__ import annotations
 

@@ -139,8 +139,8 @@ def _add_cross_encoder_options(t: argparse.ArgumentParser, defaults: Any) -> Non
         default=defaults.ce_mine,
         metavar="M",
         help="stage 2: also show each caption the wrong images the cross-encoder itself "
-        "scores highest among the bi-encoder's top M, mined halfway (and before the first "
-        "step with --ce-warm); about 6 min a mining on 2 cores for M = 50 (0 = off)",
+        "scores highest among the bi-encoder's top M, mined once: before the first step "
+        "with --ce-warm, else halfway; about 6 min on 2 cores for M = 50 (0 = off)",
     )
     t.add_argument(
         "--ce-warm",
