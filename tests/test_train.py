@@ -105,9 +105,10 @@ def test_ce_mine_mines_first_when_warm_else_halfway(
     scratch: tuple[Path, dict[str, object]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import models.train_ce as train_ce
+    from models.ce_mining import mine_negatives as real
 
     src, _ = scratch
-    real, calls = train_ce.mine_negatives, []
+    calls: list[int] = []
 
     def counted(*args: object) -> torch.Tensor:  # the real mining, its calls counted
         mined = real(*args)  # type: ignore[arg-type]
