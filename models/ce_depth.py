@@ -39,7 +39,7 @@ def depth_split(
 ) -> dict[str, Any]:
     """Per direction: R@1 of the cross-encoder alone at each depth, fit-R@1 (the first hit's
     scene satisfies the caption) at each depth, and the queries lost and won from the
-    shallowest depth to the deepest (lists of {"query", "put_first"})."""
+    shallowest depth to the deepest (lists of {"query", "put_first", "fits"})."""
     scenes = [s.scene for s in samples]
     pool = encode_pool(model, [s.image for s in samples], [s.captions for s in samples])
     deepest, out = max(depths), {}
