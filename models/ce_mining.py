@@ -53,9 +53,10 @@ def mine_negatives(
         sim = model.embed_texts(txt, pad) @ pool.vecs.t()
         sim[torch.arange(len(rows)), torch.tensor(rows)] = float("-inf")
         top = sim.topk(min(depth, n - 1), dim=1).indices.tolist()
+        descs = [world.full_desc(scenes[i]) for i in rows]  # once per caption, not per candidate
         cands = [
-            [j for j in top[r] if not world.satisfies(world.full_desc(scenes[i]), scenes[j])]
-            for r, i in enumerate(rows)
+            [j for j in top[r] if not world.satisfies(descs[r], scenes[j])]
+            for r in range(len(rows))
         ]
         who = torch.tensor([r for r, c in enumerate(cands) for _ in c], dtype=torch.long)
         flat = torch.tensor([j for c in cands for j in c], dtype=torch.long)
