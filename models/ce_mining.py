@@ -34,10 +34,16 @@ def mine_negatives(
     progress: bool = True,
     keep: int = KEEP,
     chunk: int = 64,
+    index: int = 0,
 ) -> torch.Tensor:
     """(N, keep) int64 training-image indices, per training image the wrong images its
     cross-encoder scores highest for one of its full captions among the bi-encoder's top
-    `depth` that the caption does not fit, highest first; -1 where fewer were found."""
+    `depth` that the caption does not fit, highest first; -1 where fewer were found.
+
+    With `index` > 0 each caption's list is the top `depth` of its own random draw of about
+    `index` training images (each kept with chance index / N), the band a served index of
+    that size hands the re-ranker: the top 50 of 1,000 images reaches the top ~1,000 of
+    20,000, where the top 50 of all 20,000 holds only the hardest few."""
     from tqdm import tqdm
 
     was_training = model.training
@@ -46,16 +52,20 @@ def mine_negatives(
     out = torch.full((n, keep), -1, dtype=torch.long)
     runtime = CrossEncoderRuntime(model)  # the service's forward: same logits, 1.5x faster
     texts = [rng.choice(s.captions) for s in pool.samples]
+    draw = torch.Generator().manual_seed(rng.getrandbits(63)) if 0 < index < n else None
     bar = tqdm(total=n, desc="mining negatives", unit="caption", disable=not progress)
     for s in range(0, n, chunk):
         rows = range(s, min(n, s + chunk))
         txt, pad = encode_texts(model, tok, texts[s : s + len(rows)])
         sim = model.embed_texts(txt, pad) @ pool.vecs.t()
+        if draw is not None:  # the images outside each caption's own draw are out of its list
+            sim[torch.rand(sim.shape, generator=draw) >= index / n] = float("-inf")
         sim[torch.arange(len(rows)), torch.tensor(rows)] = float("-inf")
-        top = sim.topk(min(depth, n - 1), dim=1).indices.tolist()
+        near_sims, near = sim.topk(min(depth, n - 1), dim=1)
+        top = near.masked_fill(near_sims == float("-inf"), -1).tolist()  # -1: outside the draw
         descs = [world.full_desc(scenes[i]) for i in rows]  # once per caption, not per candidate
         cands = [
-            [j for j in top[r] if not world.satisfies(descs[r], scenes[j])]
+            [j for j in top[r] if j >= 0 and not world.satisfies(descs[r], scenes[j])]
             for r in range(len(rows))
         ]
         who = torch.tensor([r for r, c in enumerate(cands) for _ in c], dtype=torch.long)

@@ -88,6 +88,7 @@ def train(
             reset=not cfg.ce_warm,
             count=cfg.ce_count,
             mine=cfg.ce_mine,
+            mine_index=cfg.ce_mine_index,
         )
     ce_seconds = time.perf_counter() - t0 - joint_seconds
     han = None
@@ -214,6 +215,7 @@ def _command(cfg: TrainConfig, out: Path, init_from: Path | None) -> str:
         f"--ce-steps {cfg.ce_steps} "
         f"--han-steps {cfg.han_steps} --ce-lr {cfg.ce_lr} --ce-count {cfg.ce_count}"
         + (f" --ce-mine {cfg.ce_mine}" if cfg.ce_mine else "")
+        + (f" --ce-mine-index {cfg.ce_mine_index}" if cfg.ce_mine_index else "")
         + (" --ce-warm" if cfg.ce_warm else "")
         + (
             f" --tune --lr {cfg.lr} --warmup {cfg.warmup} --easy-steps {cfg.easy_steps}"

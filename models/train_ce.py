@@ -107,13 +107,16 @@ def train_cross_encoder(
     reset: bool = True,
     count: float = 0.0,
     mine: int = 0,
+    mine_index: int = 0,
 ) -> None:
     """Train `model`'s cross-encoder in place, re-initialised first unless `reset` is False;
     everything else stays frozen. With `mine` > 0 every image's caption is also shown the
     wrong images the cross-encoder itself scores highest among the bi-encoder's top `mine`
     (`models.ce_mining`), mined once: before the first step when it starts trained (not
-    `reset`), else halfway, once its own ranking means something. (Mining a fine-tune again
-    halfway, over 800 steps, ranked worse on validation: `models/weights/README.md`.)"""
+    `reset`), else halfway, once its own ranking means something; with `mine_index` > 0
+    among a random draw of that many images per caption, as a served index that size would.
+    (Mining a fine-tune again halfway, over 800 steps, ranked worse on validation:
+    `models/weights/README.md`.)"""
     from tqdm import tqdm
 
     batch = min(batch, len(samples))
@@ -133,7 +136,7 @@ def train_cross_encoder(
             warm = min(1.0, (step + 1) / 50)
             group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
         if mine > 0 and step == (steps // 2 if reset else 0):
-            pool.mined = mine_negatives(model, tok, pool, mine, rng, progress)
+            pool.mined = mine_negatives(model, tok, pool, mine, rng, progress, index=mine_index)
         idx = torch.tensor(rng.sample(range(len(samples)), batch))
         pairs = ce_pairs(model, tok, pool, idx, rng, ranks, partial)
         picked = idx.tolist()

@@ -52,6 +52,9 @@ class TrainConfig:
     # with this > 0, stage 2 also shows each caption the wrong images its cross-encoder scores
     # highest among the bi-encoder's top `ce_mine` (models.ce_mining); 0 = off
     ce_mine: int = 0
+    # > 0: each mined list is the top `ce_mine` of a random draw of this many training images
+    # (the band a served index of that size reaches), not of all of them; 0 = all
+    ce_mine_index: int = 0
     # a hard negative's rank among the bi-encoder's training images, drawn log-uniformly below
     # this: the top 50 of a 1,000-2,000 image index is the top 500-1,000 of 20,000 training
     # images, and a cross-encoder that only ever saw the top 8 ranked the easy-but-wrong

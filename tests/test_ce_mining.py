@@ -52,6 +52,36 @@ def test_mined_negatives_are_the_cross_encoders_top_wrong_candidates(
             assert all(j != i for j in got)
 
 
+def test_mining_from_a_drawn_index_reaches_past_the_whole_pools_top(
+    pool_and_model: tuple[CePool, BuiltinModel, list[world.Sample]],
+) -> None:
+    pool, model, samples = pool_and_model
+    jm, tok = model.model, model.tokenizer
+
+    def mine(index: int) -> list[list[int]]:
+        got = mine_negatives(jm, tok, pool, 3, random.Random(5), False, keep=3, index=index)
+        return [[j for j in row if j >= 0] for row in got.tolist()]
+
+    whole, drawn = mine(0), mine(12)
+    assert mine(60) == whole  # a draw as large as the pool is the pool, with the same captions
+    chose = random.Random(5)
+    texts = [chose.choice(s.captions) for s in samples]  # the captions mining used
+    with torch.no_grad():
+        ids, pad = tok.batch(texts)
+        sims = jm.embed_texts(jm.text_tokens(ids, pad), pad) @ pool.vecs.t()
+    sims.fill_diagonal_(float("-inf"))
+    order = sims.argsort(dim=1, descending=True).tolist()
+    deepest = {name: 0 for name in ("whole", "drawn")}
+    for name, lists in (("whole", whole), ("drawn", drawn)):
+        for i, row in enumerate(lists):
+            desc = world.full_desc(samples[i].scene)
+            assert all(j != i and not world.satisfies(desc, samples[j].scene) for j in row)
+            deepest[name] = max([deepest[name], *(order[i].index(j) for j in row)])
+    assert deepest["whole"] < 3  # the top 3 of all 60 images
+    assert deepest["drawn"] >= 6  # the top 3 of ~12 drawn: the band a small index reaches
+    assert sum(map(len, drawn)) >= 150  # most captions still find 3 wrong images in their draw
+
+
 def test_mined_negatives_join_the_captions_lists(
     pool_and_model: tuple[CePool, BuiltinModel, list[world.Sample]],
 ) -> None:

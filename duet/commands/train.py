@@ -143,6 +143,15 @@ def _add_cross_encoder_options(t: argparse.ArgumentParser, defaults: Any) -> Non
         "with --ce-warm, else halfway; about 6 min on 2 cores for M = 50 (0 = off)",
     )
     t.add_argument(
+        "--ce-mine-index",
+        type=int,
+        default=defaults.ce_mine_index,
+        metavar="N",
+        help="stage 2: mine each caption's top M among its own random draw of about N "
+        "training images, the depth a served index of N images reaches (1,000: the top 50 "
+        "spans the top ~1,000 of 20,000), instead of among all of them (0 = all)",
+    )
+    t.add_argument(
         "--ce-warm",
         action="store_true",
         help="stage 2 fine-tunes the cross-encoder it is given (DIR's with --from, "
@@ -166,6 +175,7 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
         ce_warm=args.ce_warm,
         ce_count=args.ce_count,
         ce_mine=args.ce_mine,
+        ce_mine_index=args.ce_mine_index,
         tune=args.tune,
         lr=args.lr,
         warmup=args.warmup,
