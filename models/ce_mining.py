@@ -81,3 +81,48 @@ def mine_negatives(
     bar.close()
     model.train(was_training)
     return out
+
+
+@torch.no_grad()
+def own_logits(
+    model: JointModel, tok: WordTokenizer, pool: CePool, progress: bool = True, chunk: int = 256
+) -> torch.Tensor:
+    """(N,) per training image the cross-encoder's lowest logit over its own full captions:
+    below 0, it judges an image not to fit a caption written for it (measured on validation:
+    such blind spots, not deep wrong images, are what a longer list exposes)."""
+    from tqdm import tqdm
+
+    was_training = model.training
+    model.eval()
+    runtime = CrossEncoderRuntime(model)
+    texts = [c for s in pool.samples for c in s.captions]
+    owner = torch.tensor([i for i, s in enumerate(pool.samples) for _c in s.captions])
+    out = torch.empty(len(texts))
+    for s in tqdm(range(0, len(texts), chunk), desc="scoring own captions", disable=not progress):
+        txt, pad = encode_texts(model, tok, texts[s : s + chunk])
+        rows = torch.arange(len(txt))
+        lengths = (~pad).sum(dim=1).tolist()
+        out[s : s + len(txt)] = runtime.logits(
+            txt, lengths, rows, pool.states[owner[s : s + len(txt)]].float()
+        )
+    model.train(was_training)
+    lowest = torch.full((len(pool.samples),), float("inf"))
+    return lowest.scatter_reduce(0, owner, out, reduce="amin")
+
+
+def draw_batch(
+    rng: random.Random, n: int, batch: int, hard: list[int], share: float
+) -> torch.Tensor:
+    """`batch` distinct training-image indices: about `share` of them from `hard` (the images
+    whose own captions the cross-encoder scores below 0), the rest uniform; with no `share`
+    or no hard images, the plain uniform draw (the same random numbers as before)."""
+    if share <= 0 or not hard:
+        return torch.tensor(rng.sample(range(n), batch))
+    picked = rng.sample(hard, min(len(hard), round(share * batch)))
+    taken = set(picked)
+    while len(picked) < batch:
+        i = rng.randrange(n)
+        if i not in taken:
+            taken.add(i)
+            picked.append(i)
+    return torch.tensor(picked)

@@ -89,6 +89,7 @@ def train(
             count=cfg.ce_count,
             mine=cfg.ce_mine,
             mine_index=cfg.ce_mine_index,
+            hard=cfg.ce_hard,
         )
     ce_seconds = time.perf_counter() - t0 - joint_seconds
     han = None
@@ -216,6 +217,7 @@ def _command(cfg: TrainConfig, out: Path, init_from: Path | None) -> str:
         f"--han-steps {cfg.han_steps} --ce-lr {cfg.ce_lr} --ce-count {cfg.ce_count}"
         + (f" --ce-mine {cfg.ce_mine}" if cfg.ce_mine else "")
         + (f" --ce-mine-index {cfg.ce_mine_index}" if cfg.ce_mine_index else "")
+        + (f" --ce-hard {cfg.ce_hard}" if cfg.ce_hard else "")
         + (" --ce-warm" if cfg.ce_warm else "")
         + (
             f" --tune --lr {cfg.lr} --warmup {cfg.warmup} --easy-steps {cfg.easy_steps}"

@@ -21,6 +21,7 @@ relation words. Measured on validation: grounding at the top layer left flipped 
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -29,11 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from models import world
-from models.ce_mining import mine_negatives
+from models.ce_mining import draw_batch, mine_negatives, own_logits
 from models.ce_negatives import ce_pairs, ce_pool
 from models.joint import CROSS_ENCODER, JointModel
 from models.losses import ce_bce_loss
 from models.tokenizer import WordTokenizer
+
+log = logging.getLogger("duet.train")
 
 Grounding = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, token positions, centres)
 
@@ -108,6 +111,7 @@ def train_cross_encoder(
     count: float = 0.0,
     mine: int = 0,
     mine_index: int = 0,
+    hard: float = 0.0,
 ) -> None:
     """Train `model`'s cross-encoder in place, re-initialised first unless `reset` is False;
     everything else stays frozen. With `mine` > 0 every image's caption is also shown the
@@ -116,7 +120,9 @@ def train_cross_encoder(
     `reset`), else halfway, once its own ranking means something; with `mine_index` > 0
     among a random draw of that many images per caption, as a served index that size would.
     (Mining a fine-tune again halfway, over 800 steps, ranked worse on validation:
-    `models/weights/README.md`.)"""
+    `models/weights/README.md`.) With `hard` > 0, from that same step on, that share of
+    each batch comes from the images whose own full captions the cross-encoder scores below
+    0 (`models.ce_mining.own_logits`): its blind spots, shown as positives more often."""
     from tqdm import tqdm
 
     batch = min(batch, len(samples))
@@ -131,13 +137,20 @@ def train_cross_encoder(
     opt = torch.optim.AdamW([*trained, *ground.parameters()], lr=lr, weight_decay=0.01)
     ema: dict[str, float] = {}
     bar = tqdm(range(steps), desc="training cross-encoder", unit="step", disable=not progress)
+    blind: list[int] = []  # training images the cross-encoder judges not to fit their captions
     for step in bar:
         for group in opt.param_groups:
             warm = min(1.0, (step + 1) / 50)
             group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
-        if mine > 0 and step == (steps // 2 if reset else 0):
-            pool.mined = mine_negatives(model, tok, pool, mine, rng, progress, index=mine_index)
-        idx = torch.tensor(rng.sample(range(len(samples)), batch))
+        if step == (steps // 2 if reset else 0):
+            if mine > 0:
+                pool.mined = mine_negatives(model, tok, pool, mine, rng, progress, index=mine_index)
+            if hard > 0:
+                blind = (own_logits(model, tok, pool, progress) < 0).nonzero()[:, 0].tolist()
+                log.info(
+                    "stage 2: %d training images score below 0 with a caption of theirs", len(blind)
+                )
+        idx = draw_batch(rng, len(samples), batch, blind, hard)
         pairs = ce_pairs(model, tok, pool, idx, rng, ranks, partial)
         picked = idx.tolist()
         where = grounding_targets(

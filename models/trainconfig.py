@@ -55,6 +55,9 @@ class TrainConfig:
     # > 0: each mined list is the top `ce_mine` of a random draw of this many training images
     # (the band a served index of that size reaches), not of all of them; 0 = all
     ce_mine_index: int = 0
+    # share of each stage-2 batch drawn, from the mining step on, among the training images
+    # whose own full captions the cross-encoder scores below 0 (models.ce_mining); 0 = off
+    ce_hard: float = 0.0
     # a hard negative's rank among the bi-encoder's training images, drawn log-uniformly below
     # this: the top 50 of a 1,000-2,000 image index is the top 500-1,000 of 20,000 training
     # images, and a cross-encoder that only ever saw the top 8 ranked the easy-but-wrong

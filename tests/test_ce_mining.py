@@ -11,7 +11,7 @@ import torch
 from models import world
 from models.builtin import BuiltinModel
 from models.ce_depth import depth_report, depth_split
-from models.ce_mining import mine_negatives
+from models.ce_mining import draw_batch, mine_negatives, own_logits
 from models.ce_negatives import CePool, ce_pairs, ce_pool
 from models.trainconfig import HELD_OUT_SEED_BASE
 
@@ -80,6 +80,34 @@ def test_mining_from_a_drawn_index_reaches_past_the_whole_pools_top(
     assert deepest["whole"] < 3  # the top 3 of all 60 images
     assert deepest["drawn"] >= 6  # the top 3 of ~12 drawn: the band a small index reaches
     assert sum(map(len, drawn)) >= 150  # most captions still find 3 wrong images in their draw
+
+
+def test_own_logits_are_each_images_lowest_over_its_captions(
+    pool_and_model: tuple[CePool, BuiltinModel, list[world.Sample]],
+) -> None:
+    pool, model, samples = pool_and_model
+    jm, tok = model.model, model.tokenizer
+    lows = own_logits(jm, tok, pool, progress=False, chunk=7)  # chunks across images' captions
+    with torch.no_grad():
+        for i in (0, 13, 59):
+            ids, pad = tok.batch(samples[i].captions)
+            txt = jm.text_tokens(ids, pad)
+            want = jm.itm_logits(txt, pad, pool.states[[i] * len(ids)].float()).min()
+            assert torch.isclose(lows[i], want, atol=1e-4), i
+    assert lows.shape == (60,) and (lows > 0).float().mean() > 0.8  # the shipped model sees most
+
+
+def test_draw_batch_takes_its_share_of_hard_images_else_the_plain_draw() -> None:
+    plain = draw_batch(random.Random(3), 100, 10, [], 0.5)
+    assert plain.tolist() == random.Random(3).sample(range(100), 10)
+    assert draw_batch(random.Random(3), 100, 10, [1, 2], 0.0).tolist() == plain.tolist()
+    hard = [5, 50, 95]
+    for seed in range(20):
+        idx = draw_batch(random.Random(seed), 100, 10, hard, 0.5).tolist()
+        assert len(set(idx)) == 10 and set(hard) <= set(idx) and all(0 <= i < 100 for i in idx)
+    many = list(range(40))
+    idx = draw_batch(random.Random(1), 100, 10, many, 0.5).tolist()
+    assert len(set(idx[:5]) & set(many)) == 5  # half the batch from the hard ones
 
 
 def test_mined_negatives_join_the_captions_lists(

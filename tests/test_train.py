@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -105,24 +106,47 @@ def test_ce_mine_mines_first_when_warm_else_halfway(
     scratch: tuple[Path, dict[str, object]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import models.train_ce as train_ce
-    from models.ce_mining import mine_negatives as real
+    from models.ce_mining import draw_batch, mine_negatives, own_logits
 
     src, _ = scratch
     calls: list[int] = []
+    scored: list[torch.Tensor] = []
+    batches: list[tuple[list[int], list[int]]] = []
 
-    def counted(*args: object) -> torch.Tensor:  # the real mining, its calls counted
-        mined = real(*args)  # type: ignore[arg-type]
+    def counted(*args: Any, **kw: Any) -> torch.Tensor:  # the real mining, its calls counted
+        mined = mine_negatives(*args, **kw)
         calls.append(int((mined >= 0).sum()))
         return mined
 
+    def scoring(*args: Any, **kw: Any) -> torch.Tensor:
+        # the tiny model's logits all sit near 0.3: centred, half its images are blind spots
+        lows = own_logits(*args, **kw)
+        scored.append(lows - lows.median())
+        return scored[-1]
+
+    def drawing(rng: Any, n: int, batch: int, hard: list[int], share: float) -> torch.Tensor:
+        idx = draw_batch(rng, n, batch, hard, share)
+        batches.append((idx.tolist(), hard))
+        return idx
+
     monkeypatch.setattr(train_ce, "mine_negatives", counted)
+    monkeypatch.setattr(train_ce, "own_logits", scoring)
+    monkeypatch.setattr(train_ce, "draw_batch", drawing)
     mining = replace(TINY, ce_mine=10, ce_steps=4, han_steps=0)
-    warm = train(replace(mining, ce_warm=True), tmp_path / "w", progress=False, init_from=src)
+    hard = replace(mining, ce_warm=True, ce_mine_index=20, ce_hard=0.5)
+    warm = train(hard, tmp_path / "w", progress=False, init_from=src)
     assert len(calls) == 1 and calls[0] > 0  # before step 0
-    assert "--ce-mine 10" in str(warm["command"])
+    assert "--ce-mine 10" in str(warm["command"]) and "--ce-hard 0.5" in str(warm["command"])
+    blind = (scored[0] < 0).nonzero()[:, 0].tolist()
+    assert len(scored) == 1 and blind
+    for idx, given in batches:  # every step draws half its batch among them
+        assert given == blind and len(set(idx)) == len(idx)
+        assert len(set(idx) & set(blind)) >= min(len(blind), TINY.ce_batch // 2)
     calls.clear()
+    scored.clear()
     train(mining, tmp_path / "c", progress=False, init_from=src)
     assert len(calls) == 1  # afresh: at step 2, once its own ranking means something
+    assert not scored  # no blind spots asked for
 
 
 def test_load_encoders_takes_an_older_cross_encoder_shape(tmp_path: Path) -> None:

@@ -152,6 +152,15 @@ def _add_cross_encoder_options(t: argparse.ArgumentParser, defaults: Any) -> Non
         "spans the top ~1,000 of 20,000), instead of among all of them (0 = all)",
     )
     t.add_argument(
+        "--ce-hard",
+        type=float,
+        default=defaults.ce_hard,
+        metavar="SHARE",
+        help="stage 2: from the mining step on (the first with --ce-warm, else halfway), "
+        "draw this share of each batch among the training images whose own captions the "
+        "cross-encoder scores below 0, its blind spots (0 = off)",
+    )
+    t.add_argument(
         "--ce-warm",
         action="store_true",
         help="stage 2 fine-tunes the cross-encoder it is given (DIR's with --from, "
@@ -176,6 +185,7 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
         ce_count=args.ce_count,
         ce_mine=args.ce_mine,
         ce_mine_index=args.ce_mine_index,
+        ce_hard=args.ce_hard,
         tune=args.tune,
         lr=args.lr,
         warmup=args.warmup,

@@ -1,0 +1,113 @@
+"""Why the cross-encoder alone loses text->image queries from M = 10 to M = 50: a probe of the
+frozen image states at patch borders, on validation splits only.
+
+    .venv/bin/python benchmarks/border_probe.py [--model-dir models/weights]
+                                                [--seeds 999999,...] [--images 1000]
+
+For every text->image query the cross-encoder ranks right among the dot product's top 10 but
+wrong among its top 50 (`models.ce_depth`'s "lost"), it prints the logit of the query's own
+image, the logit of the deeper image that outscored it, and the best logit of the query's own
+image moved by 4 pixels (a quarter of a 16-pixel patch) in each of 8 directions. It also
+counts, over every query, the own images the cross-encoder scores below 0 (it judges them not
+to fit their own caption) and how many of those it scores above 0 once moved.
+
+A lost query whose own image, moved by 4 pixels, outscores the deeper winner failed because a
+thing in it straddles patch borders where the frozen image states lose it: a limit of the image
+tower, which the cross-encoder (trained on those states) cannot mend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import world
+from models.builtin import BuiltinModel
+from models.ce_depth import SEEDS
+from models.eval_pool import cross_scores, directions
+from models.evaluate import PAIR_BATCH, encode_pool
+from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE
+
+SHIFTS = [(dx, dy) for dx in (-4, 0, 4) for dy in (-4, 0, 4) if (dx, dy) != (0, 0)]
+
+
+def moved(image: Image.Image, dx: int, dy: int) -> Image.Image:
+    """`image` moved by (dx, dy) pixels over its own background colour."""
+    out = Image.new(image.mode, image.size, image.getpixel((0, 0)))
+    out.paste(image, (dx, dy))
+    return out
+
+
+def best_moved(model: BuiltinModel, caption: str, image: Image.Image) -> float:
+    """The cross-encoder's highest logit for `caption` against `image` moved by each shift."""
+    _vecs, tokens = model.encode_images([moved(image, dx, dy) for dx, dy in SHIFTS])
+    return float(model.score_pairs([caption] * len(SHIFTS), tokens).max())
+
+
+def probe_split(model: BuiltinModel, seed: int, images: int) -> tuple[list[str], dict[str, int]]:
+    """(a Markdown row per lost query, counts over every query) for one validation split."""
+    samples = list(world.generate(images, seed))
+    pool = encode_pool(model, [s.image for s in samples], [s.captions for s in samples])
+    d = next(d for d in directions(pool) if d.name == "t2i")
+    queries = np.arange(len(d.query_vecs))
+    cand = np.argsort(-(d.query_vecs @ d.item_vecs.T), axis=1, kind="stable")[:, :50]
+    scores = cross_scores(model, d, queries, cand, PAIR_BATCH)
+    own = cand == pool.owner[:, None]
+    first10 = cand[queries, np.argmax(scores[:, :10], axis=1)] == pool.owner
+    first50 = cand[queries, np.argmax(scores, axis=1)] == pool.owner
+    rows, counts = [], {"queries": len(queries), "lost": 0, "mended": 0, "blind": 0, "seen": 0}
+    for q in queries.tolist():
+        if not own[q].any():
+            continue
+        mine = float(scores[q][own[q]][0])
+        image = samples[int(pool.owner[q])].image
+        if mine < 0:  # the cross-encoder says the query's own image does not fit it
+            counts["blind"] += 1
+            counts["seen"] += best_moved(model, pool.texts[q], image) > 0
+        if first10[q] and not first50[q]:
+            winner, shifted = float(scores[q].max()), best_moved(model, pool.texts[q], image)
+            counts["lost"] += 1
+            counts["mended"] += shifted > winner
+            rows.append(
+                f"| {seed} | {pool.texts[q]} | {mine:.2f} | {winner:.2f} | {shifted:.2f} |"
+            )
+    return rows, counts
+
+
+def main() -> None:
+    """Probe each validation split and print the lost queries and the counts."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", type=Path, default=DEFAULT_WEIGHTS)
+    p.add_argument("--seeds", default=",".join(str(s) for s in SEEDS), help="validation seeds")
+    p.add_argument("--images", type=int, default=1000, help="images per split (5 captions each)")
+    args = p.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if any(s >= HELD_OUT_SEED_BASE for s in seeds):
+        p.error("seeds at or above 1,000,000 are test splits; use validation seeds only")
+    model = BuiltinModel.load(args.model_dir)
+    lines = [
+        "| seed | lost query (t2i, M = 10 -> 50) | own image | deeper winner | own image moved |",
+        "|---|---|---|---|---|",
+    ]
+    total = {"queries": 0, "lost": 0, "mended": 0, "blind": 0, "seen": 0}
+    for seed in seeds:
+        rows, counts = probe_split(model, seed, args.images)
+        lines += rows
+        total = {k: total[k] + counts[k] for k in total}
+    print("\n".join(lines))
+    print(
+        f"\n{total['lost']} lost queries of {total['queries']}; moving the own image by 4 px "
+        f"lets it outscore the deeper winner for {total['mended']}."
+        f"\n{total['blind']} queries' own images scored below 0; moved by 4 px, "
+        f"{total['seen']} of them score above 0."
+    )
+
+
+if __name__ == "__main__":
+    main()
