@@ -74,19 +74,17 @@ def probe_split(model: BuiltinModel, seed: int, images: int) -> tuple[list[str],
             winner, shifted = float(scores[q].max()), best_moved(model, pool.texts[q], image)
             counts["lost"] += 1
             counts["mended"] += shifted > winner
-            rows.append(
-                f"| {seed} | {pool.texts[q]} | {mine:.2f} | {winner:.2f} | {shifted:.2f} |"
-            )
+            rows.append(f"| {seed} | {pool.texts[q]} | {mine:.2f} | {winner:.2f} | {shifted:.2f} |")
     return rows, counts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Probe each validation split and print the lost queries and the counts."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, default=DEFAULT_WEIGHTS)
     p.add_argument("--seeds", default=",".join(str(s) for s in SEEDS), help="validation seeds")
     p.add_argument("--images", type=int, default=1000, help="images per split (5 captions each)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     if any(s >= HELD_OUT_SEED_BASE for s in seeds):
         p.error("seeds at or above 1,000,000 are test splits; use validation seeds only")
