@@ -118,7 +118,7 @@ def draw_batch(
     or no hard images, the plain uniform draw (the same random numbers as before)."""
     if share <= 0 or not hard:
         return torch.tensor(rng.sample(range(n), batch))
-    picked = rng.sample(hard, min(len(hard), round(share * batch)))
+    picked = rng.sample(hard, min(len(hard), batch, round(share * batch)))
     taken = set(picked)
     while len(picked) < batch:
         i = rng.randrange(n)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from models import world
 from models.ce_mining import draw_batch, mine_negatives, own_logits
-from models.ce_negatives import ce_pairs, ce_pool
+from models.ce_negatives import CePool, ce_pairs, ce_pool
 from models.joint import CROSS_ENCODER, JointModel
 from models.losses import ce_bce_loss
 from models.tokenizer import WordTokenizer
@@ -93,6 +93,27 @@ def bce_and_grounding(
     return loss, None
 
 
+def _mine(
+    model: JointModel,
+    tok: WordTokenizer,
+    pool: CePool,
+    rng: random.Random,
+    progress: bool,
+    mine: int,
+    mine_index: int,
+    hard: float,
+) -> list[int]:
+    """The mining step: `pool.mined` set when `mine` > 0; with `hard` > 0 the training images
+    whose own full captions the cross-encoder scores below 0 (else none)."""
+    if mine > 0:
+        pool.mined = mine_negatives(model, tok, pool, mine, rng, progress, index=mine_index)
+    if hard <= 0:
+        return []
+    blind: list[int] = (own_logits(model, tok, pool, progress) < 0).nonzero()[:, 0].tolist()
+    log.info("stage 2: %d training images score below 0 with a caption of theirs", len(blind))
+    return blind
+
+
 def train_cross_encoder(
     model: JointModel,
     tok: WordTokenizer,
@@ -143,13 +164,7 @@ def train_cross_encoder(
             warm = min(1.0, (step + 1) / 50)
             group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
         if step == (steps // 2 if reset else 0):
-            if mine > 0:
-                pool.mined = mine_negatives(model, tok, pool, mine, rng, progress, index=mine_index)
-            if hard > 0:
-                blind = (own_logits(model, tok, pool, progress) < 0).nonzero()[:, 0].tolist()
-                log.info(
-                    "stage 2: %d training images score below 0 with a caption of theirs", len(blind)
-                )
+            blind = _mine(model, tok, pool, rng, progress, mine, mine_index, hard)
         idx = draw_batch(rng, len(samples), batch, blind, hard)
         pairs = ce_pairs(model, tok, pool, idx, rng, ranks, partial)
         picked = idx.tolist()

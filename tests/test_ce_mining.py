@@ -108,6 +108,7 @@ def test_draw_batch_takes_its_share_of_hard_images_else_the_plain_draw() -> None
     many = list(range(40))
     idx = draw_batch(random.Random(1), 100, 10, many, 0.5).tolist()
     assert len(set(idx[:5]) & set(many)) == 5  # half the batch from the hard ones
+    assert len(draw_batch(random.Random(1), 100, 10, many, 2.0)) == 10  # never more than asked
 
 
 def test_mined_negatives_join_the_captions_lists(

@@ -157,8 +157,8 @@ def _add_cross_encoder_options(t: argparse.ArgumentParser, defaults: Any) -> Non
         default=defaults.ce_hard,
         metavar="SHARE",
         help="stage 2: from the mining step on (the first with --ce-warm, else halfway), "
-        "draw this share of each batch among the training images whose own captions the "
-        "cross-encoder scores below 0, its blind spots (0 = off)",
+        "draw this share (0 to 1) of each batch among the training images whose own captions "
+        "the cross-encoder scores below 0, its blind spots (0 = off)",
     )
     t.add_argument(
         "--ce-warm",
