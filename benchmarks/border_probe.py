@@ -65,13 +65,15 @@ def probe_split(model: BuiltinModel, seed: int, images: int) -> tuple[list[str],
     for q in queries.tolist():
         if not own[q].any():
             continue
-        mine = float(scores[q][own[q]][0])
-        image = samples[int(pool.owner[q])].image
+        mine, lost = float(scores[q][own[q]][0]), bool(first10[q] and not first50[q])
+        if mine >= 0 and not lost:
+            continue
+        shifted = best_moved(model, pool.texts[q], samples[int(pool.owner[q])].image)
         if mine < 0:  # the cross-encoder says the query's own image does not fit it
             counts["blind"] += 1
-            counts["seen"] += best_moved(model, pool.texts[q], image) > 0
-        if first10[q] and not first50[q]:
-            winner, shifted = float(scores[q].max()), best_moved(model, pool.texts[q], image)
+            counts["seen"] += shifted > 0
+        if lost:
+            winner = float(scores[q].max())
             counts["lost"] += 1
             counts["mended"] += shifted > winner
             rows.append(f"| {seed} | {pool.texts[q]} | {mine:.2f} | {winner:.2f} | {shifted:.2f} |")

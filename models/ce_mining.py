@@ -95,7 +95,7 @@ def own_logits(
     was_training = model.training
     model.eval()
     runtime = CrossEncoderRuntime(model)
-    texts = [c for s in pool.samples for c in s.captions]
+    texts = pool.captions  # every training caption, image by image
     owner = torch.tensor([i for i, s in enumerate(pool.samples) for _c in s.captions])
     out = torch.empty(len(texts))
     for s in tqdm(range(0, len(texts), chunk), desc="scoring own captions", disable=not progress):
