@@ -30,18 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import world
 from models.builtin import BuiltinModel
 from models.ce_depth import SEEDS
+from models.ce_moves import moved
 from models.eval_pool import cross_scores, directions
 from models.evaluate import PAIR_BATCH, encode_pool
 from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE
 
 SHIFTS = [(dx, dy) for dx in (-4, 0, 4) for dy in (-4, 0, 4) if (dx, dy) != (0, 0)]
-
-
-def moved(image: Image.Image, dx: int, dy: int) -> Image.Image:
-    """`image` moved by (dx, dy) pixels over its own background colour."""
-    out = Image.new(image.mode, image.size, image.getpixel((0, 0)))
-    out.paste(image, (dx, dy))
-    return out
 
 
 def best_moved(model: BuiltinModel, caption: str, image: Image.Image) -> float:

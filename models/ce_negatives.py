@@ -21,6 +21,7 @@ from PIL import Image
 
 from models import world
 from models.builtin import pixel_bytes
+from models.ce_moves import moved_images
 from models.joint import JointModel
 from models.tokenizer import WordTokenizer
 
@@ -201,6 +202,10 @@ class CePool:
     # per image, the wrong images the cross-encoder itself scores highest (models.ce_mining),
     # -1 padded; None: not mined
     mined: torch.Tensor | None = None
+    # each image moved a few pixels (models.ce_moves): the moves (N, 2) and the moved
+    # images' states; None: not asked for
+    moves: torch.Tensor | None = None
+    moved_states: torch.Tensor | None = None
 
 
 def ce_pool(
@@ -212,9 +217,11 @@ def ce_pool(
     progress: bool,
     ranks: int,
     count: float = 0.0,
+    move: bool = False,
 ) -> CePool:
     """Twins (`perturbed_twin`) rendered, states and vectors of every training image, each
-    image's `ranks` best-ranked captions of other images."""
+    image's `ranks` best-ranked captions of other images; with `move`, each image's states
+    moved a few pixels too (`models.ce_moves`)."""
     from tqdm import tqdm
 
     twins = [perturbed_twin(rng, s.scene, flip, count) for s in samples]
@@ -229,6 +236,10 @@ def ce_pool(
     caption_vecs = _caption_vectors(model, tok, captions)
     states, vecs = _states(model, [s.image for s in samples])
     twin_states, _ = _states(model, twin_images)
+    moves, moved_states = None, None
+    if move:
+        moved, moves = moved_images(rng, samples)
+        moved_states, _ = _states(model, moved)
     return CePool(
         samples,
         scenes,
@@ -240,6 +251,8 @@ def ce_pool(
         captions,
         [scenes[i] for i in owner.tolist()],
         _caption_top(vecs, caption_vecs, owner, ranks),
+        moves=moves,
+        moved_states=moved_states,
     )
 
 
@@ -287,8 +300,10 @@ def ce_pairs(
     rng: random.Random,
     ranks: int,
     partial: float,
+    shown: torch.Tensor | None = None,
 ) -> CePairs:
-    """The pairs of one step over the samples `idx` (positives first, in batch order)."""
+    """The pairs of one step over the samples `idx` (positives first, in batch order); the
+    rows `shown` (bool) pair their captions with their image's moved states."""
     batch, picked, samples = len(idx), idx.tolist(), pool.samples
     said = [caption_beside_twin(rng, samples[i], pool.twins[i], partial) for i in picked]
     texts = [t for t, _d in said]
@@ -320,15 +335,18 @@ def ce_pairs(
     keep_hard = torch.tensor([h >= 0 for h in hard])
     keep_hard2 = torch.tensor([h >= 0 for h in hard2])
     rows, states = torch.arange(batch), pool.states
+    own = states[idx]
+    if shown is not None and pool.moved_states is not None:
+        own = torch.where(shown[:, None, None], pool.moved_states[idx], own)
     # the pairs, segment by segment: (caption rows, image states)
     segments = [
-        (rows, states[idx]),  # positives
+        (rows, own),  # positives
         (rows[keep_shift], states[shift[keep_shift]]),  # a random wrong image
         (rows[keep_hard], states[torch.tensor(hard)[keep_hard]]),  # ranked wrong images
         (rows[keep_hard2], states[torch.tensor(hard2)[keep_hard2]]),
         (rows, pool.twin_states[idx]),  # the perturbed scene's image
-        (rows + batch, states[idx]),  # the perturbed scene's caption
-        (2 * batch + torch.arange(len(ranked_texts)), states[idx[keep_rc]]),  # ranked
+        (rows + batch, own),  # the perturbed scene's caption
+        (2 * batch + torch.arange(len(ranked_texts)), own[keep_rc]),  # ranked
     ]
     mined = _mined_draws(rng, pool, idx, said)
     if mined is not None:  # the wrong images the cross-encoder itself prefers

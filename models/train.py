@@ -90,6 +90,7 @@ def train(
             mine=cfg.ce_mine,
             mine_index=cfg.ce_mine_index,
             hard=cfg.ce_hard,
+            move=cfg.ce_move,
         )
     ce_seconds = time.perf_counter() - t0 - joint_seconds
     han = None
@@ -218,6 +219,7 @@ def _command(cfg: TrainConfig, out: Path, init_from: Path | None) -> str:
         + (f" --ce-mine {cfg.ce_mine}" if cfg.ce_mine else "")
         + (f" --ce-mine-index {cfg.ce_mine_index}" if cfg.ce_mine_index else "")
         + (f" --ce-hard {cfg.ce_hard}" if cfg.ce_hard else "")
+        + (f" --ce-move {cfg.ce_move}" if cfg.ce_move else "")
         + (" --ce-warm" if cfg.ce_warm else "")
         + (
             f" --tune --lr {cfg.lr} --warmup {cfg.warmup} --easy-steps {cfg.easy_steps}"

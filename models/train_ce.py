@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from models import world
 from models.ce_mining import draw_batch, mine_negatives, own_logits
-from models.ce_negatives import CePool, ce_pairs, ce_pool
+from models.ce_moves import pick_moved, step_layouts
+from models.ce_negatives import CePairs, CePool, ce_pairs, ce_pool
 from models.joint import CROSS_ENCODER, JointModel
 from models.losses import ce_bce_loss
 from models.tokenizer import WordTokenizer
@@ -114,6 +115,24 @@ def _mine(
     return blind
 
 
+def _step_pairs(
+    model: JointModel,
+    tok: WordTokenizer,
+    pool: CePool,
+    idx: torch.Tensor,
+    rng: random.Random,
+    ranks: int,
+    partial: float,
+    move: float,
+) -> tuple[CePairs, Grounding]:
+    """One step's pairs and the grounding targets of its positives (moved where shown moved)."""
+    shown = pick_moved(rng, len(idx), move) if pool.moved_states is not None else None
+    pairs = ce_pairs(model, tok, pool, idx, rng, ranks, partial, shown)
+    picked = idx.tolist()
+    layouts = step_layouts(pool.samples, picked, pool.moves, shown)
+    return pairs, grounding_targets(pairs.texts, [pool.scenes[i] for i in picked], layouts)
+
+
 def train_cross_encoder(
     model: JointModel,
     tok: WordTokenizer,
@@ -133,6 +152,7 @@ def train_cross_encoder(
     mine: int = 0,
     mine_index: int = 0,
     hard: float = 0.0,
+    move: float = 0.0,
 ) -> None:
     """Train `model`'s cross-encoder in place, re-initialised first unless `reset` is False;
     everything else stays frozen. With `mine` > 0 every image's caption is also shown the
@@ -143,7 +163,9 @@ def train_cross_encoder(
     (Mining a fine-tune again halfway, over 800 steps, ranked worse on validation:
     `models/weights/README.md`.) With `hard` > 0, from that same step on, that share of
     each batch comes from the images whose own full captions the cross-encoder scores below
-    0 (`models.ce_mining.own_logits`): its blind spots, shown as positives more often."""
+    0 (`models.ce_mining.own_logits`): its blind spots, shown as positives more often. With
+    `move` > 0 that share of each batch's images is shown moved by up to 4 pixels
+    (`models.ce_moves`), beside its captions and as their negatives' counterpart."""
     from tqdm import tqdm
 
     batch = min(batch, len(samples))
@@ -154,7 +176,7 @@ def train_cross_encoder(
     trained = [p for n, p in model.named_parameters() if n.startswith(CROSS_ENCODER)]
     for n, p in model.named_parameters():
         p.requires_grad_(n.startswith(CROSS_ENCODER))
-    pool = ce_pool(model, tok, samples, flip, rng, progress, ranks, count)
+    pool = ce_pool(model, tok, samples, flip, rng, progress, ranks, count, move > 0)
     opt = torch.optim.AdamW([*trained, *ground.parameters()], lr=lr, weight_decay=0.01)
     ema: dict[str, float] = {}
     bar = tqdm(range(steps), desc="training cross-encoder", unit="step", disable=not progress)
@@ -166,11 +188,7 @@ def train_cross_encoder(
         if step == (steps // 2 if reset else 0):
             blind = _mine(model, tok, pool, rng, progress, mine, mine_index, hard)
         idx = draw_batch(rng, len(samples), batch, blind, hard)
-        pairs = ce_pairs(model, tok, pool, idx, rng, ranks, partial)
-        picked = idx.tolist()
-        where = grounding_targets(
-            pairs.texts, [samples[i].scene for i in picked], [samples[i].layout for i in picked]
-        )
+        pairs, where = _step_pairs(model, tok, pool, idx, rng, ranks, partial, move)
         loss, g = bce_and_grounding(
             model,
             pairs.txt[pairs.t_idx],

@@ -58,6 +58,9 @@ class TrainConfig:
     # share of each stage-2 batch drawn, from the mining step on, among the training images
     # whose own full captions the cross-encoder scores below 0 (models.ce_mining); 0 = off
     ce_hard: float = 0.0
+    # share of each stage-2 batch's images shown moved by up to 4 pixels (models.ce_moves):
+    # the same scene at another alignment against the patch grid; 0 = off
+    ce_move: float = 0.0
     # a hard negative's rank among the bi-encoder's training images, drawn log-uniformly below
     # this: the top 50 of a 1,000-2,000 image index is the top 500-1,000 of 20,000 training
     # images, and a cross-encoder that only ever saw the top 8 ranked the easy-but-wrong

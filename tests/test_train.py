@@ -266,12 +266,13 @@ def test_the_recorded_command_asks_for_the_same_config() -> None:
         ce_count=0.5,
         ce_mine=50,
         ce_mine_index=1_000,
+        ce_move=0.5,
         han_steps=0,
         seed=3,
     )
     argv = shlex.split(_command(cfg, Path("/tmp/out"), Path("models/weights")))
     assert argv[:2] == ["duet", "train"] and "--ce-count" in argv and "--ce-mine" in argv
-    assert "--ce-mine-index" in argv
+    assert "--ce-mine-index" in argv and "--ce-move" in argv
     assert config_of(parser().parse_args(argv[1:])) == cfg
     tuned = replace(cfg, tune=True, lr=1e-4, warmup=10, easy_steps=0, aux_weight=0.25)
     argv = shlex.split(_command(tuned, Path("/tmp/out"), Path("models/weights")))
