@@ -292,6 +292,13 @@ def _mined_draws(
     )
 
 
+def own_states(pool: CePool, idx: torch.Tensor, shown: torch.Tensor | None) -> torch.Tensor:
+    """The states of the images `idx` as shown: moved for the rows `shown` (bool) says."""
+    if shown is None or pool.moved_states is None:
+        return pool.states[idx]
+    return torch.where(shown[:, None, None], pool.moved_states[idx], pool.states[idx])
+
+
 def ce_pairs(
     model: JointModel,
     tok: WordTokenizer,
@@ -334,10 +341,7 @@ def ce_pairs(
     )
     keep_hard = torch.tensor([h >= 0 for h in hard])
     keep_hard2 = torch.tensor([h >= 0 for h in hard2])
-    rows, states = torch.arange(batch), pool.states
-    own = states[idx]
-    if shown is not None and pool.moved_states is not None:
-        own = torch.where(shown[:, None, None], pool.moved_states[idx], own)
+    rows, states, own = torch.arange(batch), pool.states, own_states(pool, idx, shown)
     # the pairs, segment by segment: (caption rows, image states)
     segments = [
         (rows, own),  # positives
