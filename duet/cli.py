@@ -1,4 +1,4 @@
-"""The `duet` command: serve, build, eval, train, demo-corpus, demo-index, healthcheck.
+"""The `duet` command: serve, build, eval, train, soup, demo-corpus, demo-index, healthcheck.
 
 Each group of sub-commands lives in `duet/commands/` (its options and what it runs); this
 module assembles the parser and catches, once, every failure a user can fix.

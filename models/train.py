@@ -110,7 +110,7 @@ def train(
     train_seconds = time.perf_counter() - t0
     _save(model, tok, han, out, cfg, init_from)
     runtime = BuiltinModel.load(out)
-    metrics, partial = _validate(runtime)
+    metrics, partial = validate_model(runtime)
     summary: dict[str, object] = {
         "command": _command(cfg, out, init_from),
         "config": cfg.__dict__,
@@ -190,7 +190,7 @@ def _save(
             shutil.copyfile(init_from / name, out / name)
 
 
-def _validate(runtime: BuiltinModel) -> tuple[dict[str, Any], dict[str, Any]]:
+def validate_model(runtime: BuiltinModel) -> tuple[dict[str, Any], dict[str, Any]]:
     """Full-caption recalls (300 validation images, top 20) and partial-query precision."""
     val = list(world.generate(300, HELD_OUT_SEED_BASE - 1, n_captions=5))
     metrics = evaluate(runtime, [s.image for s in val], [s.captions for s in val], candidates=20)

@@ -60,6 +60,19 @@ def add(sub: Any) -> None:
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(fn=cmd_train)
+    s = sub.add_parser(
+        "soup",
+        formatter_class=HelpFormatter,
+        help="average the cross-encoders of several fine-tunes of one model",
+        description="Write a model whose cross-encoder is the mean of the sources' (a model "
+        "soup): each a `duet train --from THE_SAME_DIR --ce-warm` fine-tune, so everything "
+        "but the cross-encoder is identical (refused otherwise). Fewer blind spots than any "
+        "one source at the cost of one cross-encoder; validated like `duet train` (about "
+        "20 s) and recorded in DIR/train.json with every source's own record.",
+    )
+    s.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    s.add_argument("sources", nargs="+", metavar="SOURCE", help="trained model directories")
+    s.set_defaults(fn=cmd_soup)
 
 
 def _add_stage_options(t: argparse.ArgumentParser, defaults: Any) -> None:
@@ -221,4 +234,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         return fail(str(exc))
     print(f"trained in {summary['train_seconds']}s -> {args.out} ({summary['fingerprint']})")
     print(format_table(summary["validation"]))  # type: ignore[arg-type]
+    return 0
+
+
+def cmd_soup(args: argparse.Namespace) -> int:
+    from models.evaluate import format_table
+    from models.soup import soup
+
+    setup_logging()
+    summary = soup(Path(args.out), [Path(p) for p in args.sources])
+    print(f"averaged {len(args.sources)} cross-encoders -> {args.out} ({summary['fingerprint']})")
+    print(format_table(summary["validation"]))
     return 0
