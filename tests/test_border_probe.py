@@ -48,6 +48,20 @@ def test_counts_agree_with_ce_depth(model: BuiltinModel) -> None:
     assert counts["queries"] == 300 and counts["lost"] == len(lost) == len(rows)
     assert 0 <= counts["mended"] <= counts["lost"] and 0 <= counts["seen"] <= counts["blind"]
     assert counts["blind"] < 30  # the shipped cross-encoder reads most own images right
+    assert counts["read"] == 0  # no probe given, nothing read
+
+
+def test_the_linear_probe_reads_the_stored_states(model: BuiltinModel) -> None:
+    head = border_probe.linear_probe(model, images=400, steps=300)
+    samples = list(world.generate(80, HELD_OUT_SEED_BASE - 1))
+    states = border_probe._states(model, [s.image for s in samples])
+    right = border_probe.read_right(head, states, [s.layout for s in samples])
+    assert len(right) == 80 and sum(right) >= 40  # the states say what is where
+    # a probe that never learnt reads almost nothing right
+    blank = border_probe.linear_probe(model, images=40, steps=0)
+    assert sum(border_probe.read_right(blank, states, [s.layout for s in samples])) < 20
+    _rows, counts = border_probe.probe_split(model, HELD_OUT_SEED_BASE - 1, 60, head)
+    assert 0 <= counts["read"] <= counts["blind"]
 
 
 def test_test_seeds_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
