@@ -264,7 +264,9 @@ def cmd_demo_corpus(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_index(args: argparse.Namespace) -> int:
-    """First-run convenience (make serve, docker compose): a demo index unless one exists."""
+    """First-run convenience (make serve, docker compose): a demo index unless one built by
+    the models the service will serve exists. A demo index built by other weights (a pull
+    that brought new ones) is built again as a new version; any other index is left alone."""
     import fcntl
 
     from index_builder.build import build
@@ -276,17 +278,25 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
     encoder, reranker, labels = model_choices(args, settings)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    corpus = Path(args.corpus_out) if args.corpus_out else out.parent / "demo-corpus"
     # several replicas may start at once on one shared volume (k8s init containers): one builds
     with (out / ".demo-index.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        model = None
         if (out / "current").exists():
-            print(f"{out / 'current'} exists; nothing to do")
-            return 0
-        corpus = Path(args.corpus_out) if args.corpus_out else out.parent / "demo-corpus"
-        print(f"no index in {out}: generating {args.images} demo images in {corpus} and building")
+            # the models the service will serve (DUET_ENCODER, DUET_RERANKER)
+            model = load_models(
+                encoder, reranker, settings.model_dir, settings.device, labels=labels
+            )
+            if not _stale_demo_index(out, corpus, model.fingerprint):
+                return 0
+        else:
+            print(f"no index in {out}: generating {args.images} demo images in {corpus}")
         manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
-        # the models the service will serve (DUET_ENCODER, DUET_RERANKER)
-        model = load_models(encoder, reranker, settings.model_dir, settings.device, labels=labels)
+        if model is None:
+            model = load_models(
+                encoder, reranker, settings.model_dir, settings.device, labels=labels
+            )
         report = build(
             manifest,
             out,
@@ -299,3 +309,30 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
         f"{report.seconds:.1f}s"
     )
     return 0
+
+
+def _stale_demo_index(out: Path, corpus: Path, fingerprint: str) -> bool:
+    """Whether `out`'s current version is a demo index (built from `corpus`) that other
+    models built, so it must be built again; says what it found either way."""
+    from store.indexio import resolve_current
+    from store.manifest import Manifest
+
+    version = resolve_current(out)
+    manifest = Manifest.read(version)
+    built_by = manifest.model.fingerprint
+    if built_by == fingerprint:
+        print(f"{out / 'current'} exists, built by these models; nothing to do")
+        return False
+    demo = (corpus / "manifest.jsonl").resolve()
+    if manifest.corpus is None or Path(manifest.corpus).resolve() != demo:
+        print(
+            f"{out / 'current'} ({version.name}) was built by {built_by} from "
+            f"{manifest.corpus}, not the demo corpus; left as it is. The service will refuse "
+            f"it with the models it loads now ({fingerprint}): rebuild it with `duet build`"
+        )
+        return False
+    print(
+        f"{out / 'current'} ({version.name}) is the demo index built by {built_by}; the "
+        f"models are now {fingerprint}: building it again as a new version (the old one stays)"
+    )
+    return True
