@@ -165,7 +165,8 @@ def train_cross_encoder(
     each batch comes from the images whose own full captions the cross-encoder scores below
     0 (`models.ce_mining.own_logits`): its blind spots, shown as positives more often. With
     `move` > 0 that share of each batch's images is shown moved by up to 4 pixels
-    (`models.ce_moves`), beside its captions and as their negatives' counterpart."""
+    (`models.ce_moves`): its moved states stand in for it beside its own caption and beside
+    the perturbed scene's caption and the ranked wrong caption it is shown against."""
     from tqdm import tqdm
 
     batch = min(batch, len(samples))
