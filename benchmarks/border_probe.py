@@ -62,7 +62,12 @@ def linear_probe(model: BuiltinModel, images: int = 6000, steps: int = 1500) -> 
     """A linear read-out of the stored image states (the trainer's `PatchHead`: which colour,
     shape and size is centred in each patch), fitted on `images` fresh scenes: what the
     states hold, whatever the cross-encoder makes of them (about 40 s on 2 cores)."""
-    torch.manual_seed(0)
+    with torch.random.fork_rng():  # seeded here, without changing torch's global stream
+        torch.manual_seed(0)
+        return _fit_probe(model, images, steps)
+
+
+def _fit_probe(model: BuiltinModel, images: int, steps: int) -> PatchHead:
     train = list(world.generate(images, PROBE_SEED))
     states = _states(model, [s.image for s in train])
     targets = patch_targets([s.layout for s in train], model.model.cfg.grid)
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         f"\n{total['blind']} queries' own images scored below 0; moved by 4 px, "
         f"{total['seen']} of them score above 0."
         f"\nA linear probe of the stored states reads every centred thing of {total['read']} "
-        "of those images right (colour, shape, size): the states hold them."
+        "of those queries' own images right (colour, shape, size): the states hold them."
     )
 
 

@@ -13,6 +13,7 @@ on where it falls against the grid.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -33,14 +34,15 @@ def moved(image: Image.Image, dx: int, dy: int) -> Image.Image:
 
 def move_of(rng: random.Random, layout: world.Layout, most: int = MAX_MOVE) -> tuple[int, int]:
     """A whole-pixel move of at most `most` along each axis that keeps every shape inside the
-    picture, drawn uniformly among those allowed (positions such as "on the left" are thirds
-    of the picture and every single thing sits within 3 pixels of its third's centre, so a
-    4-pixel move never changes what a caption says)."""
-    size = world.IMAGE_SIZE
-    lo_x = max(-most, -int(min(x - r for _t, x, _y, r in layout)))
-    hi_x = min(most, int(min(size - x - r for _t, x, _y, r in layout)))
-    lo_y = max(-most, -int(min(y - r for _t, _x, y, r in layout)))
-    hi_y = min(most, int(min(size - y - r for _t, _x, y, r in layout)))
+    picture (the pixel at a shape's far edge, x + r, is drawn too, so it must stay below
+    the picture's size), drawn uniformly among those allowed (positions such as "on the left"
+    are thirds of the picture and every single thing sits within 3 pixels of its third's
+    centre, so a 4-pixel move never changes what a caption says)."""
+    last = world.IMAGE_SIZE - 1
+    lo_x = max(-most, -math.floor(min(x - r for _t, x, _y, r in layout)))
+    hi_x = min(most, math.floor(last - max(x + r for _t, x, _y, r in layout)))
+    lo_y = max(-most, -math.floor(min(y - r for _t, _x, y, r in layout)))
+    hi_y = min(most, math.floor(last - max(y + r for _t, _x, y, r in layout)))
     return rng.randint(min(lo_x, 0), max(hi_x, 0)), rng.randint(min(lo_y, 0), max(hi_y, 0))
 
 

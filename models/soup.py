@@ -39,13 +39,16 @@ class SoupError(UserError, ValueError):
 
     hint = (
         "`duet soup` averages cross-encoders fine-tuned on one model's frozen encoders: "
-        "make each source with `duet train --from THE_SAME_DIR --ce-warm ...`"
+        "make each source with `duet train --from THE_SAME_DIR --ce-warm --han-steps 0 ...` "
+        "(--han-steps 0 keeps that model's HAN head; a HAN head trained per run differs)"
     )
 
 
 def _check_sources(sources: Sequence[Path]) -> None:
     if len(sources) < 2:
         raise SoupError(f"give two or more model directories to average (got {len(sources)})")
+    if len({src.resolve() for src in sources}) < len(sources):
+        raise SoupError("a source is given twice (it would weigh double); give each once")
     for src in sources:
         if not (src / WEIGHTS_FILE).is_file():
             raise SoupError(f"{src} is not a trained model directory (no {WEIGHTS_FILE})")
@@ -96,6 +99,8 @@ def soup(out: Path, sources: Sequence[Path], validate: bool = True) -> dict[str,
     for name in (*SHARED_FILES, HAN_WEIGHTS, HAN_CONFIG):
         if (sources[0] / name).is_file():
             shutil.copyfile(sources[0] / name, out / name)
+        else:  # no stale head of whatever `out` held before beside the new weights
+            (out / name).unlink(missing_ok=True)
     save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     try:
         runtime = BuiltinModel.load(out)

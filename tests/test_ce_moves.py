@@ -30,12 +30,15 @@ def test_moves_stay_small_and_keep_every_shape_in_the_picture() -> None:
         seen.add((dx, dy))
         assert abs(dx) <= MAX_MOVE and abs(dy) <= MAX_MOVE
         for _t, x, y, r in moved_layout(s.layout, dx, dy):
-            assert r <= x + 0.5 and x + r <= world.IMAGE_SIZE + 0.5, (s.scene, dx)
-            assert r <= y + 0.5 and y + r <= world.IMAGE_SIZE + 0.5, (s.scene, dy)
+            # PIL paints from x - r to x + r inclusive: both inside the picture
+            assert x - r >= 0 and x + r <= world.IMAGE_SIZE - 1, (s.scene, dx)
+            assert y - r >= 0 and y + r <= world.IMAGE_SIZE - 1, (s.scene, dy)
     assert len(seen) > 30  # the moves spread over the allowed square, not a few corners
     # a shape touching the left edge can only move right
     thing = SAMPLES[0].layout[0][0]
     assert all(move_of(rng, [(thing, 7.0, 32.0, 7.0)])[0] >= 0 for _ in range(50))
+    # one touching the far edge (its last painted column 63) only left
+    assert all(move_of(rng, [(thing, 56.0, 32.0, 7.0)])[0] <= 0 for _ in range(50))
 
 
 def test_moved_pictures_match_their_moves() -> None:
@@ -78,10 +81,31 @@ def test_rows_shown_moved_pair_their_captions_with_the_moved_states(
     assert torch.equal(pairs.img[:12], want)  # the positives
     assert torch.equal(plain.img[:12], pool.states[idx].float())
     assert pairs.texts == plain.texts  # the same draws otherwise
-    # the perturbed scene's caption is shown against the same (moved or not) image
-    n = len(pairs.img)
-    tail = pairs.img[(pairs.t_idx >= 12) & (pairs.t_idx < 24)]
-    assert torch.equal(tail, want) and n == len(plain.img)
+    # the perturbed scene's caption and the ranked wrong caption are shown against the same
+    # (moved or not) image; every other pair (wrong images, twins) is as without moves
+    assert len(pairs.img) == len(plain.img) and torch.equal(pairs.t_idx, plain.t_idx)
+    perturbed = (pairs.t_idx >= 12) & (pairs.t_idx < 24)
+    assert torch.equal(pairs.img[perturbed], want[pairs.t_idx[perturbed] - 12])
+    # the ranked wrong captions: one per row that has one, in row order, each beside its row's
+    # image as shown
+    after = -1
+    for image in pairs.img[pairs.t_idx >= 24]:
+        rows = [r for r in range(12) if r > after and torch.equal(want[r], image)]
+        assert rows, "a ranked caption shown against an image other than its row's as shown"
+        after = rows[0]
+    rest = pairs.t_idx < 12
+    rest[:12] = False
+    assert torch.equal(pairs.img[rest], plain.img[rest])
+
+
+def test_without_moves_the_pool_draws_the_same_random_numbers(
+    moved_pool: tuple[CePool, BuiltinModel],
+) -> None:
+    _pool, model = moved_pool
+    plain, off = random.Random(4), random.Random(4)
+    ce_pool(model.model, model.tokenizer, SAMPLES[:10], 0.5, plain, False, 20, 0)
+    ce_pool(model.model, model.tokenizer, SAMPLES[:10], 0.5, off, False, 20, 0, False)
+    assert plain.getstate() == off.getstate()
 
 
 def test_grounding_targets_follow_the_moved_things() -> None:

@@ -82,7 +82,10 @@ def test_demo_index_is_built_again_for_new_weights_and_other_indexes_are_left_al
     assert main([*demo, "--no-progress"]) == 0
     assert "built by these models; nothing to do" in capsys.readouterr().out
     monkeypatch.setenv("DUET_MODEL_DIR", str(_other_weights(tmp_path)))
+    images = {f.name: f.stat().st_mtime_ns for f in (corpus / "images").iterdir()}
     assert main([*demo, "--no-progress"]) == 0
+    # built from the same corpus, which the old version still points at: not rewritten
+    assert {f.name: f.stat().st_mtime_ns for f in (corpus / "images").iterdir()} == images
     said = capsys.readouterr().out
     second = (out / "current").resolve()
     assert "building it again as a new version" in said and second != first

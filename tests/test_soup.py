@@ -29,7 +29,7 @@ TINY = TrainConfig(
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("soup")
     train(replace(TINY, han_steps=2, han_batch=4), root / "base", progress=False)
-    warm = replace(TINY, ce_warm=True, ce_steps=3, han_steps=0)
+    warm = replace(TINY, ce_warm=True, ce_steps=3, han_steps=0)  # as `duet soup`'s hint says
     for name, seed in (("a", 1), ("b", 2), ("c", 3)):
         train(replace(warm, seed=seed), root / name, progress=False, init_from=root / "base")
     train(replace(TINY, seed=5, han_steps=0), root / "other", progress=False)
@@ -79,9 +79,26 @@ def test_sources_with_other_encoders_are_refused(runs: dict[str, Path], tmp_path
         averaged([runs["a"]])
     with pytest.raises(SoupError, match=r"no model\.safetensors"):
         averaged([runs["a"], tmp_path])
+    with pytest.raises(SoupError, match="given twice"):
+        averaged([runs["a"], runs["b"], runs["a"]])
+    before = {f.name: f.read_bytes() for f in runs["a"].iterdir()}
     with pytest.raises(SoupError, match="one of the sources"):
         soup(runs["a"], [runs["a"], runs["b"]])
-    assert not (tmp_path / "x").exists()
+    assert {f.name: f.read_bytes() for f in runs["a"].iterdir()} == before  # nothing touched
+
+
+def test_a_reused_out_keeps_no_stale_han_head(runs: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    out = tmp_path / "s"
+    shutil.copytree(runs["a"], out)  # a model with a HAN head was here before
+    nohan = [tmp_path / "b", tmp_path / "c"]
+    for src, name in zip(nohan, ("b", "c"), strict=True):
+        shutil.copytree(runs[name], src)
+        for f in ("han.safetensors", "han.json"):
+            (src / f).unlink()
+    soup(out, nohan, validate=False)
+    assert not (out / "han.safetensors").exists() and not (out / "han.json").exists()
 
 
 def test_cli_soup_writes_a_model_or_says_why_not(

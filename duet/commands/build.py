@@ -292,7 +292,11 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
                 return 0
         else:
             print(f"no index in {out}: generating {args.images} demo images in {corpus}")
-        manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
+        # a stale demo index is built again from the corpus it was built from, which its
+        # version (perhaps still served by older replicas) keeps pointing at: never rewritten
+        manifest = corpus / "manifest.jsonl"
+        if model is None or not manifest.is_file():
+            manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
         if model is None:
             model = load_models(
                 encoder, reranker, settings.model_dir, settings.device, labels=labels

@@ -65,7 +65,8 @@ def add(sub: Any) -> None:
         formatter_class=HelpFormatter,
         help="average the cross-encoders of several fine-tunes of one model",
         description="Write a model whose cross-encoder is the mean of the sources' (a model "
-        "soup): each a `duet train --from THE_SAME_DIR --ce-warm` fine-tune, so everything "
+        "soup): each a `duet train --from THE_SAME_DIR --ce-warm --han-steps 0` fine-tune, so "
+        "everything "
         "but the cross-encoder is identical (refused otherwise). Fewer blind spots than any "
         "one source at the cost of one cross-encoder; validated like `duet train` (about "
         "20 s) and recorded in DIR/train.json with every source's own record.",
