@@ -85,15 +85,9 @@ def _fit_probe(model: BuiltinModel, images: int, steps: int) -> PatchHead:
 @torch.no_grad()
 def read_right(head: PatchHead, states: torch.Tensor, layouts: list[world.Layout]) -> list[bool]:
     """Per image: does the probe read colour, shape and size of every centred thing right?"""
-    targets = patch_targets(layouts, round(states.shape[1] ** 0.5))
-    y = head.out(head.norm(states))
-    a, b = len(world.COLOURS) + 1, len(world.COLOURS) + len(world.SHAPES) + 2
-    c = b + len(world.SIZES) + 1
-    ok = (
-        (y[..., :a].argmax(-1) == targets["colour"])
-        & (y[..., a:b].argmax(-1) == targets["shape"])
-        & (y[..., b:c].argmax(-1) == targets["size"])
-    )
+    targets, said = patch_targets(layouts, round(states.shape[1] ** 0.5)), head.read(states)
+    ok = (said["colour"] == targets["colour"]) & (said["shape"] == targets["shape"])
+    ok &= said["size"] == targets["size"]
     return (ok | (targets["colour"] == 0)).all(dim=1).tolist()
 
 

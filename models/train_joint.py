@@ -39,21 +39,36 @@ class PatchHead(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(d)
         self.out = torch.nn.Linear(d, N_COLOURS + 1 + N_SHAPES + 1 + N_SIZES + 1 + 2)
 
-    def loss(self, tokens: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _outputs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per patch: colour, shape and size logits and the centre's offset."""
         y = self.out(self.norm(tokens))  # (B, T, classes + 2)
         a, b, c = N_COLOURS + 1, N_COLOURS + N_SHAPES + 2, N_COLOURS + N_SHAPES + N_SIZES + 3
+        return {
+            "colour": y[..., :a],
+            "shape": y[..., a:b],
+            "size": y[..., b:c],
+            "offset": y[..., c:],
+        }
+
+    def loss(self, tokens: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+        y = self._outputs(tokens)
         ce = torch.nn.functional.cross_entropy
         loss = (
-            ce(y[..., :a].flatten(0, 1), targets["colour"].flatten())
-            + ce(y[..., a:b].flatten(0, 1), targets["shape"].flatten())
-            + ce(y[..., b:c].flatten(0, 1), targets["size"].flatten())
+            ce(y["colour"].flatten(0, 1), targets["colour"].flatten())
+            + ce(y["shape"].flatten(0, 1), targets["shape"].flatten())
+            + ce(y["size"].flatten(0, 1), targets["size"].flatten())
         )
         has = targets["colour"] > 0
         if has.any():
             loss = loss + 4.0 * torch.nn.functional.mse_loss(
-                y[..., c:][has], targets["offset"][has]
+                y["offset"][has], targets["offset"][has]
             )
         return loss
+
+    def read(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per patch, the colour, shape and size classes it reads (0 = none)."""
+        y = self._outputs(tokens)
+        return {k: y[k].argmax(-1) for k in ("colour", "shape", "size")}
 
 
 def patch_targets(layouts: list[world.Layout], grid: int) -> dict[str, torch.Tensor]:

@@ -159,10 +159,12 @@ def _add_demo(sub: Any) -> None:
     i = sub.add_parser(
         "demo-index",
         formatter_class=HelpFormatter,
-        help="generate the demo corpus and build it, unless OUT/current exists",
+        help="generate the demo corpus and build it, unless OUT/current exists and was built "
+        "by the models the service will serve",
         description="First-run convenience used by `make serve` and the "
         "docker-compose index-init job: if OUT/current does not exist, generate a "
-        "synthetic corpus and build it into OUT; otherwise do nothing.",
+        "synthetic corpus and build it into OUT. If it is the demo index built by other "
+        "weights, build it again from the same corpus as a new version; otherwise do nothing.",
     )
     i.add_argument("--out", default="indexes", help="index directory (default: ./indexes)")
     i.add_argument(
@@ -282,25 +284,18 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
     # several replicas may start at once on one shared volume (k8s init containers): one builds
     with (out / ".demo-index.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        model = None
-        if (out / "current").exists():
-            # the models the service will serve (DUET_ENCODER, DUET_RERANKER)
-            model = load_models(
-                encoder, reranker, settings.model_dir, settings.device, labels=labels
-            )
-            if not _stale_demo_index(out, corpus, model.fingerprint):
-                return 0
-        else:
+        # the models the service will serve (DUET_ENCODER, DUET_RERANKER)
+        model = load_models(encoder, reranker, settings.model_dir, settings.device, labels=labels)
+        exists = (out / "current").exists()
+        if exists and not _stale_demo_index(out, corpus, model.fingerprint):
+            return 0
+        if not exists:
             print(f"no index in {out}: generating {args.images} demo images in {corpus}")
         # a stale demo index is built again from the corpus it was built from, which its
         # version (perhaps still served by older replicas) keeps pointing at: never rewritten
         manifest = corpus / "manifest.jsonl"
-        if model is None or not manifest.is_file():
+        if not (exists and manifest.is_file()):
             manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
-        if model is None:
-            model = load_models(
-                encoder, reranker, settings.model_dir, settings.device, labels=labels
-            )
         report = build(
             manifest,
             out,
