@@ -7,7 +7,7 @@ import numpy as np
 # ADD_lambda weight the service uses by default (DUET_RERANK_FUSION_LAMBDA). Chosen on the
 # validation split (world seed 999999) for the shipped weights, never on a test split
 # (`python -m models.tune_fusion`; models/weights/README.md has the sweep).
-DEFAULT_FUSION_LAMBDA = 0.6
+DEFAULT_FUSION_LAMBDA = 0.5
 
 
 def sigmoid(logits: np.ndarray) -> np.ndarray:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 
+from models.fusion import DEFAULT_FUSION_LAMBDA
 from tests.deploy_helpers import DEPLOY, K8S, load_yaml_docs
 
 
@@ -46,3 +47,11 @@ def test_k8s_api_probes_gpu_and_volume() -> None:
     assert docs[("ConfigMap", "duet-config")]["data"]["DUET_REDIS_URL"].startswith(
         "redis://duet-redis:"
     )
+
+
+def test_k8s_config_carries_the_tuned_fusion_lambda() -> None:
+    # λ is re-chosen on validation whenever the shipped weights change; a manifest that pins the
+    # old value would quietly serve a worse ranking
+    docs = {(d["kind"], d["metadata"]["name"]): d for p in K8S for d in load_yaml_docs(p)}
+    data = docs[("ConfigMap", "duet-config")]["data"]
+    assert float(data["DUET_RERANK_FUSION_LAMBDA"]) == DEFAULT_FUSION_LAMBDA
