@@ -2,11 +2,11 @@
 once with the frozen image tower, so the cross-encoder sees the same scene at two alignments
 against the 16-pixel patch grid.
 
-Why: on six validation splits the shipped cross-encoder scored 437 of 30,000 captions below 0
-against their own image, and 383 of those above 0 once the image was moved by 4 pixels
-(`benchmarks/border_probe.py`); 1- and 2-thing scenes with a centre within a pixel of a patch
-border were blind two to four times as often as those with every centre 3 pixels or more
-inside a patch. Every scene in training already falls at some alignment; what the cross-encoder
+Why: on six validation splits the cross-encoder then shipped (`d5aa8044`) scored 437 of 30,000
+captions below 0 against their own image, and 383 of those above 0 once the image was moved by
+4 pixels (`benchmarks/border_probe.py`); 1- and 2-thing scenes with a centre within a pixel of
+a patch border were blind two to four times as often as those with every centre 3 pixels or
+more inside a patch. Every scene in training already falls at some alignment; what the cross-encoder
 never sees is one scene at two, which is what tells it that a thing's meaning does not depend
 on where it falls against the grid.
 """

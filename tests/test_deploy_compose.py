@@ -7,6 +7,7 @@ Missing tools fail under CI=true (make test installs them), else skip.
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,23 @@ def test_every_setting_is_in_env_example_compose_and_k8s() -> None:
     assert set(SETTINGS) == set(configmap["data"]) | secret_env
     # values the ConfigMap sets must be valid settings (an empty value = the default)
     Settings(**{k[5:].lower(): v for k, v in configmap["data"].items() if v})
+
+
+def test_env_example_states_the_numeric_defaults() -> None:
+    """Each numeric setting's `default:` comment in .env.example is the default the service
+    uses (λ, for one, is re-chosen whenever the shipped weights change)."""
+    lines = (REPO / ".env.example").read_text().splitlines()
+    checked = 0
+    for above, line in itertools.pairwise(lines):
+        name = line.split("=", 1)[0]
+        if not line.startswith("DUET_") or "default:" not in above:
+            continue
+        field = Settings.model_fields.get(name[5:].lower())
+        default = field.default if field is not None else None
+        if isinstance(default, int | float) and not isinstance(default, bool):
+            assert float(above.rsplit("default:", 1)[1]) == default, (name, above)
+            checked += 1
+    assert checked >= 20, checked
 
 
 def test_empty_setting_means_default(monkeypatch: pytest.MonkeyPatch) -> None:
