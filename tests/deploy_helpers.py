@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from app.config import Settings
 from tests.conftest import REPO, system_tool
 
 DEPLOY = REPO / "deploy"
@@ -62,3 +63,12 @@ def volumes(service: dict[str, Any]) -> list[tuple[str, str, bool]]:
         else:
             out.append((v["source"], v["target"], bool(v.get("read_only"))))
     return out
+
+
+def numeric_default(env_name: str) -> float | None:
+    """The service's default for DUET_<NAME> when it is a number; None for any other setting."""
+    field = Settings.model_fields.get(env_name.removeprefix("DUET_").lower())
+    default = field.default if field is not None else None
+    if isinstance(default, int | float) and not isinstance(default, bool):
+        return float(default)
+    return None

@@ -22,6 +22,7 @@ from tests.deploy_helpers import (
     DEPLOY,
     compose_config,
     load_yaml_docs,
+    numeric_default,
     run,
     tool,
     volumes,
@@ -149,9 +150,7 @@ def test_env_example_states_the_numeric_defaults() -> None:
         name = line.split("=", 1)[0]
         if not line.startswith("DUET_") or "default:" not in above:
             continue
-        field = Settings.model_fields.get(name[5:].lower())
-        default = field.default if field is not None else None
-        if isinstance(default, int | float) and not isinstance(default, bool):
+        if (default := numeric_default(name)) is not None:
             assert float(above.rsplit("default:", 1)[1]) == default, (name, above)
             checked += 1
     assert checked >= 20, checked
