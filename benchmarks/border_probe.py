@@ -17,7 +17,8 @@ each patch, fitted on 6,000 other scenes) reads entirely right.
 A lost query whose own image, moved by 4 pixels, outscores the deeper winner failed at one
 alignment of its things against the patch grid. Where the linear probe reads that image right,
 the stored states hold what the caption says and it is the cross-encoder that misreads them
-(the shipped weights: most of them), so the mending belongs in stage 2, not the image tower.
+(for `d5aa8044` and `81f84bcb`: most of them), so the mending belongs in stage 2, not the
+image tower.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ Fine-tunes that start from one cross-encoder, with a small learning rate, stay i
 the mean of their weights scores about as the mean of their logits would, at the cost of one
 cross-encoder. Each fine-tune of duet's has its own blind spots (images whose own captions it
 scores below 0; `benchmarks/border_probe.py`), about half of them shared with another run, so
-the mean has fewer: on six validation splits the shipped cross-encoder was blind to 265 of
-6,000 images, three fine-tunes 265-281 each, their mean 162 (`models/weights/README.md`).
+the mean has fewer: on six validation splits the cross-encoder shipped then (`d5aa8044`) was
+blind to 265 of 6,000 images, three fine-tunes 265-281 each, their mean (`81f84bcb`) 162; the
+weights that ship now average that mean once more (`models/weights/README.md`).
 
 Only the cross-encoder's tensors (`models.joint.CROSS_ENCODER`) are averaged. Everything else
 (towers, projections, HAN head, vocabulary, shape) must be identical in every source, which
