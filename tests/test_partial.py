@@ -225,3 +225,18 @@ def test_unknown_words() -> None:
     assert tok.unknown_words("A red Circle next to the dog, the DOG!") == ["next", "dog"]
     assert tok.unknown_words("two small blue squares above a cross") == []
     assert unknown_words("a purple elephant") == ["elephant"]  # the shipped vocab.json
+
+
+def test_and_is_read_as_with() -> None:
+    """People join two things with "and", the grammar with "with": the tokenizer reads one as
+    the other, so "and" is neither [UNK] nor reported, and the two queries are one to the
+    model; a vocabulary without "with" (or a tokenizer without aliases) still reports it."""
+    tok = WordTokenizer(world.vocabulary())
+    assert "and" not in world.vocabulary()
+    typed, written = "two green circles and a red diamond", "two green circles with a red diamond"
+    assert tok.ids(typed) == tok.ids(written) and tok.stoi[UNK] not in tok.ids(typed)
+    assert tok.unknown_words(typed) == [] and unknown_words(typed) == []
+    assert WordTokenizer(world.vocabulary(), aliases={}).unknown_words(typed) == ["and"]
+    no_with = [w for w in world.vocabulary() if w != "with"]
+    assert WordTokenizer(no_with).unknown_words(typed) == ["and"]
+    assert len(tok.itos) == len(WordTokenizer(world.vocabulary(), aliases={}).itos)
