@@ -15,7 +15,7 @@ PAD, UNK, CLS = "[PAD]", "[UNK]", "[CLS]"
 
 # Words people type that the world's grammar never writes, each read as the word the grammar
 # uses for the same thing: captions join two things with "with" ("a red circle with a blue
-# square"), people with "and". Read as [UNK], "and" cost two-thing queries 18 points of served
+# square"), people with "and". Read as [UNK], "and" cost two-thing queries 19 points of served
 # P@1 on validation (`python benchmarks/typed_and.py`; docs/evaluation.md).
 ALIASES = {"and": "with"}
 
