@@ -70,6 +70,9 @@ def test_positions_and_parse_of_what_people_type() -> None:
         Part("circle", "green", None, 2), Part("diamond", "red")
     )
     assert world.parse("a circle, a square and a cross") is None  # three things: not the grammar
+    with_its = world.parse("a red square with a blue circle to its left")
+    assert with_its == Desc(Part("circle", "blue"), Part("square", "red"), "left of")
+    assert world.parse("a red square and a blue circle to its left") == with_its
 
 
 def test_every_caption_fits_its_scene_and_no_perturbation() -> None:

@@ -244,7 +244,8 @@ def _parse(words: list[str]) -> tuple[Desc | None, list[tuple[int, int, Part]], 
     if rel is not None:
         return Desc(p1, p2, rel), nps, False
     its = next((_REL_OF[w] for w in after if w in _REL_OF), None)
-    if "with" in between and its is not None:  # "b with a to its left": a left of b
+    # "b with a to its left": a left of b; people write "and" where the grammar has "with"
+    if ("with" in between or "and" in between) and its is not None:
         return Desc(p2, p1, its), nps, True
     return Desc(p1, p2), nps, False
 
