@@ -8,7 +8,7 @@ write "and". Of `--queries` partial queries (world seed 999,998, as `models.tune
 keeps those that name two things joined by "with", and prints P@1 / P@10 over 1,000 validation
 images (world seed 999,999) for dot, the cross-encoder alone and the served ADD_λ, three ways:
 as written ("with"), with "and" in its place read as the tokenizer reads it now
-(`models.tokenizer.ALIASES`: as "with"), and with "and" read as [UNK] (no aliases).
+(`models.shipped.ALIASES`: as "with"), and with "and" read as [UNK] (no aliases).
 """
 
 from __future__ import annotations

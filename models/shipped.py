@@ -11,6 +11,13 @@ DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights"
 
 _WORD = re.compile(r"[a-z]+|\d+")
 
+# Words people type that the world's grammar never writes, each read as the word the grammar
+# uses for the same thing: captions join two things with "with" ("a red circle with a blue
+# square"), people with "and". Read as [UNK], "and" cost two-thing queries 19 points of served
+# P@1 on validation (`python benchmarks/typed_and.py`; docs/evaluation.md). The tokenizer
+# (`models.tokenizer.WordTokenizer`) and the world's parser (`models.world.parse`) both read them.
+ALIASES = {"and": "with"}
+
 
 def caption_words(text: str) -> list[str]:
     """The words of a text as duet's tokenizer reads them: lower-cased letters or digits, the

@@ -9,15 +9,9 @@ from pathlib import Path
 
 import torch
 
-from models.shipped import DEFAULT_WEIGHTS, caption_words
+from models.shipped import ALIASES, DEFAULT_WEIGHTS, caption_words
 
 PAD, UNK, CLS = "[PAD]", "[UNK]", "[CLS]"
-
-# Words people type that the world's grammar never writes, each read as the word the grammar
-# uses for the same thing: captions join two things with "with" ("a red circle with a blue
-# square"), people with "and". Read as [UNK], "and" cost two-thing queries 19 points of served
-# P@1 on validation (`python benchmarks/typed_and.py`; docs/evaluation.md).
-ALIASES = {"and": "with"}
 
 
 def normalise(text: str) -> str:

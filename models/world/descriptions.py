@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from models.shipped import caption_words
+from models.shipped import ALIASES, caption_words
 from models.world.scenes import (
     COLOURS,
     COUNT_WORDS,
@@ -226,8 +226,9 @@ def _position(words: list[str]) -> str | None:
 
 def parse(text: str) -> Desc | None:
     """What a caption or query says, read back with the world's grammar; None when it names
-    no shape or more than two."""
-    return _parse(caption_words(text))[0]
+    no shape or more than two. Words people type for the grammar's own (`ALIASES`: "and" for
+    "with") are read as the tokenizer reads them."""
+    return _parse([ALIASES.get(w, w) for w in caption_words(text)])[0]
 
 
 def _parse(words: list[str]) -> tuple[Desc | None, list[tuple[int, int, Part]], bool]:
@@ -244,8 +245,7 @@ def _parse(words: list[str]) -> tuple[Desc | None, list[tuple[int, int, Part]], 
     if rel is not None:
         return Desc(p1, p2, rel), nps, False
     its = next((_REL_OF[w] for w in after if w in _REL_OF), None)
-    # "b with a to its left": a left of b; people write "and" where the grammar has "with"
-    if ("with" in between or "and" in between) and its is not None:
+    if "with" in between and its is not None:  # "b with a to its left": a left of b
         return Desc(p2, p1, its), nps, True
     return Desc(p1, p2), nps, False
 
