@@ -141,7 +141,8 @@ class SearchPipeline:
 
     def _identity(self, text: str) -> str:
         """The cache's key for a text query: what the model reads of it (the builtin word
-        tokenizer: `normalise(text)`), else the text exactly; 422 when nothing is readable."""
+        tokenizer: its words, aliases read as their word), else the text exactly; 422 when
+        nothing is readable."""
         identity = getattr(self.model, "query_identity", None)
         key = identity(text) if callable(identity) else text
         if not any(ch.isalnum() or unicodedata.category(ch).startswith(("S", "P")) for ch in key):

@@ -21,7 +21,7 @@ from models.errors import UserError
 from models.inference import CrossEncoderRuntime, Precision
 from models.joint import JointConfig, JointModel
 from models.shipped import DEFAULT_WEIGHTS
-from models.tokenizer import WordTokenizer, normalise, unique_texts
+from models.tokenizer import WordTokenizer, unique_texts
 
 WEIGHTS_FILE = "model.safetensors"
 NAME = "duet-joint"
@@ -141,11 +141,11 @@ class BuiltinModel:
         """The words of `text` outside the vocabulary (each read as [UNK])."""
         return self.tokenizer.unknown_words(text)
 
-    @staticmethod
-    def query_identity(text: str) -> str:
-        """What this model reads of a text: its word tokenizer sees only `normalise(text)`, so
-        texts equal after it are encoded and re-ranked identically (the cache's key)."""
-        return normalise(text)
+    def query_identity(self, text: str) -> str:
+        """What this model reads of a text: its word tokenizer sees only its words, each alias
+        read as its word (`WordTokenizer.reading`), so texts equal after it are encoded and
+        re-ranked identically (the cache's key; "a and b" and "a with b" share an entry)."""
+        return self.tokenizer.reading(text)
 
     # -- bi-encoder -----------------------------------------------------------
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:

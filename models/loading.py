@@ -142,9 +142,10 @@ class Models:
         return list(words(text)) if callable(words) else []
 
     def query_identity(self, text: str) -> str:
-        """What the cache keys a text query by: `normalise(text)` when every model that reads
-        the text is the builtin one (its word tokenizer sees nothing else), else the text
-        exactly as given (a sub-word tokenizer tells "c++" from "c#" and reads any script)."""
+        """What the cache keys a text query by: its words (aliases read as their word) when
+        every model that reads the text is the builtin one (its word tokenizer sees nothing
+        else), else the text exactly as given (a sub-word tokenizer tells "c++" from "c#" and
+        reads any script)."""
         return self.joint.query_identity(text) if self.joint is not None else text
 
     def encode_images(self, images: Sequence[Image.Image]) -> tuple[np.ndarray, np.ndarray]:

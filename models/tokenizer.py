@@ -14,11 +14,6 @@ from models.shipped import ALIASES, DEFAULT_WEIGHTS, caption_words
 PAD, UNK, CLS = "[PAD]", "[UNK]", "[CLS]"
 
 
-def normalise(text: str) -> str:
-    """Lower-case and collapse whitespace; also the cache's notion of "the same query"."""
-    return " ".join(caption_words(text))
-
-
 def unique_texts(texts: Sequence[str]) -> tuple[list[str], list[int]]:
     """(each distinct text once, in first-seen order; each text's row in that list): a text
     query's candidates all share its sentence, so re-rankers encode it once."""
@@ -46,9 +41,10 @@ class WordTokenizer:
     ) -> None:
         self.itos = [PAD, UNK, CLS, *words]
         self.stoi = {w: i for i, w in enumerate(self.itos)}
-        for alias, word in aliases.items():
-            if alias not in self.stoi and word in self.stoi:
-                self.stoi[alias] = self.stoi[word]
+        # The aliases this vocabulary reads as another word: those it lacks, whose word it has.
+        self.aliases = {a: w for a, w in aliases.items() if a not in self.stoi and w in self.stoi}
+        for alias, word in self.aliases.items():
+            self.stoi[alias] = self.stoi[word]
         self.max_len = max_len
 
     @property
@@ -60,6 +56,11 @@ class WordTokenizer:
         unk = self.stoi[UNK]
         toks = [self.stoi[CLS], *(self.stoi.get(w, unk) for w in caption_words(text))]
         return toks[: self.max_len]
+
+    def reading(self, text: str) -> str:
+        """What this tokenizer reads of `text`: its words, each alias as its word ("a and b"
+        reads "a with b"); texts with the same reading get the same ids (the cache's key)."""
+        return " ".join(self.aliases.get(w, w) for w in caption_words(text))
 
     def unknown_words(self, text: str) -> list[str]:
         """The words of `text` this vocabulary does not know (they are read as [UNK]), each

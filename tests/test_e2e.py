@@ -168,9 +168,15 @@ def test_second_identical_request_is_cached(service: Service) -> None:
             "/search/text", json={**query, "query": "  A tiny purple CROSS in the top left "}
         ).json()
         after = _metric(c.get("/metrics").text, "duet_cache_requests_total", result="hit")
+        # "and" is read as "with", so it is that query's entry too (its unknown_words: none)
+        pair = {"query": "a red circle with a blue square", "top_k": 4}
+        typed = c.post("/search/text", json={**pair, "query": "a red circle and a blue square"})
+        written = c.post("/search/text", json=pair).json()
     assert first["cached"] is False and second["cached"] is True
     assert second["hits"] == first["hits"]
     assert after == before + 1
+    assert typed.json()["cached"] is False and typed.json()["unknown_words"] == []
+    assert written["cached"] is True and written["hits"] == typed.json()["hits"]
 
 
 def test_metrics_exported(service: Service) -> None:

@@ -357,6 +357,8 @@ def test_cache_identity_is_what_the_models_read(ckpt: dict[str, Path]) -> None:
     builtin = load_models("builtin", "builtin")
     assert builtin.query_identity("  A Red, circle! ") == "a red circle"
     assert builtin.query_identity("c++") == builtin.query_identity("c#") == "c"
+    # "and" is read as "with" (models.shipped.ALIASES), so both spellings share one entry
+    assert builtin.query_identity("A red circle AND a square") == "a red circle with a square"
     for models in (
         load_models(str(ckpt["clip"]), "builtin"),
         load_models("builtin", str(ckpt["blip"])),

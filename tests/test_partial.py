@@ -243,3 +243,7 @@ def test_and_is_read_as_with() -> None:
     no_with = [w for w in world.vocabulary() if w != "with"]
     assert WordTokenizer(no_with).unknown_words(typed) == ["and"]
     assert len(tok.itos) == len(WordTokenizer(world.vocabulary(), aliases={}).itos)
+    # the reading (the cache's key) follows the ids: one reading exactly when one alias applies
+    assert tok.reading(typed) == written
+    assert WordTokenizer(no_with).reading(typed) == typed
+    assert WordTokenizer([*world.vocabulary(), "and"]).reading(typed) == typed
