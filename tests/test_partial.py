@@ -247,3 +247,19 @@ def test_and_is_read_as_with() -> None:
     assert tok.reading(typed) == written
     assert WordTokenizer(no_with).reading(typed) == typed
     assert WordTokenizer([*world.vocabulary(), "and"]).reading(typed) == typed
+
+
+def test_tune_fusion_averages_validation_splits(model: BuiltinModel) -> None:
+    """`tune_fusion --seeds a,b` reports each figure as the mean of the splits' figures, and
+    refuses a seed that is not a validation seed (the test split never chooses λ)."""
+    from models.tune_fusion import sweep
+
+    a, b = HELD_OUT_SEED_BASE - 1, HELD_OUT_SEED_BASE - 3
+    one = [sweep(model, 30, 4, queries=30, seeds=(s,)) for s in (a, b)]
+    both = sweep(model, 30, 4, queries=30, seeds=(a, b))
+    assert one[0] != one[1]  # the splits differ, so the mean says something
+    for key in ("ADD_0.5", "ce_only", "dot"):
+        for m in ("t2i R@1", "i2t R@1", "P@1", "P@10"):
+            assert both[key][m] == pytest.approx((one[0][key][m] + one[1][key][m]) / 2, abs=1e-3)
+    with pytest.raises(ValueError, match="not a validation seed"):
+        sweep(model, 12, 4, queries=20, seeds=(HELD_OUT_SEED_BASE + 2026,))
