@@ -327,10 +327,12 @@ def test_bad_options_are_4xx_naming_what_is_allowed(
 # -- the cache keeps options apart -------------------------------------------------------------
 def test_cache_entries_are_per_option(service: Service, corpus: Path) -> None:
     query = "a tiny purple cross in the top left"
+    other_lambda = 0.7  # not the default: an omitted lambda and the default share one entry
+    assert other_lambda != DEFAULT_FUSION_LAMBDA
     variants: list[dict[str, Any]] = [
         {},
         {"fusion": "none"},
-        {"lambda": 0.1},
+        {"lambda": other_lambda},
         {"fusion": "norm_add"},
         {"reranker": "late"},
         {"reranker": "late", "theta": 0.9},
