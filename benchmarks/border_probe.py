@@ -40,7 +40,7 @@ from models.ce_moves import moved
 from models.eval_pool import cross_scores, directions
 from models.evaluate import PAIR_BATCH, encode_pool
 from models.train_joint import PatchHead, patch_targets
-from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE
+from models.trainconfig import DEFAULT_WEIGHTS, check_validation_seeds
 
 COUNTS = ("queries", "lost", "mended", "blind", "seen", "read")
 SHIFTS = [(dx, dy) for dx in (-4, 0, 4) for dy in (-4, 0, 4) if (dx, dy) != (0, 0)]
@@ -140,8 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--images", type=int, default=1000, help="images per split (5 captions each)")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    if any(s >= HELD_OUT_SEED_BASE for s in seeds):
-        p.error("seeds at or above 1,000,000 are test splits; use validation seeds only")
+    try:
+        check_validation_seeds(seeds)
+    except ValueError as exc:
+        p.error(str(exc))
     model = BuiltinModel.load(args.model_dir)
     head = linear_probe(model)
     lines = [

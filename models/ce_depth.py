@@ -26,7 +26,7 @@ from models import world
 from models.builtin import BuiltinModel
 from models.eval_pool import Pool, cross_scores, directions
 from models.evaluate import PAIR_BATCH, encode_pool
-from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE
+from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE, check_validation_seeds
 
 # the validation split (`duet train`'s and models.tune_fusion's) and a second one beside it;
 # 999,998 draws the validation partial queries
@@ -103,9 +103,7 @@ def depth_report(
     model: BuiltinModel, seeds: Sequence[int], images: int, depths: Sequence[int] = DEPTHS
 ) -> dict[str, Any]:
     """`depth_split` per validation seed, and the splits' queries pooled per direction."""
-    for seed in seeds:
-        if seed >= HELD_OUT_SEED_BASE:
-            raise ValueError(f"world seed {seed} is a test split's; use validation seeds only")
+    check_validation_seeds(seeds)
     splits = {
         seed: depth_split(model, list(world.generate(images, seed)), depths) for seed in seeds
     }

@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from models.shipped import DEFAULT_WEIGHTS
 
-__all__ = ["DEFAULT_WEIGHTS", "HELD_OUT_SEED_BASE", "PARTIAL_SEED", "TrainConfig"]
+__all__ = [
+    "DEFAULT_WEIGHTS",
+    "HELD_OUT_SEED_BASE",
+    "PARTIAL_SEED",
+    "TrainConfig",
+    "check_validation_seeds",
+]
 
 # World seeds at or above this are never used for training; tests draw their splits there.
 HELD_OUT_SEED_BASE = 1_000_000
 # `duet eval --partial`'s queries are drawn with this world seed, apart from the test splits'
 PARTIAL_SEED = HELD_OUT_SEED_BASE + 13_000
+
+
+def check_validation_seeds(seeds: Iterable[int]) -> None:
+    """ValueError unless every seed is a validation split's (below HELD_OUT_SEED_BASE): what
+    chooses a model or a setting never reads a test split."""
+    for seed in seeds:
+        if seed >= HELD_OUT_SEED_BASE:
+            raise ValueError(
+                f"world seed {seed} is a test split's, not a validation seed (they are below "
+                f"{HELD_OUT_SEED_BASE:,}); use validation seeds only"
+            )
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 from models import world
 from models.builtin import BuiltinModel
 from models.evaluate import evaluate, partial_precision
-from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE
+from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE, check_validation_seeds
 
 LAMBDAS = tuple(round(0.1 * i, 1) for i in range(11))
 
@@ -35,6 +35,7 @@ def sweep(
 ) -> dict[str, dict[str, float]]:
     """{"ADD_λ": {"t2i R@1", "i2t R@1", "P@1", "P@10", "score"}, "dot", "ce_only"}: the mean
     over the validation splits `seeds` (never a test seed)."""
+    check_validation_seeds(seeds)
     splits = [_split(model, images, candidates, queries, seed) for seed in seeds]
     out = {}
     for key in splits[0]:
@@ -48,10 +49,6 @@ def _split(
 ) -> dict[str, dict[str, float]]:
     """One validation split's figures, unrounded: images from `seed`, partial queries from
     `seed - 1`."""
-    if seed >= HELD_OUT_SEED_BASE:
-        raise ValueError(
-            f"seed {seed} is not a validation seed (they are below {HELD_OUT_SEED_BASE})"
-        )
     val = list(world.generate(images, seed, n_captions=5))
     full = evaluate(
         model,
