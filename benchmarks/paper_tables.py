@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+# the repo first, then what this process was given (packages in a --target folder, say)
+CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 sys.path.insert(0, str(REPO))
 from benchmarks.served_tables import served_args, served_checks, served_markdown  # noqa: E402
 from models.fusion import DEFAULT_FUSION_LAMBDA  # noqa: E402  (the repo, not an install)
@@ -326,7 +328,7 @@ def results_markdown(
 def main() -> None:
     """Build, evaluate, write the results and print which findings hold."""
     args = parse_args()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
     if args.model_dir:
         env["DUET_MODEL_DIR"] = str(Path(args.model_dir).resolve())
     t0 = time.perf_counter()

@@ -32,6 +32,8 @@ import httpx
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+# the repo first, then what this process was given (packages in a --target folder, say)
+CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 
 from benchmarks.load_client import Cell, Queries, closed_loop, overload  # noqa: E402
@@ -53,7 +55,7 @@ def server(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterato
     with log.open("wb") as fh:
         proc = subprocess.Popen(
             cmd,
-            env={**os.environ, "PYTHONPATH": str(REPO), **env},
+            env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, **env},
             stdout=fh,
             stderr=subprocess.STDOUT,
             cwd=REPO,

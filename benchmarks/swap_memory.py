@@ -30,6 +30,8 @@ from models import world
 from store.indexio import Manifest, point_current, resolve_current
 
 REPO = Path(__file__).resolve().parent.parent
+# the repo first, then what this process was given (packages in a --target folder, say)
+CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 FIELDS = ("VmRSS", "RssAnon", "RssFile")
 
 
@@ -51,7 +53,7 @@ def start(index_dir: Path, port: int, token: str) -> subprocess.Popen[bytes]:
         "DUET_PORT": str(port),
         "DUET_ADMIN_TOKEN": token,
         "DUET_INDEX_POLL_S": "0",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": CHILD_PYTHONPATH,
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "duet.cli", "serve"],

@@ -13,7 +13,9 @@ against M candidates, so three things repeat and are computed once or not at all
   feed-forward for [ITM] alone.
 
 Measured on the 2-core CPU, one thread, 50 pairs: 57.6 ms -> 38.7 ms (1.5x), logits equal
-to 3e-6. On a GPU, `precision` fp16 / bf16 autocasts the same code. Tried on this CPU and
+to 3e-6. On a GPU, `precision` fp16 / bf16 autocasts the same code; measured once on an H200
+(docs/gpu.md), that ran 50 pairs at 14k pairs/s against the plain forward's 50k (not like for
+like, but duet's served latency trails there too). Tried on this CPU and
 dropped: int8 (fbgemm dynamic quantisation of every linear layer; 38.1 ms, no faster at these
 sizes, logits off by up to 0.68, and torch deprecates its quantised tensors) and bf16
 autocast (no AMX or AVX-512 BF16 here: 7x slower).

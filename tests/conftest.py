@@ -25,6 +25,9 @@ pytest.register_assert_rewrite("tests.deploy_helpers", "tests.hf_wiring_helpers"
 
 REPO = Path(__file__).resolve().parent.parent
 DUET = [sys.executable, "-m", "duet.cli"]
+# what a child process (`duet serve`, `duet build`) gets as PYTHONPATH: the repo, then whatever
+# this one was given (a host whose packages live in a --target folder on PYTHONPATH)
+CHILD_PYTHONPATH = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
 # Fixtures that start real processes, build indexes or train: a test using one is `slow`,
@@ -182,7 +185,7 @@ def start_service(index_dir: Path, log: Path, **env: str) -> Service:
         "DUET_INDEX_DIR": str(index_dir),
         "DUET_PORT": str(port),
         "DUET_HOST": "127.0.0.1",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": CHILD_PYTHONPATH,
         "DUET_REQUEST_TIMEOUT_MS": "30000",
         **env,
     }

@@ -15,7 +15,7 @@ from index_builder.build import build
 from index_builder.corpus import CorpusError
 from models.builtin import BuiltinModel
 from store import indexio
-from tests.conftest import DUET, REPO
+from tests.conftest import CHILD_PYTHONPATH, DUET
 
 
 def _copy_corpus(src: Path, dst: Path, n: int) -> Path:
@@ -106,7 +106,7 @@ def test_skip_bad_skips_and_reports(tmp_path: Path, corpus: Path, model: Builtin
 def test_cli_build_error_is_clear(tmp_path: Path, corpus: Path) -> None:
     manifest = _copy_corpus(corpus, tmp_path / "c", 3)
     (tmp_path / "c" / "images" / "0002.png").unlink()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
     proc = subprocess.run(
         [
             *DUET,
@@ -128,7 +128,7 @@ def test_cli_build_error_is_clear(tmp_path: Path, corpus: Path) -> None:
 
 @pytest.mark.parametrize("cmd", ["serve", "build", "train", "demo-corpus"])
 def test_every_command_has_help(cmd: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
     proc = subprocess.run(
         [*DUET, cmd, "--help"], capture_output=True, text=True, env=env, timeout=60
     )

@@ -22,9 +22,9 @@ from index_builder.write import IDENTICAL_FILES
 from models.builtin import BuiltinModel
 from store import ann, indexio
 from tests.builder_helpers import FAMILIES
-from tests.conftest import DUET, REPO
+from tests.conftest import CHILD_PYTHONPATH, DUET
 
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+ENV = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
 
 
 def _corpus(src: Path, dst: Path, lines: list[str], name: str = "manifest.jsonl") -> Path:

@@ -16,7 +16,7 @@ from models.builtin import save_model
 from models.joint import JointConfig, JointModel
 from models.tokenizer import WordTokenizer
 from models.world import vocabulary
-from tests.conftest import DUET, REPO
+from tests.conftest import CHILD_PYTHONPATH, DUET
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def test_index_from_another_model_is_refused(corpus: Path, tmp_path: Path) -> No
     tok = WordTokenizer(vocabulary())
     save_model(JointModel(JointConfig(vocab_size=tok.vocab_size)), tok, other)
     out = tmp_path / "idx"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
     subprocess.run(
         [
             *DUET,
@@ -55,7 +55,7 @@ def test_index_from_another_model_is_refused(corpus: Path, tmp_path: Path) -> No
 
 
 def test_missing_index_says_how_to_build(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(tmp_path / "none")}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "DUET_INDEX_DIR": str(tmp_path / "none")}
     proc = subprocess.run([*DUET, "serve"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "duet build" in proc.stderr
 
@@ -68,7 +68,7 @@ def test_missing_index_says_how_to_build(tmp_path: Path) -> None:
     ],
 )
 def test_bad_setting_is_a_clear_error(index_dir: Path, env: dict[str, str], says: str) -> None:
-    full = {**os.environ, "PYTHONPATH": str(REPO), "DUET_INDEX_DIR": str(index_dir), **env}
+    full = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "DUET_INDEX_DIR": str(index_dir), **env}
     proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
 
@@ -95,7 +95,7 @@ def test_every_command_reads_the_same_dotenv(
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUET_")}
     proc = subprocess.run(
         [*DUET, *args],
-        env={**env, "PYTHONPATH": str(REPO)},
+        env={**env, "PYTHONPATH": CHILD_PYTHONPATH},
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -109,7 +109,7 @@ def test_every_command_reads_the_same_dotenv(
 def test_cuda_without_a_gpu_is_refused(index_dir: Path) -> None:
     full = {
         **os.environ,
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": CHILD_PYTHONPATH,
         "DUET_INDEX_DIR": str(index_dir),
         "DUET_DEVICE": "cuda",
     }

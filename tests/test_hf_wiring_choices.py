@@ -14,7 +14,7 @@ import pytest
 
 from duet.cli import main
 from models.trainconfig import DEFAULT_WEIGHTS
-from tests.conftest import DUET, REPO
+from tests.conftest import CHILD_PYTHONPATH, DUET, REPO
 from tests.hf_wiring_helpers import make_checkpoints
 
 
@@ -64,7 +64,7 @@ def test_duet_serve_exits_2_for_a_wrong_kind(ckpt: dict[str, Path], tmp_path: Pa
     """The real process: exit status 2 and the message, before any index is read."""
     env = {
         **os.environ,
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": CHILD_PYTHONPATH,
         "DUET_ENCODER": str(ckpt["blip"]),
         "DUET_INDEX_DIR": str(tmp_path),
     }

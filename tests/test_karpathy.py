@@ -19,11 +19,11 @@ from models.device import resolve_device
 from models.trainconfig import HELD_OUT_SEED_BASE
 from models.world import write_corpus
 from store import indexio
-from tests.conftest import DUET, REPO
+from tests.conftest import CHILD_PYTHONPATH, DUET
 
 # image i of the generated corpus -> its Karpathy split
 SPLITS = ["train"] * 5 + ["restval", "val", "val"] + ["test"] * 4
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+ENV = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
 
 
 def _karpathy(manifest: Path, out: Path, dataset: str, coco: bool) -> Path:

@@ -84,8 +84,10 @@ def test_gpu_model_matches_cpu(model: BuiltinModel) -> None:
     (gv, gt), (cv, ct) = gpu.encode_images(imgs), model.encode_images(imgs)
     np.testing.assert_allclose(gv, cv, atol=1e-4)
     np.testing.assert_allclose(gt.astype(np.float32), ct.astype(np.float32), atol=1e-2)
+    # the GPU's cross-encoder runs in fp16 (a logit near -9.3 is held to steps of 1/128, and
+    # an H200 gave -9.34375 for the CPU's -9.346128): as close as fp16 allows, not closer
     np.testing.assert_allclose(
-        gpu.score_pairs(texts, ct[:2]), model.score_pairs(texts, ct[:2]), atol=1e-3
+        gpu.score_pairs(texts, ct[:2]), model.score_pairs(texts, ct[:2]), rtol=2e-3, atol=1e-2
     )
 
 

@@ -24,6 +24,7 @@ from models.joint import CROSS_ENCODER, JointConfig, JointModel
 from models.tokenizer import WordTokenizer
 from models.train import load_encoders, train
 from models.trainconfig import TrainConfig
+from tests.conftest import CHILD_PYTHONPATH
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = TrainConfig(
@@ -280,7 +281,7 @@ def test_the_recorded_command_asks_for_the_same_config() -> None:
 
 
 def test_cli_from_needs_a_model_directory(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
     proc = subprocess.run(
         [
             sys.executable,

@@ -1,0 +1,57 @@
+"""The build benchmark (benchmarks/build_devices.py) runs end to end and its agreement check
+reads the two builds' vectors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.build_devices import agreement
+from tests.conftest import REPO
+
+SCRIPT = [sys.executable, str(REPO / "benchmarks" / "build_devices.py")]
+
+
+def test_agreement_of_a_build_with_itself_and_with_a_changed_copy(
+    index_dir: Path, tmp_path: Path
+) -> None:
+    same = agreement(index_dir, index_dir)
+    assert same["min_cos_image"] == pytest.approx(1.0) and same["top10_shared"] == 1.0
+    assert same["top1_same"] == 1.0
+    # a copy whose image vectors are reversed in order: the same vectors, other rows
+    copy = tmp_path / "copy"
+    version = copy / "v1"
+    version.mkdir(parents=True)
+    cur = (index_dir / "current").resolve()
+    np.save(version / "image_vectors.npy", np.load(cur / "image_vectors.npy")[::-1])
+    np.save(version / "text_vectors.npy", np.load(cur / "text_vectors.npy"))
+    (copy / "current").symlink_to("v1")
+    moved = agreement(index_dir, copy)
+    assert moved["min_cos_image"] < 0.99 and moved["top1_same"] < 0.2
+
+
+@pytest.mark.slow
+def test_build_devices_benchmark_runs() -> None:
+    res = subprocess.run(
+        [*SCRIPT, "--devices", "cpu", "--images", "48", "--batch-size", "16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    (row,) = [json.loads(line) for line in res.stdout.splitlines()]
+    assert row["device"] == "cpu" and row["images"] == 48 and row["images_per_s"] > 0
+    twice = subprocess.run(
+        [*SCRIPT, "--devices", "cpu,cpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert twice.returncode == 2 and "names a device twice" in twice.stderr
