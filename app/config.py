@@ -48,6 +48,11 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the model runs: auto = a CUDA GPU when torch sees one"
     )
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto",
+        description="the builtin cross-encoder's arithmetic: auto = fp16 on a GPU, fp32 on "
+        "the CPU; fp32 on a GPU gives the CPU's logits (docs/gpu.md compares them)",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: str = "info"

@@ -41,7 +41,13 @@ class Resources:
 def load_resources(settings: Settings) -> Resources:
     """Load the models (DUET_ENCODER, DUET_RERANKER), then the current index; refuse an index
     built by other models."""
-    model = load_models(settings.encoder, settings.reranker, settings.model_dir, settings.device)
+    model = load_models(
+        settings.encoder,
+        settings.reranker,
+        settings.model_dir,
+        settings.device,
+        precision=settings.precision,
+    )
     index = load_checked(resolve_current(settings.index_dir), model)
     log.info(
         "loaded model %s (re-rankers %s, default %s) and index %s (%d images, %d texts)",

@@ -6,6 +6,7 @@
 #
 #   BUDGET=400 bash benchmarks/gpu_check.sh          # seconds for the whole run, suite last
 #   SKIP_BUILD=1 ... / SKIP_SERVE=1 ...              # leave a part out
+#   PRECISIONS="auto fp32" ...                       # DUET_PRECISION of each serving run
 #
 # A host that reaches no package registry needs duet's packages as wheels for its Python in
 # WHEELS (default .whl, a git-ignored folder copied with the tree): fastapi, starlette,
@@ -47,9 +48,11 @@ if [ -z "${SKIP_SERVE:-}" ]; then
   el "3. demo index, then the serving benchmark on cuda"
   timeout 90 python3 -m duet.cli demo-index --out indexes --corpus-out data/demo --images 2000 \
     --seed 7 --no-progress 2>&1 | tail -2
-  timeout 240 python3 benchmarks/serve_load.py --device cuda --index-dir indexes --rounds 1 \
-    --seconds 4 --overload 128 --out "$OUT/performance_gpu.md" --json "$OUT/serve_gpu.json" 2>&1 |
-    tail -40 | tee "$OUT/serve_gpu.txt"
+  for p in ${PRECISIONS:-auto fp32}; do # duet's cross-encoder: fp16 (auto) and fp32 on a GPU
+    DUET_PRECISION=$p timeout 240 python3 benchmarks/serve_load.py --device cuda \
+      --index-dir indexes --rounds 1 --seconds 4 --overload 128 \
+      --out "$OUT/performance_gpu_$p.md" 2>&1 | tail -40
+  done
 fi
 
 el "4. the suite on the GPU host, as far as the budget goes (one line per test in suite.log)"

@@ -27,12 +27,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import httpx
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 # the repo first, then what this process was given (packages in a --target folder, say)
+# duet's server reads it from the environment; its runtime's figure below uses the same
+PRECISION = os.environ.get("DUET_PRECISION") or "auto"
 CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 
@@ -87,9 +90,12 @@ def pairs_per_second(
     import torch
 
     from models.builtin import BuiltinModel
+    from models.inference import Precision
     from store.indexio import IndexVersion, resolve_current
 
-    model = BuiltinModel.load(device=device)
+    model = BuiltinModel.load(
+        device=device, precision=None if PRECISION == "auto" else cast(Precision, PRECISION)
+    )
     index = IndexVersion.open(resolve_current(index_dir))
     toks = np.array(index.image_tokens[:candidates], dtype=np.float32)
     q = "a small red circle left of a large blue square"
@@ -256,7 +262,8 @@ def write_report(
         "",
         f"Written by `python benchmarks/serve_load.py --device {args.device}` "
         f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
-        f"device {args.device}). Index: `{args.index_dir}/current`; "
+        f"device {args.device}, duet's cross-encoder in DUET_PRECISION={PRECISION}). "
+        f"Index: `{args.index_dir}/current`; "
         f"{args.candidates} candidates, top 10; closed-loop clients, {args.seconds:g} s per cell "
         f"x {args.rounds} interleaved rounds; every query a different caption (no cache hits).",
         "The baseline (`benchmarks/baseline_server.py`) is the script a user would write: a sync "

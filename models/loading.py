@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from PIL import Image
@@ -28,6 +28,7 @@ from PIL import Image
 from models import hf
 from models.builtin import BuiltinModel, ModelLoadError
 from models.han import HANReranker
+from models.inference import Precision
 from models.protocols import BiEncoder, PairReranker, TokenEncoder
 from models.rerankers import HAN_WHY, NONE, Menu, menu
 from models.shipped import DEFAULT_WEIGHTS
@@ -239,15 +240,16 @@ def check_choices(
 class _Loader:
     """Loads the models of one `load_models` call: the builtin model once, on `device`."""
 
-    def __init__(self, model_dir: Path | None, device: str) -> None:
+    def __init__(self, model_dir: Path | None, device: str, precision: str = "auto") -> None:
         self.model_dir = model_dir
         self.device = device
+        self.precision = None if precision == "auto" else cast(Precision, precision)
         self._builtin: BuiltinModel | None = None
 
     def joint(self) -> BuiltinModel:
         """The builtin model from `model_dir` (None: the shipped weights), loaded once."""
         if self._builtin is None:
-            self._builtin = BuiltinModel.load(self.model_dir, self.device)
+            self._builtin = BuiltinModel.load(self.model_dir, self.device, self.precision)
         return self._builtin
 
     def builtin_part(self, model: BuiltinModel) -> Part:
@@ -342,15 +344,17 @@ def load_models(
     device: str = "cpu",
     *,
     labels: tuple[str, str] = (ENCODER_LABEL, RERANKER_LABEL),
+    precision: str = "auto",
 ) -> Models:
     """The models for (encoder, reranker) on `device` (auto, cpu, cuda). `model_dir` holds the
     builtin model's weights (None: the shipped ones). `labels` name the two choices in errors
-    (the settings, or a command's --encoder / --reranker)."""
+    (the settings, or a command's --encoder / --reranker). `precision` is the builtin
+    cross-encoder's (auto: fp16 on a GPU, fp32 on the CPU)."""
     el, rl = labels
     encoder = encoder.strip() or BUILTIN
     reranker = reranker.strip() or "ce"
     enc_dir, rr_dir = check_choices(encoder, reranker, labels=labels)
-    loader = _Loader(model_dir, device)
+    loader = _Loader(model_dir, device, precision)
     enc: BiEncoder
     if enc_dir is None:
         enc = loader.joint()

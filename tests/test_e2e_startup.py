@@ -8,10 +8,13 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
 
+from app.config import Settings
+from app.main import load_resources
 from models.builtin import save_model
 from models.joint import JointConfig, JointModel
 from models.tokenizer import WordTokenizer
@@ -60,11 +63,23 @@ def test_missing_index_says_how_to_build(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "duet build" in proc.stderr
 
 
+@pytest.mark.parametrize(("precision", "runs"), [("auto", "fp32"), ("bf16", "bf16")])
+def test_precision_setting_reaches_the_cross_encoder(
+    index_dir: Path, precision: Literal["auto", "bf16"], runs: str
+) -> None:
+    res = load_resources(Settings(index_dir=index_dir, index_poll_s=0, precision=precision))
+    try:  # auto on this CPU is fp32
+        assert res.model.joint.cross.precision == runs  # type: ignore[attr-defined]
+    finally:
+        res.index.close()
+
+
 @pytest.mark.parametrize(
     ("env", "says"),
     [
         ({"DUET_RERANK_MAX_BATCH": "lots"}, "DUET_RERANK_MAX_BATCH"),
         ({"DUET_DEVICE": "tpu"}, "DUET_DEVICE"),
+        ({"DUET_PRECISION": "fp8"}, "DUET_PRECISION"),
     ],
 )
 def test_bad_setting_is_a_clear_error(index_dir: Path, env: dict[str, str], says: str) -> None:
