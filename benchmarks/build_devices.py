@@ -53,7 +53,7 @@ def agreement(ref: Path, other: Path) -> dict[str, float]:
 
     top_r = np.argsort(-(rt @ ri.T), axis=1)[:, :10]
     top_o = np.argsort(-(ot @ oi.T), axis=1)[:, :10]
-    shared = [len(set(a) & set(b)) / 10 for a, b in zip(top_r, top_o, strict=True)]
+    shared = [len(set(a) & set(b)) / len(a) for a, b in zip(top_r, top_o, strict=True)]
     return {
         "min_cos_image": round(min_cos(ri, oi), 6),
         "min_cos_text": round(min_cos(rt, ot), 6),

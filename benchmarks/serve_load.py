@@ -33,9 +33,9 @@ import httpx
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-# the repo first, then what this process was given (packages in a --target folder, say)
 # duet's server reads it from the environment; its runtime's figure below uses the same
 PRECISION = os.environ.get("DUET_PRECISION") or "auto"
+# the repo first, then what this process was given (packages in a --target folder, say)
 CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 

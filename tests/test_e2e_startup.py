@@ -67,8 +67,9 @@ def test_missing_index_says_how_to_build(tmp_path: Path) -> None:
 def test_precision_setting_reaches_the_cross_encoder(
     index_dir: Path, precision: Literal["auto", "bf16"], runs: str
 ) -> None:
-    res = load_resources(Settings(index_dir=index_dir, index_poll_s=0, precision=precision))
-    try:  # auto on this CPU is fp32
+    settings = Settings(index_dir=index_dir, index_poll_s=0, device="cpu", precision=precision)
+    res = load_resources(settings)
+    try:  # auto on the CPU is fp32
         assert res.model.joint.cross.precision == runs  # type: ignore[attr-defined]
     finally:
         res.index.close()

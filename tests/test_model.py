@@ -91,6 +91,17 @@ def test_gpu_model_matches_cpu(model: BuiltinModel) -> None:
     )
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_cross_encoder_in_fp32_gives_the_cpus_logits(model: BuiltinModel) -> None:
+    gpu = BuiltinModel.load(device="cuda", precision="fp32")  # DUET_PRECISION=fp32
+    rngs = [random.Random(s) for s in range(6)]
+    _vecs, toks = model.encode_images([world.render(r, world.sample_scene(r)) for r in rngs])
+    texts = ["a red circle", "two small blue squares left of a green cross"] * 3
+    np.testing.assert_allclose(
+        gpu.score_pairs(texts, toks), model.score_pairs(texts, toks), rtol=1e-4, atol=1e-3
+    )
+
+
 def test_cmr_loss_hand_computed() -> None:
     sim = torch.tensor([[2.0, 0.0], [1.0, 3.0]])
     # rows: -log softmax([2,0])[0], -log softmax([1,3])[1]; columns: [2,1] -> 0, [0,3] -> 1

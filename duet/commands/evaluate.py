@@ -151,7 +151,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_choices(encoder, reranker, labels=labels)  # before the index: a typo fails fast
     corpus = index_corpus(Path(args.index))  # before the model: a wrong index fails fast
     _check_split(args, corpus)
-    model = load_models(encoder, reranker, settings.model_dir, settings.device, labels=labels)
+    model = load_models(
+        encoder,
+        reranker,
+        settings.model_dir,
+        settings.device,
+        labels=labels,
+        precision=settings.precision,  # DUET_PRECISION: what the service would score with
+    )
     scorers = _token_scorers(args, model, modes, settings.model_dir)
     version, pool = load_pool(Path(args.index), model.fingerprint, args.distractors)
     say = (lambda _: None) if args.json else (lambda m: print(m, file=sys.stderr))
