@@ -90,12 +90,10 @@ def pairs_per_second(
     import torch
 
     from models.builtin import BuiltinModel
-    from models.inference import Precision
+    from models.inference import PrecisionChoice
     from store.indexio import IndexVersion, resolve_current
 
-    model = BuiltinModel.load(
-        device=device, precision=None if PRECISION == "auto" else cast(Precision, PRECISION)
-    )
+    model = BuiltinModel.load(device=device, precision=cast(PrecisionChoice, PRECISION))
     index = IndexVersion.open(resolve_current(index_dir))
     toks = np.array(index.image_tokens[:candidates], dtype=np.float32)
     q = "a small red circle left of a large blue square"

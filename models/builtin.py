@@ -8,7 +8,7 @@ import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from models.device import resolve_device
 from models.errors import UserError
-from models.inference import CrossEncoderRuntime, Precision
+from models.inference import CrossEncoderRuntime, Precision, PrecisionChoice
 from models.joint import JointConfig, JointModel
 from models.shipped import DEFAULT_WEIGHTS
 from models.tokenizer import WordTokenizer, unique_texts
@@ -115,11 +115,14 @@ class BuiltinModel:
 
     @classmethod
     def load(
-        cls, directory: Path | None = None, device: str = "cpu", precision: Precision | None = None
+        cls,
+        directory: Path | None = None,
+        device: str = "cpu",
+        precision: PrecisionChoice | None = None,
     ) -> BuiltinModel:
         """Load from a directory holding model.safetensors, config.json and vocab.json, onto
-        `device` (auto, cpu or cuda); the cross-encoder runs in `precision` (default: fp16 on
-        a GPU, fp32 on the CPU)."""
+        `device` (auto, cpu or cuda); the cross-encoder runs in `precision` (None or auto: fp16
+        on a GPU, fp32 on the CPU)."""
         d = Path(directory) if directory is not None else DEFAULT_WEIGHTS
         try:
             cfg = JointConfig(**json.loads((d / "config.json").read_text()))
@@ -134,7 +137,11 @@ class BuiltinModel:
         model.load_state_dict(state)
         digest = hashlib.sha256(weights).hexdigest()[:16]
         dev = resolve_device(device)
-        prec = precision or ("fp16" if dev.type == "cuda" else "fp32")
+        prec: Precision = (
+            ("fp16" if dev.type == "cuda" else "fp32")
+            if precision in (None, "auto")
+            else cast(Precision, precision)
+        )
         return cls(model, tok, f"{NAME}:{digest}", dev, prec)
 
     def unknown_words(self, text: str) -> list[str]:

@@ -33,6 +33,8 @@ from torch import nn
 from models.joint import JointModel
 
 Precision = Literal["fp32", "fp16", "bf16"]
+# what a setting may ask for: auto = fp16 on a GPU, fp32 on the CPU (`BuiltinModel.load`)
+PrecisionChoice = Literal["auto", "fp32", "fp16", "bf16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -28,7 +28,7 @@ from PIL import Image
 from models import hf
 from models.builtin import BuiltinModel, ModelLoadError
 from models.han import HANReranker
-from models.inference import Precision
+from models.inference import PrecisionChoice
 from models.protocols import BiEncoder, PairReranker, TokenEncoder
 from models.rerankers import HAN_WHY, NONE, Menu, menu
 from models.shipped import DEFAULT_WEIGHTS
@@ -240,10 +240,12 @@ def check_choices(
 class _Loader:
     """Loads the models of one `load_models` call: the builtin model once, on `device`."""
 
-    def __init__(self, model_dir: Path | None, device: str, precision: str = "auto") -> None:
+    def __init__(
+        self, model_dir: Path | None, device: str, precision: PrecisionChoice = "auto"
+    ) -> None:
         self.model_dir = model_dir
         self.device = device
-        self.precision = None if precision == "auto" else cast(Precision, precision)
+        self.precision = precision
         self._builtin: BuiltinModel | None = None
 
     def joint(self) -> BuiltinModel:
@@ -344,7 +346,7 @@ def load_models(
     device: str = "cpu",
     *,
     labels: tuple[str, str] = (ENCODER_LABEL, RERANKER_LABEL),
-    precision: str = "auto",
+    precision: PrecisionChoice = "auto",
 ) -> Models:
     """The models for (encoder, reranker) on `device` (auto, cpu, cuda). `model_dir` holds the
     builtin model's weights (None: the shipped ones). `labels` name the two choices in errors
