@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 DUET = [sys.executable, "-m", "duet.cli"]
 # what a child process (`duet serve`, `duet build`) gets as PYTHONPATH: the repo, then whatever
 # this one was given (a host whose packages live in a --target folder on PYTHONPATH)
-CHILD_PYTHONPATH = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 
 
 # Fixtures that start real processes, build indexes or train: a test using one is `slow`,
