@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto",
         description="the builtin cross-encoder's arithmetic: auto = fp16 on a GPU, fp32 on "
-        "the CPU; replicas sharing one Redis cache should share one precision",
+        "the CPU; the cache keeps entries per device kind and precision",
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

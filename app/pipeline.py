@@ -207,6 +207,8 @@ class SearchPipeline:
         Options enter resolved, so `rerank: false` and `reranker: none` share an entry."""
         return cache_key(
             model=self.model.fingerprint,
+            # device kind and cross-encoder precision: replicas sharing one Redis may differ
+            numerics=getattr(self.model, "numerics", None),
             index=index.version,
             endpoint=endpoint,
             query=query,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image
 
 from models import hf
@@ -113,6 +114,11 @@ class Models:
             else f"{encoder_part.fingerprint}+{token_part.fingerprint}"
         )
         self.device = getattr(encoder, "device", "cpu")
+        # what else decides a score besides the weights: the device kind and the builtin
+        # cross-encoder's precision (fp16 on a GPU gives other scores than fp32 on a CPU), so
+        # replicas that differ in either never answer from each other's cache entries
+        precision = getattr(getattr(cross, "cross", None), "precision", None)
+        self.numerics = torch.device(str(self.device)).type + (f"/{precision}" if precision else "")
 
     def parts(self) -> dict[str, Any]:
         """The manifest's `model` entry."""

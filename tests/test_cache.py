@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+
+import pytest
 
 from app.cache import LRUCache, RedisCache, ResilientCache, cache_key
 from app.metrics import Metrics
-from tests.conftest import RedisServer, free_port
+from tests.conftest import RedisServer, free_port, start_service, stop_service
 
 
 def _count(m: Metrics, result: str) -> float:
@@ -96,3 +99,28 @@ async def test_slow_redis_is_skipped_within_the_timeout() -> None:
     server.close()
     await server.wait_closed()
     await cache.close()
+
+
+@pytest.mark.slow
+def test_replicas_of_other_precision_do_not_share_entries(
+    index_dir: Path, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    # two real services on one real Redis, the same weights and index, one cross-encoder in
+    # fp32 and one in bf16: their scores differ, so neither may answer from the other's entry
+    fp32 = start_service(index_dir, tmp_path / "fp32.log", DUET_REDIS_URL=redis_server.url)
+    bf16 = start_service(
+        index_dir, tmp_path / "bf16.log", DUET_REDIS_URL=redis_server.url, DUET_PRECISION="bf16"
+    )
+    q = {"query": "a small red circle above a large blue square", "top_k": 5}
+    try:
+        with fp32.client() as a, bf16.client() as b:
+            first = a.post("/search/text", json=q).json()
+            other = b.post("/search/text", json=q).json()
+            assert first["cached"] is False and other["cached"] is False
+            assert [h["score"] for h in other["hits"]] != [h["score"] for h in first["hits"]]
+            # each replica still hits its own entry, and one of its own precision's
+            assert a.post("/search/text", json=q).json()["cached"] is True
+            assert b.post("/search/text", json=q).json()["cached"] is True
+    finally:
+        stop_service(fp32)
+        stop_service(bf16)
