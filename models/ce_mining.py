@@ -7,6 +7,9 @@ for one full caption of every training image, the bi-encoder's top `depth` other
 the caption does not fit, as the service would hand them to the re-ranker, and keeps the
 `keep` the cross-encoder scores highest: the query's own worst confusions, shown to it as
 negatives from then on.
+
+Scoring runs on the model's device (the service's forward, `CrossEncoderRuntime`); the random
+draws and the mined indices stay in CPU memory (a GPU run makes the draws a CPU run makes).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def mine_negatives(
     n, scenes = len(pool.samples), pool.scenes
     out = torch.full((n, keep), -1, dtype=torch.long)
     runtime = CrossEncoderRuntime(model)  # the service's forward: same logits, 1.5x faster
+    dev = runtime.device
     texts = [rng.choice(s.captions) for s in pool.samples]
     draw = torch.Generator().manual_seed(rng.getrandbits(63)) if 0 < index < n else None
     bar = tqdm(total=n, desc="mining negatives", unit="caption", disable=not progress)
@@ -59,8 +63,8 @@ def mine_negatives(
         txt, pad = encode_texts(model, tok, texts[s : s + len(rows)])
         sim = model.embed_texts(txt, pad) @ pool.vecs.t()
         if draw is not None:  # the images outside each caption's own draw are out of its list
-            sim[torch.rand(sim.shape, generator=draw) >= index / n] = float("-inf")
-        sim[torch.arange(len(rows)), torch.tensor(rows)] = float("-inf")
+            sim[(torch.rand(sim.shape, generator=draw) >= index / n).to(dev)] = float("-inf")
+        sim[torch.arange(len(rows), device=dev), torch.tensor(rows, device=dev)] = float("-inf")
         near_sims, near = sim.topk(min(depth, n - 1), dim=1)
         top = near.masked_fill(near_sims == float("-inf"), -1).tolist()  # -1: outside the draw
         descs = [world.full_desc(scenes[i]) for i in rows]  # once per caption, not per candidate
@@ -72,7 +76,8 @@ def mine_negatives(
         flat = torch.tensor([j for c in cands for j in c], dtype=torch.long)
         if len(flat):
             lengths = (~pad).sum(dim=1).tolist()
-            logits = runtime.logits(txt, lengths, who, pool.states[flat].float())
+            img = pool.states[flat.to(dev)].float()
+            logits = runtime.logits(txt, lengths, who, img).cpu()
             for r, i in enumerate(rows):
                 mine = who == r
                 best = logits[mine].topk(min(keep, int(mine.sum()))).indices
@@ -102,9 +107,8 @@ def own_logits(
         txt, pad = encode_texts(model, tok, texts[s : s + chunk])
         rows = torch.arange(len(txt))
         lengths = (~pad).sum(dim=1).tolist()
-        out[s : s + len(txt)] = runtime.logits(
-            txt, lengths, rows, pool.states[owner[s : s + len(txt)]].float()
-        )
+        img = pool.states[owner[s : s + len(txt)].to(runtime.device)].float()
+        out[s : s + len(txt)] = runtime.logits(txt, lengths, rows, img).cpu()
     model.train(was_training)
     lowest = torch.full((len(pool.samples),), float("inf"))
     return lowest.scatter_reduce(0, owner, out, reduce="amin")

@@ -6,6 +6,7 @@ image the perturbed scene's caption and a training caption the bi-encoder ranks 
 No negative fits: a partial caption is only paired with a perturbed image that breaks something
 it says, and ranked images or captions that fit are skipped. `ce_pairs` lays one step's pairs
 out for `models.train_ce.bce_and_grounding`, with the index lists of its listwise term.
+The pool's image states and vectors live on the model's device, its indices in CPU memory.
 """
 
 from __future__ import annotations
@@ -40,17 +41,25 @@ def perturbed_twin(
     return world.perturb(rng, scene)
 
 
+def token_batch(
+    tok: WordTokenizer, texts: list[str], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tok.batch(texts)` (token ids, padding mask) on `device`."""
+    ids, pad = tok.batch(texts)
+    return ids.to(device), pad.to(device)
+
+
 @torch.no_grad()
 def _states(
     model: JointModel,
     images: Sequence[Image.Image],
     batch: int = 500,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(image states (N, T, d) float16, image vectors (N, e))."""
+    """(image states (N, T, d) float16, image vectors (N, e)), on the model's device."""
     px = pixel_bytes(images, world.IMAGE_SIZE)
     states, vecs = [], []
     for s in range(0, len(px), batch):
-        st = model.image_tokens(px[s : s + batch].float() / 255.0)
+        st = model.image_tokens(px[s : s + batch].to(model.itm_token.device).float() / 255.0)
         states.append(st.half())
         vecs.append(model.embed_images(st))
     return torch.cat(states), torch.cat(vecs)
@@ -111,10 +120,10 @@ def ranked_caption(
 def _caption_vectors(
     model: JointModel, tok: WordTokenizer, captions: Sequence[str], batch: int = 2048
 ) -> torch.Tensor:
-    """The bi-encoder's vectors of `captions` (N, e)."""
+    """The bi-encoder's vectors of `captions` (N, e), on the model's device."""
     out = []
     for s in range(0, len(captions), batch):
-        ids, pad = tok.batch(list(captions[s : s + batch]))
+        ids, pad = token_batch(tok, list(captions[s : s + batch]), model.itm_token.device)
         out.append(model.embed_texts(model.text_tokens(ids, pad), pad))
     return torch.cat(out)
 
@@ -132,11 +141,12 @@ def _caption_top(
     int32. Computed once: the encoders are frozen in stage 2, so the ranking never changes."""
     k = min(ranks, len(caption_vecs) - 1)
     out = []
+    owner = owner.to(vecs.device)
     for s in range(0, len(vecs), batch):
         sim = vecs[s : s + batch] @ caption_vecs.t()
-        mine = torch.arange(s, s + len(sim))
+        mine = torch.arange(s, s + len(sim), device=sim.device)
         sim.masked_fill_(owner[None, :] == mine[:, None], float("-inf"))
-        out.append(sim.topk(k, dim=1).indices.int())
+        out.append(sim.topk(k, dim=1).indices.int().cpu())
     return torch.cat(out)
 
 
@@ -191,13 +201,13 @@ class CePool:
     scenes: list[world.Scene]
     twins: list[world.Scene]  # each sample's perturbed scene
     twin_captions: list[str]
-    states: torch.Tensor  # image states (N, T, d) float16
-    vecs: torch.Tensor  # image vectors (N, e)
+    states: torch.Tensor  # image states (N, T, d) float16, on the model's device
+    vecs: torch.Tensor  # image vectors (N, e), on the model's device
     twin_states: torch.Tensor
     captions: list[str]  # every training caption, for image->text negatives
     caption_scenes: list[world.Scene]
     # per image, the training captions of other images the bi-encoder ranks highest for it,
-    # best first (N, ranks)
+    # best first (N, ranks), in CPU memory
     caption_top: torch.Tensor
     # per image, the wrong images the cross-encoder itself scores highest (models.ce_mining),
     # -1 padded; None: not mined
@@ -272,8 +282,8 @@ class CePairs:
 def encode_texts(
     model: JointModel, tok: WordTokenizer, texts: list[str]
 ) -> tuple[torch.Tensor, ...]:
-    """(text states, padding mask) of `texts`."""
-    ids, pad = tok.batch(texts)
+    """(text states, padding mask) of `texts`, on the model's device."""
+    ids, pad = token_batch(tok, texts, model.itm_token.device)
     return model.text_tokens(ids, pad), pad
 
 
@@ -294,9 +304,16 @@ def _mined_draws(
 
 def own_states(pool: CePool, idx: torch.Tensor, shown: torch.Tensor | None) -> torch.Tensor:
     """The states of the images `idx` as shown: moved for the rows `shown` (bool) says."""
+    idx = idx.to(pool.states.device)
     if shown is None or pool.moved_states is None:
         return pool.states[idx]
+    shown = shown.to(pool.states.device)
     return torch.where(shown[:, None, None], pool.moved_states[idx], pool.states[idx])
+
+
+def _take(states: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`states[idx]` for indices in CPU memory and states perhaps on a GPU."""
+    return states[idx.to(states.device)]
 
 
 def ce_pairs(
@@ -328,7 +345,7 @@ def ce_pairs(
     txt, pad = encode_texts(model, tok, texts + twin_texts + ranked_texts)
     with torch.no_grad():
         sim = model.embed_texts(txt[:batch], pad[:batch]) @ pool.vecs.t()
-        sim[torch.arange(batch), idx] = float("-inf")
+        sim[torch.arange(batch, device=sim.device), idx.to(sim.device)] = float("-inf")
         top = sim.topk(min(ranks, len(samples) - 1), dim=1).indices.tolist()
     hard = [ranked_negative(rng, top[r], d, pool.scenes) for r, (_t, d) in enumerate(said)]
     hard2 = [ranked_negative(rng, top[r], d, pool.scenes) for r, (_t, d) in enumerate(said)]
@@ -345,16 +362,16 @@ def ce_pairs(
     # the pairs, segment by segment: (caption rows, image states)
     segments = [
         (rows, own),  # positives
-        (rows[keep_shift], states[shift[keep_shift]]),  # a random wrong image
-        (rows[keep_hard], states[torch.tensor(hard)[keep_hard]]),  # ranked wrong images
-        (rows[keep_hard2], states[torch.tensor(hard2)[keep_hard2]]),
-        (rows, pool.twin_states[idx]),  # the perturbed scene's image
+        (rows[keep_shift], _take(states, shift[keep_shift])),  # a random wrong image
+        (rows[keep_hard], _take(states, torch.tensor(hard)[keep_hard])),  # ranked wrong images
+        (rows[keep_hard2], _take(states, torch.tensor(hard2)[keep_hard2])),
+        (rows, _take(pool.twin_states, idx)),  # the perturbed scene's image
         (rows + batch, own),  # the perturbed scene's caption
-        (2 * batch + torch.arange(len(ranked_texts)), own[keep_rc]),  # ranked
+        (2 * batch + torch.arange(len(ranked_texts)), _take(own, keep_rc)),  # ranked
     ]
     mined = _mined_draws(rng, pool, idx, said)
     if mined is not None:  # the wrong images the cross-encoder itself prefers
-        segments.append((rows[mined >= 0], states[mined[mined >= 0]]))
+        segments.append((rows[mined >= 0], _take(states, mined[mined >= 0])))
     start = torch.tensor([0, *itertools.accumulate(len(t) for t, _s in segments)])
     who = [rows, rows[keep_shift], rows[keep_hard], rows[keep_hard2], rows, rows]
     at = [start[k] + torch.arange(len(w)) for k, w in enumerate(who)]
@@ -374,7 +391,7 @@ def ce_pairs(
         texts,
         txt,
         pad,
-        torch.cat([t for t, _s in segments]),
+        torch.cat([t for t, _s in segments]).to(txt.device),
         torch.cat([st for _t, st in segments]).float(),
-        lists,
+        [r.to(txt.device) for r in lists],
     )

@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 
 from models import world
 from models.builtin import WEIGHTS_FILE, BuiltinModel, save_model
+from models.device import resolve_device
 from models.evaluate import evaluate, format_table, partial_precision
 from models.han import HAN_CONFIG, HAN_WEIGHTS, save_han
 from models.joint import CROSS_ENCODER, JointConfig, JointModel
@@ -61,14 +62,18 @@ def train(
     with them keep their vectors and token states, and stages 2 and 3 train on top. With
     `init_from` and `cfg.tune`, stage 1 instead continues from that model's weights for
     `cfg.steps` steps (new captions for the encoders without a run from scratch).
+
+    Stages 0 to 2 run on `cfg.device`; stage 3, saving and validation on the CPU (validation's
+    figures then compare with a CPU run's). Every random draw is the CPU's, as on a CPU run.
     """
     _check(cfg, init_from)
-    torch.manual_seed(cfg.seed)
+    device = _device(cfg)  # before the rendering: cuda without a GPU fails fast
+    torch.manual_seed(cfg.seed)  # seeds CUDA too
     torch.set_num_threads(cfg.threads)
     rng = random.Random(cfg.seed + 1)
     t0 = time.perf_counter()
     samples = _render(cfg, progress)
-    model, tok = _encoders(cfg, samples, rng, progress, init_from)
+    model, tok = _encoders(cfg, samples, rng, progress, init_from, device)
     joint_seconds = time.perf_counter() - t0
     if cfg.ce_steps > 0:
         train_cross_encoder(
@@ -91,8 +96,10 @@ def train(
             mine_index=cfg.ce_mine_index,
             hard=cfg.ce_hard,
             move=cfg.ce_move,
+            device=device,
         )
     ce_seconds = time.perf_counter() - t0 - joint_seconds
+    model.cpu()  # stage 3 (models.train_han) and saving run on the CPU
     han = None
     if cfg.han_steps > 0:
         han = train_han(
@@ -118,6 +125,7 @@ def train(
         "joint_seconds": round(joint_seconds, 1),
         "cross_encoder_seconds": round(ce_seconds, 1),
         "torch": torch.__version__,
+        "device": _device_name(device),
         "fingerprint": runtime.fingerprint,
         "validation": metrics,
         "validation_partial": partial,
@@ -126,12 +134,28 @@ def train(
     return summary
 
 
+def _device(cfg: TrainConfig) -> torch.device:
+    """`cfg.device` resolved (`models.device.resolve_device`), and logged."""
+    device = resolve_device(cfg.device)
+    log.info("training on %s", _device_name(device))
+    return device
+
+
+def _device_name(device: torch.device) -> str:
+    """cpu, or cuda with the GPU's name (what train.json records)."""
+    if device.type != "cuda":
+        return device.type
+    return f"cuda ({torch.cuda.get_device_name(device)})"
+
+
 def _check(cfg: TrainConfig, init_from: Path | None) -> None:
     if cfg.seed >= HELD_OUT_SEED_BASE:
         raise ValueError(f"training seeds must be below {HELD_OUT_SEED_BASE} (held out for tests)")
-    if init_from is not None and not cfg.tune and cfg.ce_steps <= 0:
+    if init_from is not None and not cfg.tune and cfg.ce_steps <= 0 and not cfg.ce_warm:
         raise ValueError(
-            "--from keeps only the encoders, so the cross-encoder stage must run (--ce-steps > 0)"
+            "--from keeps only the encoders, so the cross-encoder stage must run "
+            "(--ce-steps > 0), or keep DIR's cross-encoder as it is with --ce-warm --ce-steps 0 "
+            "(a HAN-only run)"
         )
     if cfg.tune and init_from is None:
         raise ValueError("--tune continues a trained model: give --from")
@@ -157,14 +181,16 @@ def _encoders(
     rng: random.Random,
     progress: bool,
     init_from: Path | None,
+    device: torch.device,
 ) -> tuple[JointModel, WordTokenizer]:
-    """Stages 0 and 1 from scratch, stage 1 continued (`tune`), or `init_from`'s encoders."""
+    """Stages 0 and 1 from scratch, stage 1 continued (`tune`), or `init_from`'s encoders
+    (on the CPU: stage 2 moves them to `device`)."""
     if init_from is None:
         tok = WordTokenizer(world.vocabulary())
-        return train_joint(cfg, samples, tok, rng, progress), tok
+        return train_joint(cfg, samples, tok, rng, progress, device=device), tok
     if cfg.tune:
         model, tok = load_encoders(init_from, keep_cross_encoder=True)
-        return train_joint(cfg, samples, tok, rng, progress, start=model), tok
+        return train_joint(cfg, samples, tok, rng, progress, start=model, device=device), tok
     return load_encoders(init_from, keep_cross_encoder=cfg.ce_warm)
 
 
@@ -221,6 +247,7 @@ def _command(cfg: TrainConfig, out: Path, init_from: Path | None) -> str:
         + (f" --ce-hard {cfg.ce_hard}" if cfg.ce_hard else "")
         + (f" --ce-move {cfg.ce_move}" if cfg.ce_move else "")
         + (" --ce-warm" if cfg.ce_warm else "")
+        + (f" --device {cfg.device}" if cfg.device != "auto" else "")
         + (
             f" --tune --lr {cfg.lr} --warmup {cfg.warmup} --easy-steps {cfg.easy_steps}"
             f" --aux-weight {cfg.aux_weight}"

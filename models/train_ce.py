@@ -80,14 +80,16 @@ def bce_and_grounding(
     Each of `lists` (n, 1 + k) indexes the pairs' logits, a positive in column 0 and its
     negatives after it (-1: none): a softmax cross-entropy per row is added, so the positive
     must outscore its own negatives, whatever the other rows' scores (BCE alone calibrates
-    every pair against one threshold, and a query's ranking is all the service uses)."""
+    every pair against one threshold, and a query's ranking is all the service uses).
+    `where` and `lists` may be in CPU memory: they go to the logits' device here."""
     h, tapped = model.fused_tap(txt, pad, img, ground_layer)
     logits = model.itm_head(h[:, 0]).squeeze(-1)
     loss = ce_bce_loss(logits[:b], logits[b:])
-    for rows in lists:
+    dev = logits.device
+    for rows in (r.to(dev) for r in lists):
         scores = logits[rows.clamp(min=0)].masked_fill(rows < 0, float("-inf"))
-        loss = loss + F.cross_entropy(scores, torch.zeros(len(rows), dtype=torch.long))
-    rows, pos, xy = where
+        loss = loss + F.cross_entropy(scores, torch.zeros(len(rows), dtype=torch.long, device=dev))
+    rows, pos, xy = (t.to(dev) for t in where)
     if ground_weight > 0 and len(rows):
         g = F.mse_loss(ground(tapped[rows, 1 + pos]), xy)
         return loss + ground_weight * g, g.item()
@@ -133,6 +135,20 @@ def _step_pairs(
     return pairs, grounding_targets(pairs.texts, [pool.scenes[i] for i in picked], layouts)
 
 
+def _to_device(
+    model: JointModel, reset: bool, device: torch.device | str | None
+) -> torch.device | str:
+    """Where stage 2 runs (`device`, else where `model` is), `model` moved there; with `reset`
+    its cross-encoder is drawn afresh first, on the CPU with the CPU's random numbers, as a
+    CPU-only run draws it."""
+    device = device or model.itm_token.device
+    if reset:
+        model.cpu()
+        model.reset_cross_encoder()
+    model.to(device)
+    return device
+
+
 def train_cross_encoder(
     model: JointModel,
     tok: WordTokenizer,
@@ -153,6 +169,7 @@ def train_cross_encoder(
     mine_index: int = 0,
     hard: float = 0.0,
     move: float = 0.0,
+    device: torch.device | str | None = None,
 ) -> None:
     """Train `model`'s cross-encoder in place, re-initialised first unless `reset` is False;
     everything else stays frozen. With `mine` > 0 every image's caption is also shown the
@@ -166,14 +183,14 @@ def train_cross_encoder(
     0 (`models.ce_mining.own_logits`): its blind spots, shown as positives more often. With
     `move` > 0 that share of each batch's images is shown moved by up to 4 pixels
     (`models.ce_moves`): its moved states stand in for it beside its own caption and beside
-    the perturbed scene's caption and the ranked wrong caption it is shown against."""
+    the perturbed scene's caption and the ranked wrong caption it is shown against. On
+    `device` (default: where `model` is), its fresh layers drawn first (`_to_device`)."""
     from tqdm import tqdm
 
     batch = min(batch, len(samples))
-    if reset:
-        model.reset_cross_encoder()
+    device = _to_device(model, reset, device)
     model.eval()  # no dropout anywhere; frozen parts stay frozen
-    ground = torch.nn.Linear(model.cfg.d_model, 2)  # training-only: noun -> its thing's centre
+    ground = torch.nn.Linear(model.cfg.d_model, 2).to(device)  # training-only: noun -> centre
     trained = [p for n, p in model.named_parameters() if n.startswith(CROSS_ENCODER)]
     for n, p in model.named_parameters():
         p.requires_grad_(n.startswith(CROSS_ENCODER))

@@ -16,6 +16,7 @@ import torch
 
 from models import world
 from models.builtin import pixel_bytes, pixels
+from models.ce_negatives import token_batch
 from models.joint import JointConfig, JointModel
 from models.losses import cmc_loss_from_sim, cmr_loss
 from models.tokenizer import WordTokenizer
@@ -146,20 +147,20 @@ def train_joint(
     rng: random.Random,
     progress: bool,
     start: JointModel | None = None,
+    device: torch.device | str = "cpu",
 ) -> JointModel:
-    """Stage 1: the joint model, both roles, end to end (from `start` when given)."""
+    """Stage 1: the joint model, both roles, end to end (from `start` when given), on `device`."""
     from tqdm import tqdm
 
-    pix = pixel_bytes([s.image for s in samples], world.IMAGE_SIZE)  # uint8 in memory
-    if start is None:
-        model = JointModel(JointConfig(vocab_size=tok.vocab_size, stem_norm=1))
-    else:
-        model = start
+    pix = pixel_bytes([s.image for s in samples], world.IMAGE_SIZE).to(device)  # uint8
+    new = JointConfig(vocab_size=tok.vocab_size, stem_norm=1)
+    model = (JointModel(new) if start is None else start).to(device)  # drawn on the CPU first
     targets = patch_targets([s.layout for s in samples], model.cfg.grid)
+    targets = {k: v.to(device) for k, v in targets.items()}
     if start is None and cfg.tower_steps > 0:
         _pretrain_tower(model, pix, targets, cfg, rng, progress)
-    head = PatchHead(model.cfg.d_model)
-    ground = torch.nn.Linear(model.cfg.d_model, 2)  # training-only: noun -> its thing's centre
+    head = PatchHead(model.cfg.d_model).to(device)
+    ground = torch.nn.Linear(model.cfg.d_model, 2).to(device)  # training-only: noun -> centre
     opt = _optimizer(model, head, ground, cfg)
     order: list[int] = []
     bar = tqdm(range(cfg.steps), desc="training", unit="step", disable=not progress)
@@ -172,7 +173,7 @@ def train_joint(
         images = pix[idx].float() / 255.0
         scenes = [samples[i].scene for i in idx]
         texts, descs = training_captions(rng, [samples[i] for i in idx], cfg.partial)
-        fits = positives_mask(descs, scenes)
+        fits = positives_mask(descs, scenes).to(device)
         wrong = [world.negative_scene(rng, sc, d) for sc, d in zip(scenes, descs, strict=True)]
         perturbed = [
             text_negative(rng, w, sc, cfg.partial) for w, sc in zip(wrong, scenes, strict=True)
@@ -243,7 +244,7 @@ def _step_loss(
         return "ce", _cross_encoder_easy_loss(
             model, tok, img, texts, ground, where, cfg.ground_weight, cfg.ground_layer, fits
         )
-    wrong_px = pixels([world.render(rng, w) for w in wrong], world.IMAGE_SIZE)
+    wrong_px = pixels([world.render(rng, w) for w in wrong], world.IMAGE_SIZE).to(img.device)
     return "ce", _cross_encoder_loss(
         model,
         tok,
@@ -270,7 +271,7 @@ def _pretrain_tower(
     """Stage 0: the image tower alone, supervised by the patch labels (`patch_targets`)."""
     from tqdm import tqdm
 
-    tower, head = model.image_tower, PatchHead(model.cfg.d_model)
+    tower, head = model.image_tower, PatchHead(model.cfg.d_model).to(pix.device)
     opt = torch.optim.AdamW([*tower.parameters(), *head.parameters()], lr=cfg.lr)
     tower.train()
     bar = tqdm(range(cfg.tower_steps), desc="image tower", unit="step", disable=not progress)
@@ -297,7 +298,7 @@ def _bi_encoder_loss(
     late_weight: float,
     fits: torch.Tensor,
 ) -> torch.Tensor:
-    ids, pad = tok.batch(texts + perturbed)
+    ids, pad = token_batch(tok, texts + perturbed, img.device)
     txt = model.text_tokens(ids, pad)
     et_all = model.embed_texts(txt, pad)
     ei = model.embed_images(img)
@@ -337,9 +338,9 @@ def _cross_encoder_easy_loss(
 ) -> torch.Tensor:
     """Warm-up: a random wrong image and a random wrong caption per pair (escapes ln 2); a
     pairing whose caption fits the image anyway is no negative and is left out."""
-    ids, pad = tok.batch(texts)
+    ids, pad = token_batch(tok, texts, img.device)
     txt = model.text_tokens(ids, pad)
-    rows = torch.arange(len(texts))
+    rows = torch.arange(len(texts), device=img.device)
     shift = torch.roll(rows, 1)
     neg_t, neg_i = torch.cat([rows, shift]), torch.cat([shift, rows])
     keep = ~fits[neg_t, neg_i]
@@ -380,15 +381,15 @@ def _cross_encoder_loss(
     `fits` (B, B), caption i fits image j: such images are never negatives. The perturbed
     caption and image come from `world.negative_scene` and `text_negative`, so they never fit.
     """
-    ids, pad = tok.batch(texts + perturbed)
+    ids, pad = token_batch(tok, texts + perturbed, images.device)
     b = len(texts)
     txt = model.text_tokens(ids, pad)
     img = torch.cat([images, perturbed_images])
     with torch.no_grad():  # mine the in-batch hardest wrong image with the current bi-encoder
         sim = model.embed_texts(txt[:b], pad[:b]) @ model.embed_images(img[:b]).t()
-        sim.masked_fill_(torch.eye(b, dtype=torch.bool) | fits, -1e4)
+        sim.masked_fill_(torch.eye(b, dtype=torch.bool, device=sim.device) | fits, -1e4)
         neg_img = sim.argmax(dim=1)
-    rows = torch.arange(b)
+    rows = torch.arange(b, device=images.device)
     shift = torch.roll(rows, 1)
     keep_shift, keep_hard = ~fits[rows, shift], ~fits[rows, neg_img]
     t_idx = torch.cat([rows, rows[keep_shift], rows[keep_hard], rows + b, rows])

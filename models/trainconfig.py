@@ -44,6 +44,9 @@ class TrainConfig:
     warmup: int = 150
     weight_decay: float = 0.02
     threads: int = 2
+    # auto (a CUDA GPU when torch sees one, else the CPU), cpu or cuda: where stages 0 to 2
+    # train (models.device.resolve_device); stage 3 (HAN) and validation run on the CPU
+    device: str = "auto"
     ground_weight: float = 4.0  # cross-encoder: each noun's fused state -> its thing's centre
     ground_layer: int = 2  # ... after this many fusion layers (the rest compare positions)
     late_weight: float = 0.5  # TGDT: CMC on S_gl = (S_g + S_l) / 2 in bi-encoder steps

@@ -185,6 +185,19 @@ def test_from_without_the_cross_encoder_stage_is_refused(tmp_path: Path) -> None
         train(replace(TINY, ce_steps=0), tmp_path / "o", progress=False, init_from=tmp_path)
 
 
+def test_han_only_run_keeps_every_model_byte_and_trains_a_new_head(
+    scratch: tuple[Path, dict[str, object]], tmp_path: Path
+) -> None:
+    # --from DIR --ce-warm --ce-steps 0: the same fingerprint (indexes stay valid), a new head
+    src, summary = scratch
+    out = tmp_path / "han"
+    got = train(replace(TINY, ce_steps=0, ce_warm=True), out, progress=False, init_from=src)
+    assert (out / WEIGHTS_FILE).read_bytes() == (src / WEIGHTS_FILE).read_bytes()
+    assert got["fingerprint"] == summary["fingerprint"]
+    assert (out / "han.safetensors").read_bytes() != (src / "han.safetensors").read_bytes()
+    assert "--ce-steps 0" in str(got["command"]) and "--ce-warm" in str(got["command"])
+
+
 def test_fused_tap_is_the_sequence_after_that_many_layers() -> None:
     torch.manual_seed(0)
     model = JointModel(JointConfig(vocab_size=20)).eval()

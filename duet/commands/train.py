@@ -25,13 +25,14 @@ def add(sub: Any) -> None:
         "train",
         formatter_class=HelpFormatter,
         help="train duet's own model on the synthetic world",
-        description="Train duet's model from scratch on CPU in four stages "
+        description="Train duet's model from scratch in four stages "
         "and save safetensors weights, config and vocabulary: (0) the image tower "
         "on the scenes' patch labels, (1) the joint "
         "bi-encoder / cross-encoder, (2) the cross-encoder afresh on the frozen "
         "token states, with many more steps, (3) the HAN head over the frozen "
         "states (han.safetensors). On 2 cores: about 41-45 min in all; --from skips stages 0 "
-        "and 1 (about 30 min; with --ce-warm --ce-steps 400, about 8).",
+        "and 1 (about 30 min; with --ce-warm --ce-steps 400, about 8). Stages 0 to 2 run on "
+        "a CUDA GPU when torch sees one (--device).",
     )
     t.add_argument(
         "--out",
@@ -57,6 +58,14 @@ def add(sub: Any) -> None:
         metavar="DIR",
         help="skip stage 1: keep the towers and projections of the trained model in "
         "DIR exactly (same vectors and token states) and train stages 2 and 3 on top",
+    )
+    t.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=defaults.device,
+        help="where stages 0 to 2 train: auto (a CUDA GPU when torch sees one, else the CPU), "
+        "cpu, or cuda (an error without a GPU); stage 3 and validation run on the CPU. A seeded "
+        "run repeats bit for bit on the CPU only",
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(fn=cmd_train)
@@ -187,7 +196,9 @@ def _add_cross_encoder_options(t: argparse.ArgumentParser, defaults: Any) -> Non
         "--ce-warm",
         action="store_true",
         help="stage 2 fine-tunes the cross-encoder it is given (DIR's with --from, "
-        "else stage 1's) instead of training one afresh",
+        "else stage 1's) instead of training one afresh; with --from DIR --ce-steps 0, "
+        "DIR's cross-encoder is kept as it is and only the HAN head trains (about 9 min for "
+        "--han-steps 2000 on 2 cores)",
     )
 
 
@@ -215,6 +226,7 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
         warmup=args.warmup,
         easy_steps=args.easy_steps,
         aux_weight=args.aux_weight,
+        device=args.device,
     )
 
 
