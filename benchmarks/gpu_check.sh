@@ -51,8 +51,9 @@ python3 -c "import torch, faiss, numpy; print('torch', torch.__version__,
   tee -a "$LOG"
 
 el "1. the tests that need CUDA"
-step "CUDA tests" 150 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_model.py \
-  tests/test_gpu_search.py tests/test_builder_ann.py tests/test_inference.py
+step "CUDA tests" 270 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_model.py \
+  tests/test_gpu_search.py tests/test_builder_ann.py tests/test_inference.py \
+  tests/test_train_device.py
 
 if [ -z "${SKIP_BUILD:-}" ]; then
   el "2. duet build on each device"
