@@ -99,7 +99,7 @@ LABELS = {
     "dot": "dot (bi-encoder)",
     "coop": "coop (dot top-M, cross-encoder)",
     "late": "late (TGDT S_gl)",
-    "han": "han (HAN S_AVG)",
+    "han": "han (HAN S_AVG blended with the dot)",
     "ce-full": "ce-full (cross-encoder, whole pool)",
 }
 

@@ -169,8 +169,10 @@ def _han(model: Any) -> Scorer | str:
     if head is None:
         return HAN_WHY
 
+    from models.han import with_dot
+
     def score(p: Pairs) -> np.ndarray:
-        return np.asarray(head.score_pairs(p.texts, p.tokens), np.float32)
+        return with_dot(p.dots, head.score_pairs(p.texts, p.tokens))
 
     return score
 
@@ -185,8 +187,10 @@ def _han_eval(model: Any, theta: float) -> EvalScorer | str:
     def score(
         direction: str, dots: np.ndarray, words: np.ndarray, mask: np.ndarray, images: np.ndarray
     ) -> np.ndarray:
-        # S_AVG (words aligned to regions) whichever side the query is
-        return np.asarray(head.score(words, mask, images), np.float32)
+        # S_AVG (words aligned to regions) whichever side the query is, blended with the dot
+        from models.han import with_dot
+
+        return with_dot(dots, head.score(words, mask, images))
 
     return score
 
@@ -209,4 +213,11 @@ register(
         evaluate=_late_eval,
     )
 )
-register(Reranker("han", "HAN's word-region alignment, S_AVG", _han, evaluate=_han_eval))
+register(
+    Reranker(
+        "han",
+        "HAN's word-region alignment S_AVG, blended with the dot product",
+        _han,
+        evaluate=_han_eval,
+    )
+)

@@ -90,7 +90,7 @@ def _eval_scorer(name: str, model: object, theta: float) -> TokenScorer:
 def test_late_and_han_modes_rerank_the_same_candidates(
     index_dir: Path, model: BuiltinModel
 ) -> None:
-    from models.han import HAN, HANConfig, HANReranker
+    from models.han import HAN, HANConfig, HANReranker, with_dot
     from models.late import late_scores
 
     _, pool = load_pool(index_dir, model.fingerprint)
@@ -112,13 +112,17 @@ def test_late_and_han_modes_rerank_the_same_candidates(
     # theta = 0 is the bi-encoder alone: same order as dot inside its top 10
     for d in ("t2i", "i2t"):
         assert res["modes"]["late"][d] == res["modes"]["dot"][d]
-    # han: brute force over the top-10 with HANReranker.score_pairs on the caption strings
-    cand, _ = top_m(pool.image_vecs, pool.text_vecs, 10)
+    # han: brute force over the top-10 with HANReranker.score_pairs on the caption strings,
+    # blended with the dot product as the service blends it
+    cand, dots = top_m(pool.image_vecs, pool.text_vecs, 10)
     scores = np.stack(
         [
-            han.score_pairs(
-                [pool.texts[j] for j in cand[i]],
-                np.repeat(pool.image_tokens[i : i + 1], 10, axis=0),
+            with_dot(
+                dots[i],
+                han.score_pairs(
+                    [pool.texts[j] for j in cand[i]],
+                    np.repeat(pool.image_tokens[i : i + 1], 10, axis=0),
+                ),
             )
             for i in range(40)
         ]

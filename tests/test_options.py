@@ -22,7 +22,7 @@ from app.config import Settings
 from app.main import Resources, create_app
 from models.builtin import BuiltinModel
 from models.fusion import DEFAULT_FUSION_LAMBDA, norm_add_scores, norm_fuse, sigmoid
-from models.han import HANReranker
+from models.han import HANReranker, with_dot
 from models.late import DEFAULT_THETA, late_scores
 from models.trainconfig import DEFAULT_WEIGHTS
 from store.indexio import IndexVersion, resolve_current
@@ -226,7 +226,7 @@ def han(model: BuiltinModel) -> HANReranker:
     return head
 
 
-def test_han_text_query_is_s_avg(
+def test_han_text_query_is_s_avg_blended_with_the_dot(
     service: Service, han: HANReranker, index: IndexVersion, image_rows: dict[str, int]
 ) -> None:
     with service.client() as c:
@@ -236,8 +236,10 @@ def test_han_text_query_is_s_avg(
         )
     dots, rr, score = _cols(body)
     toks = np.asarray(index.image_tokens[[image_rows[h["id"]] for h in body["hits"]]])
-    np.testing.assert_allclose(rr, han.score_pairs([QUERY] * len(dots), toks), atol=TOL)
-    np.testing.assert_array_equal(score, rr)  # han's default fusion is none: S_AVG alone
+    s_avg = han.score_pairs([QUERY] * len(dots), toks)
+    np.testing.assert_allclose(rr, with_dot(dots, s_avg), atol=TOL)
+    assert np.abs(rr - s_avg).max() > 10 * TOL  # the dot product's share is there
+    np.testing.assert_array_equal(score, rr)  # han's default fusion is none: its score alone
     _ordered(body)
     dots, rr, score = _cols(fused)
     np.testing.assert_allclose(score, norm_add_scores(dots, rr, 0.4), atol=1e-6)
@@ -251,10 +253,9 @@ def test_han_image_query_scores_the_candidate_captions(
         body = _image_search(c, data, top_k=10, candidates=10, reranker="han")
     _, toks = model.encode_images([Image.open(io.BytesIO(data))])
     texts = [h["meta"]["text"] for h in body["hits"]]
-    _, rr, _ = _cols(body)
-    np.testing.assert_allclose(
-        rr, han.score_pairs(texts, np.repeat(toks, len(texts), axis=0)), atol=TOL
-    )
+    dots, rr, _ = _cols(body)
+    s_avg = han.score_pairs(texts, np.repeat(toks, len(texts), axis=0))
+    np.testing.assert_allclose(rr, with_dot(dots, s_avg), atol=TOL)
     _ordered(body)
 
 
