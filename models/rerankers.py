@@ -184,12 +184,12 @@ def _han_eval(model: Any, theta: float) -> EvalScorer | str:
     if head is None:
         return "this model has no trained HAN head (han.safetensors); `duet train` makes one"
 
+    from models.han import with_dot
+
     def score(
         direction: str, dots: np.ndarray, words: np.ndarray, mask: np.ndarray, images: np.ndarray
     ) -> np.ndarray:
         # S_AVG (words aligned to regions) whichever side the query is, blended with the dot
-        from models.han import with_dot
-
         return with_dot(dots, head.score(words, mask, images))
 
     return score

@@ -23,21 +23,10 @@ from models.joint import CROSS_ENCODER
 from models.train import train
 from models.trainconfig import DEFAULT_WEIGHTS, TrainConfig
 from tests.conftest import CHILD_PYTHONPATH, DUET
+from tests.test_train import TINY as TRAIN_TINY
 
-# the smallest run that goes through stages 0 to 3 (one thread: the same sums every time)
-TINY = TrainConfig(
-    images=48,
-    steps=4,
-    batch=8,
-    warmup=1,
-    easy_steps=2,
-    tower_steps=2,
-    ce_steps=3,
-    ce_batch=8,
-    han_steps=2,
-    han_batch=4,
-    threads=1,
-)
+# test_train's toy run with the fewest tower steps (one thread: the same sums every time)
+TINY = replace(TRAIN_TINY, tower_steps=2, threads=1)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
