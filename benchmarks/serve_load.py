@@ -123,6 +123,15 @@ def pairs_per_second(
     return out
 
 
+def _shown(path: Path) -> str:
+    """`path` as the report names it: relative to the repository when it lies inside it, so a
+    report does not carry one machine's absolute paths."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def plot(results: dict[str, Cell], levels: list[int], path: Path) -> None:
     """Throughput and p50/p99 latency against concurrency, duet against the script."""
     import matplotlib
@@ -261,7 +270,7 @@ def write_report(
         f"Written by `python benchmarks/serve_load.py --device {args.device}` "
         f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
         f"device {args.device}, duet's cross-encoder in DUET_PRECISION={PRECISION}). "
-        f"Index: `{args.index_dir}/current`; "
+        f"Index: `{_shown(args.index_dir)}/current`; "
         f"{args.candidates} candidates, top 10; closed-loop clients, {args.seconds:g} s per cell "
         f"x {args.rounds} interleaved rounds; every query a different caption (no cache hits).",
         "The baseline (`benchmarks/baseline_server.py`) is the script a user would write: a sync "
