@@ -15,6 +15,7 @@ draws and the mined indices stay in CPU memory (a GPU run makes the draws a CPU 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 
@@ -90,18 +91,30 @@ def mine_negatives(
 
 @torch.no_grad()
 def own_logits(
-    model: JointModel, tok: WordTokenizer, pool: CePool, progress: bool = True, chunk: int = 256
+    model: JointModel,
+    tok: WordTokenizer,
+    pool: CePool,
+    progress: bool = True,
+    chunk: int = 256,
+    parts: bool = False,
 ) -> torch.Tensor:
     """(N,) per training image the cross-encoder's lowest logit over its own full captions:
     below 0, it judges an image not to fit a caption written for it (measured on validation:
-    such blind spots, not deep wrong images, are what a longer list exposes)."""
+    such blind spots, not deep wrong images, are what a longer list exposes). With `parts`,
+    over each two-thing scene's one-thing captions too ("a small yellow triangle" of a small
+    yellow triangle beside a large yellow cross): the blind spots a short query meets."""
     from tqdm import tqdm
 
     was_training = model.training
     model.eval()
     runtime = CrossEncoderRuntime(model)
-    texts = pool.captions  # every training caption, image by image
-    owner = torch.tensor([i for i, s in enumerate(pool.samples) for _c in s.captions])
+    texts = list(pool.captions)  # every training caption, image by image
+    owners = [i for i, s in enumerate(pool.samples) for _c in s.captions]
+    if parts:
+        for i, text in one_thing_captions(pool.samples):
+            texts.append(text)
+            owners.append(i)
+    owner = torch.tensor(owners)
     out = torch.empty(len(texts))
     for s in tqdm(range(0, len(texts), chunk), desc="scoring own captions", disable=not progress):
         txt, pad = encode_texts(model, tok, texts[s : s + chunk])
@@ -112,6 +125,21 @@ def own_logits(
     model.train(was_training)
     lowest = torch.full((len(pool.samples),), float("inf"))
     return lowest.scatter_reduce(0, owner, out, reduce="amin")
+
+
+def one_thing_captions(samples: Sequence[world.Sample]) -> list[tuple[int, str]]:
+    """(image, caption) for each thing of each two-thing scene, naming that thing alone with
+    all its attributes; the wording drawn from a generator seeded by the image's index, so
+    the same every run."""
+    out = []
+    for i, s in enumerate(samples):
+        if s.scene.b is None:
+            continue
+        rng = random.Random(i)
+        for t in (s.scene.a, s.scene.b):
+            part = world.Part(t.shape, t.colour, t.size, t.count)
+            out.append((i, world.describe(rng, world.Desc(part))))
+    return out
 
 
 def draw_batch(

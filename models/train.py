@@ -96,6 +96,7 @@ def train(
             mine_index=cfg.ce_mine_index,
             hard=cfg.ce_hard,
             move=cfg.ce_move,
+            hard_parts=cfg.ce_hard_parts,
             device=device,
         )
     ce_seconds = time.perf_counter() - t0 - joint_seconds
@@ -245,6 +246,7 @@ def _command(cfg: TrainConfig, out: Path, init_from: Path | None) -> str:
         + (f" --ce-mine {cfg.ce_mine}" if cfg.ce_mine else "")
         + (f" --ce-mine-index {cfg.ce_mine_index}" if cfg.ce_mine_index else "")
         + (f" --ce-hard {cfg.ce_hard}" if cfg.ce_hard else "")
+        + (" --ce-hard-parts" if cfg.ce_hard_parts else "")
         + (f" --ce-move {cfg.ce_move}" if cfg.ce_move else "")
         + (" --ce-warm" if cfg.ce_warm else "")
         + (f" --device {cfg.device}" if cfg.device != "auto" else "")

@@ -105,14 +105,17 @@ def _mine(
     mine: int,
     mine_index: int,
     hard: float,
+    hard_parts: bool = False,
 ) -> list[int]:
     """The mining step: `pool.mined` set when `mine` > 0; with `hard` > 0 the training images
-    whose own full captions the cross-encoder scores below 0 (else none)."""
+    whose own full captions (with `hard_parts`, or one-thing captions) the cross-encoder
+    scores below 0 (else none)."""
     if mine > 0:
         pool.mined = mine_negatives(model, tok, pool, mine, rng, progress, index=mine_index)
     if hard <= 0:
         return []
-    blind: list[int] = (own_logits(model, tok, pool, progress) < 0).nonzero()[:, 0].tolist()
+    low = own_logits(model, tok, pool, progress, parts=hard_parts)
+    blind: list[int] = (low < 0).nonzero()[:, 0].tolist()
     log.info("stage 2: %d training images score below 0 with a caption of theirs", len(blind))
     return blind
 
@@ -169,6 +172,7 @@ def train_cross_encoder(
     mine_index: int = 0,
     hard: float = 0.0,
     move: float = 0.0,
+    hard_parts: bool = False,
     device: torch.device | str | None = None,
 ) -> None:
     """Train `model`'s cross-encoder in place, re-initialised first unless `reset` is False;
@@ -180,7 +184,8 @@ def train_cross_encoder(
     (Mining a fine-tune again halfway, over 800 steps, ranked worse on validation:
     `models/weights/README.md`.) With `hard` > 0, from that same step on, that share of
     each batch comes from the images whose own full captions the cross-encoder scores below
-    0 (`models.ce_mining.own_logits`): its blind spots, shown as positives more often. With
+    0 (`models.ce_mining.own_logits`; with `hard_parts`, or a one-thing caption of a two-thing
+    scene): its blind spots, shown as positives more often. With
     `move` > 0 that share of each batch's images is shown moved by up to 4 pixels
     (`models.ce_moves`): its moved states stand in for it beside its own caption and beside
     the perturbed scene's caption and the ranked wrong caption it is shown against. On
@@ -204,7 +209,7 @@ def train_cross_encoder(
             warm = min(1.0, (step + 1) / 50)
             group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
         if step == (steps // 2 if reset else 0):
-            blind = _mine(model, tok, pool, rng, progress, mine, mine_index, hard)
+            blind = _mine(model, tok, pool, rng, progress, mine, mine_index, hard, hard_parts)
         idx = draw_batch(rng, len(samples), batch, blind, hard)
         pairs, where = _step_pairs(model, tok, pool, idx, rng, ranks, partial, move)
         loss, g = bce_and_grounding(

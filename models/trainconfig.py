@@ -79,6 +79,8 @@ class TrainConfig:
     # share of each stage-2 batch drawn, from the mining step on, among the training images
     # whose own full captions the cross-encoder scores below 0 (models.ce_mining); 0 = off
     ce_hard: float = 0.0
+    # the blind spots ce_hard draws from also count one-thing captions of two-thing scenes
+    ce_hard_parts: bool = False
     # share of each stage-2 batch's images shown moved by up to 4 pixels (models.ce_moves):
     # the same scene at another alignment against the patch grid; 0 = off
     ce_move: float = 0.0

@@ -11,7 +11,7 @@ import torch
 from models import world
 from models.builtin import BuiltinModel
 from models.ce_depth import depth_report, depth_split
-from models.ce_mining import draw_batch, mine_negatives, own_logits
+from models.ce_mining import draw_batch, mine_negatives, one_thing_captions, own_logits
 from models.ce_negatives import CePool, ce_pairs, ce_pool
 from models.trainconfig import HELD_OUT_SEED_BASE
 
@@ -95,6 +95,32 @@ def test_own_logits_are_each_images_lowest_over_its_captions(
             want = jm.itm_logits(txt, pad, pool.states[[i] * len(ids)].float()).min()
             assert torch.isclose(lows[i], want, atol=1e-4), i
     assert lows.shape == (60,) and (lows > 0).float().mean() > 0.8  # the shipped model sees most
+
+
+def test_one_thing_captions_fit_their_scene_and_join_the_blind_spot_test(
+    pool_and_model: tuple[CePool, BuiltinModel, list[world.Sample]],
+) -> None:
+    pool, model, samples = pool_and_model
+    parts = one_thing_captions(samples)
+    pairs = [i for i, s in enumerate(samples) if s.scene.b is not None]
+    assert [i for i, _ in parts] == [i for i in pairs for _ in range(2)]  # each of two things
+    for i, text in parts:
+        assert world.satisfies(text, samples[i].scene), text  # a positive, never a negative
+        desc = world.parse(text)
+        assert desc is not None and desc.b is None, text  # names one thing only
+    assert one_thing_captions(samples) == parts  # the same wording every run
+    jm, tok = model.model, model.tokenizer
+    full = own_logits(jm, tok, pool, progress=False)
+    both = own_logits(jm, tok, pool, progress=False, chunk=11, parts=True)
+    single = [i for i, s in enumerate(samples) if s.scene.b is None]
+    # nothing more to read in a one-thing scene
+    assert torch.allclose(both[single], full[single], atol=1e-4)
+    i = parts[0][0]
+    with torch.no_grad():
+        ids, pad = tok.batch([text for j, text in parts if j == i])  # its two things
+        ones = jm.itm_logits(jm.text_tokens(ids, pad), pad, pool.states[[i, i]].float())
+    assert torch.isclose(both[i], torch.minimum(full[i], ones.min()), atol=1e-4)
+    assert bool((both <= full + 1e-4).all())  # a minimum over more captions
 
 
 def test_draw_batch_takes_its_share_of_hard_images_else_the_plain_draw() -> None:

@@ -121,6 +121,7 @@ def test_ce_mine_mines_first_when_warm_else_halfway(
 
     def scoring(*args: Any, **kw: Any) -> torch.Tensor:
         # the tiny model's logits all sit near 0.3: centred, half its images are blind spots
+        assert kw["parts"] is True  # --ce-hard-parts reaches the blind-spot test
         lows = own_logits(*args, **kw)
         scored.append(lows - lows.median())
         return scored[-1]
@@ -134,10 +135,11 @@ def test_ce_mine_mines_first_when_warm_else_halfway(
     monkeypatch.setattr(train_ce, "own_logits", scoring)
     monkeypatch.setattr(train_ce, "draw_batch", drawing)
     mining = replace(TINY, ce_mine=10, ce_steps=4, han_steps=0)
-    hard = replace(mining, ce_warm=True, ce_mine_index=20, ce_hard=0.5)
+    hard = replace(mining, ce_warm=True, ce_mine_index=20, ce_hard=0.5, ce_hard_parts=True)
     warm = train(hard, tmp_path / "w", progress=False, init_from=src)
     assert len(calls) == 1 and calls[0] > 0  # before step 0
     assert "--ce-mine 10" in str(warm["command"]) and "--ce-hard 0.5" in str(warm["command"])
+    assert "--ce-hard-parts" in str(warm["command"])
     blind = (scored[0] < 0).nonzero()[:, 0].tolist()
     assert len(scored) == 1 and blind
     for idx, given in batches:  # every step draws half its batch among them
@@ -280,13 +282,15 @@ def test_the_recorded_command_asks_for_the_same_config() -> None:
         ce_count=0.5,
         ce_mine=50,
         ce_mine_index=1_000,
+        ce_hard=0.25,
+        ce_hard_parts=True,
         ce_move=0.5,
         han_steps=0,
         seed=3,
     )
     argv = shlex.split(_command(cfg, Path("/tmp/out"), Path("models/weights")))
     assert argv[:2] == ["duet", "train"] and "--ce-count" in argv and "--ce-mine" in argv
-    assert "--ce-mine-index" in argv and "--ce-move" in argv
+    assert "--ce-mine-index" in argv and "--ce-move" in argv and "--ce-hard-parts" in argv
     assert config_of(parser().parse_args(argv[1:])) == cfg
     tuned = replace(cfg, tune=True, lr=1e-4, warmup=10, easy_steps=0, aux_weight=0.25)
     argv = shlex.split(_command(tuned, Path("/tmp/out"), Path("models/weights")))

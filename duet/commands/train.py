@@ -184,6 +184,13 @@ def _add_cross_encoder_options(t: argparse.ArgumentParser, defaults: Any) -> Non
         "the cross-encoder scores below 0, its blind spots (0 = off)",
     )
     t.add_argument(
+        "--ce-hard-parts",
+        action="store_true",
+        help="with --ce-hard: an image is also a blind spot when the cross-encoder scores "
+        "below 0 a caption naming one thing of its two ('a small yellow triangle' beside a "
+        "large yellow cross), the misreading short queries meet",
+    )
+    t.add_argument(
         "--ce-move",
         type=float,
         default=defaults.ce_move,
@@ -220,6 +227,7 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
         ce_mine=args.ce_mine,
         ce_mine_index=args.ce_mine_index,
         ce_hard=args.ce_hard,
+        ce_hard_parts=args.ce_hard_parts,
         ce_move=args.ce_move,
         tune=args.tune,
         lr=args.lr,
