@@ -160,6 +160,11 @@ def _check(cfg: TrainConfig, init_from: Path | None) -> None:
         )
     if cfg.tune and init_from is None:
         raise ValueError("--tune continues a trained model: give --from")
+    if cfg.ce_hard_parts and cfg.ce_hard <= 0:
+        raise ValueError(
+            "--ce-hard-parts widens the blind spots --ce-hard draws from: give --ce-hard SHARE "
+            "too (e.g. --ce-hard 0.25)"
+        )
 
 
 def _render(cfg: TrainConfig, progress: bool) -> list[world.Sample]:

@@ -187,6 +187,12 @@ def test_from_without_the_cross_encoder_stage_is_refused(tmp_path: Path) -> None
         train(replace(TINY, ce_steps=0), tmp_path / "o", progress=False, init_from=tmp_path)
 
 
+def test_hard_parts_without_hard_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--ce-hard SHARE"):
+        train(replace(TINY, ce_hard_parts=True), tmp_path / "o", progress=False)
+    assert not (tmp_path / "o").exists()  # refused before any work
+
+
 def test_han_only_run_keeps_every_model_byte_and_trains_a_new_head(
     scratch: tuple[Path, dict[str, object]], tmp_path: Path
 ) -> None:
