@@ -76,29 +76,7 @@ def train(
     model, tok = _encoders(cfg, samples, rng, progress, init_from, device)
     joint_seconds = time.perf_counter() - t0
     if cfg.ce_steps > 0:
-        train_cross_encoder(
-            model,
-            tok,
-            samples,
-            cfg.ce_steps,
-            cfg.ce_batch,
-            cfg.ce_lr,
-            cfg.ce_flip,
-            cfg.ce_ranks,
-            cfg.ground_weight,
-            cfg.ground_layer,
-            rng,
-            progress,
-            partial=cfg.partial,
-            reset=not cfg.ce_warm,
-            count=cfg.ce_count,
-            mine=cfg.ce_mine,
-            mine_index=cfg.ce_mine_index,
-            hard=cfg.ce_hard,
-            move=cfg.ce_move,
-            hard_parts=cfg.ce_hard_parts,
-            device=device,
-        )
+        _cross_encoder_stage(cfg, model, tok, samples, rng, progress, device)
     ce_seconds = time.perf_counter() - t0 - joint_seconds
     model.cpu()  # stage 3 (models.train_han) and saving run on the CPU
     han = None
@@ -147,6 +125,41 @@ def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     return f"cuda ({torch.cuda.get_device_name(device)})"
+
+
+def _cross_encoder_stage(
+    cfg: TrainConfig,
+    model: JointModel,
+    tok: WordTokenizer,
+    samples: list[world.Sample],
+    rng: random.Random,
+    progress: bool,
+    device: torch.device,
+) -> None:
+    """Stage 2 (`models.train_ce`) with `cfg`'s options."""
+    train_cross_encoder(
+        model,
+        tok,
+        samples,
+        cfg.ce_steps,
+        cfg.ce_batch,
+        cfg.ce_lr,
+        cfg.ce_flip,
+        cfg.ce_ranks,
+        cfg.ground_weight,
+        cfg.ground_layer,
+        rng,
+        progress,
+        partial=cfg.partial,
+        reset=not cfg.ce_warm,
+        count=cfg.ce_count,
+        mine=cfg.ce_mine,
+        mine_index=cfg.ce_mine_index,
+        hard=cfg.ce_hard,
+        move=cfg.ce_move,
+        hard_parts=cfg.ce_hard_parts,
+        device=device,
+    )
 
 
 def _check(cfg: TrainConfig, init_from: Path | None) -> None:

@@ -180,16 +180,14 @@ def train_cross_encoder(
     wrong images the cross-encoder itself scores highest among the bi-encoder's top `mine`
     (`models.ce_mining`), mined once: before the first step when it starts trained (not
     `reset`), else halfway, once its own ranking means something; with `mine_index` > 0
-    among a random draw of that many images per caption, as a served index that size would.
-    (Mining a fine-tune again halfway, over 800 steps, ranked worse on validation:
-    `models/weights/README.md`.) With `hard` > 0, from that same step on, that share of
-    each batch comes from the images whose own full captions the cross-encoder scores below
-    0 (`models.ce_mining.own_logits`; with `hard_parts`, or a one-thing caption of a two-thing
-    scene): its blind spots, shown as positives more often. With
-    `move` > 0 that share of each batch's images is shown moved by up to 4 pixels
-    (`models.ce_moves`): its moved states stand in for it beside its own caption and beside
-    the perturbed scene's caption and the ranked wrong caption it is shown against. On
-    `device` (default: where `model` is), its fresh layers drawn first (`_to_device`)."""
+    among a random draw of that many images per caption, as a served index that size would
+    (mining again halfway ranked worse: `models/weights/README.md`). With `hard` > 0, from
+    that same step on, that share of each batch comes from the images whose own full captions
+    (with `hard_parts`, or a one-thing caption of a two-thing scene) the cross-encoder scores
+    below 0 (`models.ce_mining.own_logits`): its blind spots, shown as positives more often.
+    With `move` > 0 that share of each batch's images is shown moved by up to 4 pixels
+    (`models.ce_moves`), beside its own caption, the perturbed scene's caption and the ranked
+    wrong caption. On `device` (default: where `model` is), fresh layers drawn first."""
     from tqdm import tqdm
 
     batch = min(batch, len(samples))
