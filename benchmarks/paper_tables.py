@@ -258,7 +258,18 @@ def evaluate(
             )
         )
         served = json.loads(duet(*served_args(test, model_args), env=env))
-    return plain, mixed, served
+        return relative_to(plain, work), relative_to(mixed, work), relative_to(served, work)
+
+
+def relative_to(value: Any, work: Path) -> Any:
+    """`value` with every string path under `work` made relative to it: the raw JSON names the
+    corpus without a temporary directory that no longer exists once the run ends."""
+    if isinstance(value, dict):
+        return {k: relative_to(v, work) for k, v in value.items()}
+    if isinstance(value, list):
+        return [relative_to(v, work) for v in value]
+    prefix = f"{work}/"
+    return value[len(prefix) :] if isinstance(value, str) and value.startswith(prefix) else value
 
 
 def results_markdown(

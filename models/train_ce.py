@@ -105,7 +105,7 @@ def _mine(
     mine: int,
     mine_index: int,
     hard: float,
-    hard_parts: bool = False,
+    hard_parts: bool,
 ) -> list[int]:
     """The mining step: `pool.mined` set when `mine` > 0; with `hard` > 0 the training images
     whose own full captions (with `hard_parts`, or one-thing captions) the cross-encoder

@@ -122,3 +122,13 @@ def test_a_tiny_run_writes_every_table(tmp_path: Path) -> None:
     for mode in ("dot (bi-encoder)", "coop (", "late (", "han (", "ce-full ("):
         assert f"| {mode}" in text
     assert f"| {paper_tables.DEFAULT_FUSION} | " in text  # the served rows, full and partial
+    # the raw JSON names the corpus relative to the run's work directory, gone once it ends
+    assert '"path": "test-corpus/manifest.jsonl"' in text and '"path": "/' not in text
+
+
+def test_paths_under_the_work_directory_are_made_relative(tmp_path: Path) -> None:
+    raw = {"corpus": {"path": f"{tmp_path}/test-corpus/manifest.jsonl"}, "n": [1, f"{tmp_path}x"]}
+    assert paper_tables.relative_to(raw, tmp_path) == {
+        "corpus": {"path": "test-corpus/manifest.jsonl"},
+        "n": [1, f"{tmp_path}x"],
+    }
