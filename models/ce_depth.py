@@ -3,7 +3,7 @@ on validation splits only: R@1 at each depth M from one scoring of the deepest l
 queries that going from the shallowest to the deepest M loses and wins.
 
     python -m models.ce_depth [--model-dir models/weights] [--seeds 999999,999997]
-                              [--images 1000] [--depths 10,20,50] [--show 10]
+                              [--images 1000] [--depths 10,20,50] [--show 10] [--device cpu]
 
 A query lost at depth M is one whose image the cross-encoder put first among the top 10 but
 not among the top M: an image between ranks 11 and M outscored it. Each such image is judged
@@ -24,6 +24,7 @@ import numpy as np
 
 from models import world
 from models.builtin import BuiltinModel
+from models.device import DEVICES
 from models.eval_pool import Pool, cross_scores, directions
 from models.evaluate import PAIR_BATCH, encode_pool
 from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE, check_validation_seeds
@@ -143,6 +144,12 @@ def main() -> None:
     """Print the pooled table and the lost queries; --json prints the whole report."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, default=DEFAULT_WEIGHTS)
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the model runs (cuda: the same figures, in fp32, in minutes; default cpu)",
+    )
     p.add_argument("--seeds", default=",".join(str(s) for s in SEEDS), help="validation seeds")
     p.add_argument("--images", type=int, default=1000, help="images per split (5 captions each)")
     p.add_argument("--depths", default=",".join(str(m) for m in DEPTHS))
@@ -150,7 +157,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="the whole report as JSON")
     args = p.parse_args()
     report = depth_report(
-        BuiltinModel.load(args.model_dir),
+        BuiltinModel.load(args.model_dir, args.device, "fp32"),
         [int(s) for s in args.seeds.split(",")],
         args.images,
         [int(m) for m in args.depths.split(",")],

@@ -183,3 +183,32 @@ def test_depth_report_counts_agree(model: BuiltinModel) -> None:
         assert all(isinstance(row["fits"], bool) for row in r["lost"] + r["won"])
     with pytest.raises(ValueError, match="test split"):
         depth_report(model, [HELD_OUT_SEED_BASE + 2026], 10)
+
+
+@pytest.mark.parametrize("tool", ["models.ce_depth", "models.tune_fusion"])
+def test_validation_tools_take_a_device(
+    tool: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--device` picks where the model runs (the GPU rounds of models/weights/README.md);
+    cuda on a machine without one is refused with what to do, a made-up device by argparse."""
+    import importlib
+
+    from models.device import DeviceError
+
+    main = importlib.import_module(tool).main
+    args = [tool, "--images", "12", "--seeds", str(HELD_OUT_SEED_BASE - 1)]
+    monkeypatch.setattr("sys.argv", [*args, "--device", "gpu"])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code == 2
+    monkeypatch.setattr("sys.argv", [*args, "--device", "cuda"])
+    if torch.cuda.is_available():
+        main()  # on a GPU host: the GPU runs it
+    else:
+        with pytest.raises(DeviceError, match="no CUDA GPU"):
+            main()
+    capsys.readouterr()
+    monkeypatch.setattr("sys.argv", [*args, "--device", "cpu"])
+    main()
+    out = capsys.readouterr().out
+    assert "| t2i | 60 |" in out if tool.endswith("depth") else '"mode": "ce_only"' in out
