@@ -26,10 +26,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from app.engine import Throughput, Ticket
+from app.engine import BatchCost, Throughput, Ticket
 from app.metrics import Metrics
 from app.threads import SOLO_TEXTS, solo_threads
-from models.fusion import Ranked, fused_top_k
+from models.device_step import DeviceStep, ResidentTables
+from models.fusion import Ranked, fused_top_k, sigmoid
 from models.protocols import JointEncoder
 from models.rerankers import REGISTRY, Pairs, Scorer
 from store import ann
@@ -78,6 +79,12 @@ class Query:
     plan: RerankPlan
     m: int  # candidates to retrieve (top_k when not re-ranking)
     top_k: int
+    ids: list[int] | None = None  # the text's token ids, for the device step (GPU layout)
+
+    @property
+    def pairs(self) -> int:
+        """Pairs this query re-ranks (what the batch budget counts)."""
+        return self.m if self.plan.reranks else 0
 
 
 @dataclass
@@ -123,6 +130,7 @@ class BatchWorker:
         cores: int,
         torch_threads: int | None,
         worker_nice: int,
+        step: DeviceStep | None = None,
     ) -> None:
         self.model = model
         self._scorers = scorers
@@ -134,6 +142,10 @@ class BatchWorker:
         self.worker_nice = worker_nice
         # seconds per query (encode + search) and per re-ranked pair; measured from the start
         self.throughput = Throughput({"query": 0.002, "pair": 0.001})
+        # the GPU layout: text queries as one device step each batch (`models.device_step`),
+        # priced per batch, per query and per pair
+        self.step = step
+        self.batch_cost = BatchCost(0.002, 0.0002, 0.00002)
 
     def init_thread(self) -> None:
         """In each worker thread before its first model call: its niceness (Linux applies
@@ -183,6 +195,17 @@ class BatchWorker:
         return Candidates.of(dots[0], rows[0])
 
     def run_batch(self, tickets: Sequence[Ticket[Query, Answer]]) -> None:
+        """Run the batch: its text queries the device step can serve as one step per chunk
+        (GPU layout), the rest on the host path (`run_host`)."""
+        if self.step is not None:
+            stepped = [t for t in tickets if self.steppable(t.payload)]
+            if stepped:
+                self._run_steps(stepped)
+                tickets = [t for t in tickets if not self.steppable(t.payload)]
+        if tickets:
+            self.run_host(tickets)
+
+    def run_host(self, tickets: Sequence[Ticket[Query, Answer]]) -> None:
         """Encode and search every query of the batch together, then re-rank and answer
         each; one query's failure fails that query alone."""
         start = time.monotonic()
@@ -199,7 +222,7 @@ class BatchWorker:
             log.warning("a batch of %d queries failed; running each alone", len(tickets))
             for t in tickets:
                 try:
-                    self.run_batch([t])
+                    self.run_host([t])
                 except Exception as exc:
                     log.exception("a query failed")
                     t.fail(exc)
@@ -225,6 +248,161 @@ class BatchWorker:
             self._answer([w], lambda ws: [self._rerank_one(ws[0])])
         if chunk:
             self._answer(chunk, self._score_batched)
+
+    # -- the device step (GPU layout) ---------------------------------------------------
+    def prepare(self, index: IndexVersion) -> None:
+        """Copy `index`'s search vectors and image states to the step's device (its resident
+        tables, released with the version), when there is a step and the index is Flat and
+        fits; otherwise its queries take the host path."""
+        if self.step is None or index.resident is not None:
+            return
+        vectors = ann.flat_vectors(index.image_index)
+        if vectors is None:
+            log.info("index %s is not Flat: text queries take the host path", index.version)
+            return
+        need = vectors.nbytes + index.image_tokens.size * self.step.dtype.itemsize
+        free = self.step.free_bytes()
+        if free is not None and need > 0.8 * free:
+            log.warning(
+                "index %s's tables need %.1f GB of the device's %.1f GB free: host path",
+                index.version,
+                need / 1e9,
+                free / 1e9,
+            )
+            return
+        t0 = time.monotonic()
+        try:
+            index.resident = self.step.tables(vectors, index.image_tokens)
+        except (RuntimeError, ValueError) as exc:  # out of device memory, or a bad table
+            log.warning("index %s stays on the host path: %s", index.version, exc)
+            return
+        log.info(
+            "index %s resident on %s: %.1f MB in %.2fs",
+            index.version,
+            self.step.device,
+            index.resident.nbytes / 1e6,
+            time.monotonic() - t0,
+        )
+
+    def warm_step(self, index: IndexVersion, measure: bool, max_batch: int, seconds: float) -> None:
+        """With a step and `index` resident: measure the pair budget when `measure` (else
+        keep `rerank_max_batch`), then build every shape a batch within it can run at."""
+        tables = index.resident
+        if self.step is None or not isinstance(tables, ResidentTables) or not tables.rows:
+            return
+        if measure and self.step.reranks:
+            self.rerank_max_batch = self.measure_budget(tables)
+        shapes = self.step.shapes_within(self.rerank_max_batch, max_batch)
+        t0 = time.monotonic()
+        built = self.step.warm_up(tables, shapes, seconds)
+        log.info(
+            "device step: %d of %d shapes built in %.1fs; pair budget %d",
+            built,
+            len(shapes),
+            time.monotonic() - t0,
+            self.rerank_max_batch,
+        )
+
+    def measure_budget(self, tables: ResidentTables, candidates: int = 50, cap: int = 16384) -> int:
+        """The pairs per batch past which the device gains under 10 % more pairs/s: batches
+        of 1, 2, 4, ... queries of `candidates` each, timed (the batch cost model's first
+        observations too). A bigger batch would only add waiting."""
+        assert self.step is not None
+        rates: dict[int, float] = {}
+        for b in self.step.shapes.queries:
+            if b * candidates > cap:
+                break
+            ids = [[2, 3, 4, 5, 6, 7]] * b
+            self.step(tables, ids, candidates, True)  # builds the shape
+            t0 = time.perf_counter()
+            for _ in range(3):
+                self.step(tables, ids, candidates, True)
+            dt = (time.perf_counter() - t0) / 3
+            rates[b] = b * candidates / dt
+            self.batch_cost.observe(b, b * candidates, dt)
+        best = max(rates.values())
+        chosen = min(b for b, r in rates.items() if r >= 0.9 * best)
+        log.info(
+            "pair budget: %s pairs/s by queries per batch; %d pairs chosen",
+            {b: round(r) for b, r in rates.items()},
+            chosen * candidates,
+        )
+        return chosen * candidates
+
+    def steppable(self, q: Query) -> bool:
+        """Whether the device step serves `q`: a tokenised text query on a resident index,
+        re-ranked by the cross-encoder or not at all."""
+        return (
+            q.kind == "text"
+            and q.ids is not None
+            and isinstance(q.index.resident, ResidentTables)
+            and self.step is not None
+            and (q.plan.reranker == "none" or (q.plan.reranker == "ce" and self.step.reranks))
+        )
+
+    def step_chunks(self, tickets: Sequence[Ticket[Query, Answer]]) -> list[list[_Work]]:
+        """The tickets grouped by (index version, re-ranked or not), each group cut into
+        chunks whose padded pairs fit `rerank_max_batch` (a lone query always fits)."""
+        assert self.step is not None
+        groups: dict[tuple[int, bool], list[_Work]] = {}
+        start = time.monotonic()
+        for t in tickets:
+            q = t.payload
+            groups.setdefault((id(q.index), q.plan.reranks), []).append(
+                _Work(t, {"queue": _ms(start - t.enqueued)})
+            )
+        chunks: list[list[_Work]] = []
+        for (_, reranks), members in groups.items():
+            chunk: list[_Work] = []
+            for w in members:
+                grown = [*chunk, w]
+                b, _, m = self.step.padded(len(grown), 1, max(x.query.m for x in grown))
+                if chunk and reranks and b * m > self.rerank_max_batch:
+                    chunks.append(chunk)
+                    grown = [w]
+                chunk = grown
+            chunks.append(chunk)
+        return chunks
+
+    def _run_steps(self, tickets: Sequence[Ticket[Query, Answer]]) -> None:
+        for chunk in self.step_chunks(tickets):
+            try:
+                self._step_chunk(chunk)
+            except Exception:
+                # the host path computes the same answers: a failed step costs time only
+                log.exception("the device step failed for %d queries; host path", len(chunk))
+                self.run_host([w.ticket for w in chunk if w.ticket.alive])
+
+    def _step_chunk(self, chunk: list[_Work]) -> None:
+        assert self.step is not None
+        q0 = chunk[0].query
+        tables = q0.index.resident
+        assert isinstance(tables, ResidentTables)
+        m = max(w.query.m for w in chunk)
+        ids = [w.query.ids or [] for w in chunk]
+        t0 = time.monotonic()
+        out = self.step(tables, ids, m, q0.plan.reranks)
+        dt = time.monotonic() - t0
+        pairs = sum(w.query.pairs for w in chunk)
+        self.batch_cost.observe(len(chunk), pairs, dt)
+        self.metrics.device_seconds.observe(dt)
+        if q0.plan.reranks:
+            self.metrics.rerank_batch_size.observe(pairs)
+        for i, w in enumerate(chunk):
+            n = w.query.m
+            w.timings["device"] = _ms(dt)
+            w.cand = Candidates.of(out.dots[i, :n], out.rows[i, :n])
+            # what the `ce` scorer answers: the logit's sigmoid (`models.rerankers._ce`)
+            scores = (
+                None
+                if out.logits is None
+                else np.asarray(sigmoid(out.logits[i, : len(w.cand.rows)]), np.float32)
+            )
+            try:
+                w.ticket.resolve(self._ranked(w, scores))
+            except Exception as exc:
+                log.exception("answering a query failed")
+                w.ticket.fail(exc)
 
     def _encode(self, work: list[_Work]) -> dict[int, np.ndarray]:
         """Query vectors by position in `work`: the sentences in one call, the images in one."""

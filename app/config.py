@@ -53,6 +53,13 @@ class Settings(BaseSettings):
         description="the builtin cross-encoder's arithmetic: auto = fp16 on a GPU, fp32 on "
         "the CPU; the cache keeps entries per device kind and precision",
     )
+    layout: Literal["auto", "cpu", "gpu"] = Field(
+        "auto",
+        description="how the engine runs: gpu = text queries as one device step per batch "
+        "(token ids in, candidates and scores out; the index's vectors and image states "
+        "resident on the device; batches cut by pairs), cpu = the host path tuned for CPU "
+        "cores; auto = gpu when the model runs on CUDA",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: str = "info"
@@ -144,8 +151,9 @@ class Settings(BaseSettings):
     rerank_max_batch: int | None = Field(
         None,
         ge=1,
-        description="pairs per cross-encoder call, across requests; empty = 64 on "
-        "the CPU (one request's candidates), 4096 on a GPU",
+        description="pairs per cross-encoder call, across requests; empty = 64 in the "
+        "cpu layout (one request's candidates), measured at start in the gpu layout (the "
+        "smallest batch within 10 % of the device's best pairs/s)",
     )
 
     index_factory: str = Field(

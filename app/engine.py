@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
+import numpy as np
+
 from app.errors import DeadlineExceeded, DuetError, Overloaded, ShuttingDown
 
 log = logging.getLogger("duet.engine")
@@ -84,6 +86,45 @@ class Throughput:
         return math.inf if per <= 0 else 1.0 / per
 
 
+class BatchCost:
+    """Seconds a batch takes as a fixed part plus a part per query and per pair,
+    `a + b * queries + c * pairs`, fitted by exponentially weighted least squares over the
+    batches run (the GPU layout's cost model: on a device a batch of 64 queries costs little
+    more than one, so a per-request price alone over-counts the queue ahead)."""
+
+    def __init__(self, fixed_s: float, per_query_s: float, per_pair_s: float) -> None:
+        self._coef = np.array([fixed_s, per_query_s, per_pair_s])
+        # sufficient statistics, seeded with a weak prior at the starting coefficients
+        self._xtx = np.eye(3) * 1e-3
+        self._xty = self._xtx @ self._coef
+        self._decay = 0.98  # an observation's weight halves after ~35 batches
+        self._lock = threading.Lock()
+
+    def observe(self, queries: int, pairs: int, seconds: float) -> None:
+        if queries <= 0 or seconds <= 0:
+            return
+        x = np.array([1.0, queries, pairs])
+        with self._lock:
+            self._xtx = self._decay * self._xtx + np.outer(x, x)
+            self._xty = self._decay * self._xty + x * seconds
+            try:  # a small ridge keeps it solvable while the batches all look alike
+                coef = np.linalg.solve(self._xtx + np.eye(3) * 1e-6, self._xty)
+            except np.linalg.LinAlgError:
+                return
+            self._coef = np.maximum(coef, 0.0)  # no part of the work is free time back
+
+    @property
+    def fixed_s(self) -> float:
+        return float(self._coef[0])
+
+    def ticket_s(self, pairs: int) -> float:
+        """One request's own share: its query and its pairs (the batch's fixed part apart)."""
+        return float(self._coef[1] + self._coef[2] * pairs)
+
+    def batch_s(self, queries: int, pairs: int) -> float:
+        return float(self._coef @ np.array([1.0, queries, pairs]))
+
+
 @dataclass(eq=False)
 class Ticket(Generic[P, R]):
     """One request's model work: its payload, deadline and the future its caller awaits."""
@@ -94,6 +135,7 @@ class Ticket(Generic[P, R]):
     future: asyncio.Future[R]
     loop: asyncio.AbstractEventLoop
     enqueued: float = field(default_factory=time.monotonic)
+    units: int = 0  # work units (re-ranked pairs) the batch budget counts
     answered: bool = False  # resolve() or fail() was called (the future settles on the loop)
     # called once, from the worker, when the ticket is answered (the engine stops counting
     # its cost as work ahead of new requests)
@@ -153,6 +195,9 @@ class Engine(Generic[P, R]):
         on_batch: Callable[[int], None] | None = None,
         init_worker: Callable[[], None] | None = None,
         before_batch: Callable[[int], None] | None = None,
+        units: Callable[[P], int] | None = None,
+        max_units: int | None = None,
+        batch_cost_s: Callable[[], float] | None = None,
     ) -> None:
         self._fn = fn
         self.workers = workers
@@ -163,6 +208,14 @@ class Engine(Generic[P, R]):
         self._on_batch = on_batch or (lambda _: None)
         self._init_worker = init_worker
         self._before_batch = before_batch or (lambda _: None)
+        # batches are cut by work units (re-ranked pairs) as well as by count: a batch takes
+        # tickets while their units fit `max_units` (a lone ticket always fits)
+        self._units = units or (lambda _: 0)
+        self.max_units = max_units
+        # the fixed seconds each batch costs whatever its size (launches, copies, the text
+        # tower's minimum): admission adds one per batch the queued units will need
+        self._batch_cost_s = batch_cost_s or (lambda: 0.0)
+        self._queued_units = 0
         self._busy = 0  # workers running a batch
         self._queue: deque[Ticket[P, R]] = deque()
         self._queued_cost = 0.0
@@ -178,8 +231,17 @@ class Engine(Generic[P, R]):
         return len(self._queue)
 
     def wait_s(self) -> float:
-        """Estimated seconds before a ticket queued now would start."""
-        return (self._queued_cost + self._running_cost) / self.workers
+        """Estimated seconds before a ticket queued now would start: the work queued and
+        running (each ticket's own cost) plus a fixed cost per batch the queue will take."""
+        batches = 0
+        if self._queue:
+            per = self.max_units or 0
+            batches = max(
+                math.ceil(len(self._queue) / self.max_batch),
+                math.ceil(self._queued_units / per) if per else 0,
+            )
+        fixed = batches * self._batch_cost_s()
+        return (self._queued_cost + self._running_cost + fixed) / self.workers
 
     def retry_after(self, extra_s: float = 0.0) -> int:
         """Whole seconds until the queue ahead has drained (at least 1), for Retry-After."""
@@ -206,8 +268,10 @@ class Engine(Generic[P, R]):
             ticket: Ticket[P, R] = Ticket(
                 payload, cost_s, time.monotonic() + budget, loop.create_future(), loop
             )
+            ticket.units = self._units(payload)
             self._queue.append(ticket)
             self._queued_cost += cost_s
+            self._queued_units += ticket.units
             self._cond.notify()
         return await ticket.future
 
@@ -225,6 +289,7 @@ class Engine(Generic[P, R]):
             pending = list(self._queue)
             self._queue.clear()
             self._queued_cost = 0.0
+            self._queued_units = 0
             self._cond.notify_all()
         for t in pending:
             t.fail(ShuttingDown("the service is shutting down; retry on another replica"))
@@ -245,12 +310,19 @@ class Engine(Generic[P, R]):
             # waiting while another sits idle
             share = math.ceil(len(self._queue) / max(1, self.workers - self._busy))
             batch: list[Ticket[P, R]] = []
+            units = 0
             while self._queue and len(batch) < min(share, self.max_batch):
+                nxt = self._queue[0].units
+                if batch and self.max_units is not None and units + nxt > self.max_units:
+                    break
                 t = self._queue.popleft()
                 self._queued_cost -= t.cost_s
+                self._queued_units -= t.units
+                units += t.units
                 batch.append(t)
             if not self._queue:
                 self._queued_cost = 0.0  # no float drift accumulates
+                self._queued_units = 0
             else:
                 self._cond.notify()  # the rest is another idle worker's share
             cost = sum(t.cost_s for t in batch)

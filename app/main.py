@@ -74,6 +74,14 @@ def _pipeline(
 ) -> SearchPipeline:
     """The search pipeline over the loaded model and index, sized for where the model runs."""
     on_gpu = str(getattr(res.model, "device", "cpu")).startswith("cuda")
+    gpu_layout = settings.layout == "gpu" or (settings.layout == "auto" and on_gpu)
+    make_step = getattr(res.model, "device_step", None)
+    step = make_step() if gpu_layout and callable(make_step) else None
+    if gpu_layout and step is None:
+        log.warning("DUET_LAYOUT=gpu needs the builtin model as encoder: host path only")
+    # the GPU layout: two workers (one prepares and looks up while the other waits on the
+    # device), at normal priority, no per-batch thread tuning
+    chosen = settings.model_fields_set
     return SearchPipeline(
         res.model,
         res.index,
@@ -81,16 +89,19 @@ def _pipeline(
         metrics,
         fusion_lambda=settings.rerank_fusion_lambda,
         theta=settings.rerank_theta,
-        workers=settings.workers or (1 if on_gpu else available_cores()),
+        workers=settings.workers or (2 if step else 1 if on_gpu else available_cores()),
         torch_threads=settings.torch_threads,
         cores=available_cores(),
-        worker_nice=settings.worker_nice,
+        worker_nice=0 if step and "worker_nice" not in chosen else settings.worker_nice,
         max_batch=settings.max_batch,
         max_queue=settings.max_queue,
         rerank_max_batch=settings.rerank_max_batch or (4096 if on_gpu else 64),
         timeout_s=settings.request_timeout_ms / 1000,
         index_nprobe=settings.index_nprobe,
         index_ef_search=settings.index_ef_search,
+        step=step,
+        measure_budget=settings.rerank_max_batch is None,
+        thread_tuning=step is None,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class Metrics:
@@ -42,6 +42,13 @@ class Metrics:
             "duet_engine_batch_size",
             "Requests per inference-engine batch",
             buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.device_seconds = Histogram(
+            "duet_device_step_seconds",
+            "Wall time of one device step (GPU layout): a batch's text tower, search, "
+            "cross-encoder and the copy back, from launch to the answer on the host",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=r,
         )
         self.shed = Counter(

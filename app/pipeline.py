@@ -29,6 +29,7 @@ from app.metrics import Metrics
 from app.schemas import Hit, SearchOptions, SearchResponse, image_url
 from app.versions import ServedIndex
 from models import rerankers
+from models.device_step import DeviceStep
 from models.late import DEFAULT_THETA
 from models.protocols import JointEncoder
 from models.rerankers import REGISTRY
@@ -64,6 +65,9 @@ class SearchPipeline:
         timeout_s: float = 2.0,
         index_nprobe: int = ann.DEFAULT_NPROBE,
         index_ef_search: int = ann.DEFAULT_EF_SEARCH,
+        step: DeviceStep | None = None,
+        measure_budget: bool = False,
+        thread_tuning: bool = True,
     ) -> None:
         self.model = model
         self.indexes = ServedIndex(index)
@@ -87,7 +91,10 @@ class SearchPipeline:
             cores=cores,
             torch_threads=torch_threads,
             worker_nice=worker_nice,
+            step=step,
         )
+        self._measure_budget = measure_budget and step is not None
+        worker = self.worker
         self.engine: Engine[Query, Answer] = Engine(
             self.worker.run_batch,
             workers=workers,
@@ -97,7 +104,13 @@ class SearchPipeline:
             on_shed=lambda why: metrics.shed.labels(reason=why).inc(),
             on_batch=metrics.engine_batch_size.observe,
             init_worker=self.worker.init_thread,
-            before_batch=self.worker.set_threads,
+            # the CPU layout shares the cores among busy workers; on a GPU host torch's CPU
+            # threads do little and re-setting them per batch costs time
+            before_batch=self.worker.set_threads if thread_tuning else None,
+            # the GPU layout cuts batches by pairs and prices each batch's fixed part
+            units=(lambda q: q.pairs) if step is not None else None,
+            max_units=rerank_max_batch if step is not None else None,
+            batch_cost_s=(lambda: worker.batch_cost.fixed_s) if step is not None else None,
         )
         self._publish(index)
         metrics.queue_depth.set_function(lambda: self.engine.depth)
@@ -124,15 +137,39 @@ class SearchPipeline:
             self.metrics.index_info.remove(old.version)
         return old
 
+    def prepare(self, index: IndexVersion) -> None:
+        """Make `index` ready to serve before it is swapped in: its resident tables on the
+        device step's device (GPU layout); nothing otherwise. Runs in a thread."""
+        self.worker.prepare(index)
+
     async def start(self) -> None:
         """Time one query and a few pairs (the first estimates of the cost model, and warm
-        kernels for the first request), start the workers."""
+        kernels for the first request), start the workers. In the GPU layout: the index's
+        tables onto the device first, then the step's pair budget and every shape built."""
+        await asyncio.to_thread(self.worker.prepare, self.index)
         await asyncio.to_thread(self.worker.warm_up, self.index)
+        if self.worker.step is not None:
+            await asyncio.to_thread(
+                self.worker.warm_step,
+                self.index,
+                self._measure_budget,
+                self.engine.max_batch,
+                120.0,
+            )
+            self.engine.max_units = self.worker.rerank_max_batch
         self.engine.start()
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.engine.stop)
         await self.cache.close()
+
+    def _ids(self, text: str | None) -> list[int] | None:
+        """A text query's token ids when the device step will read them (tokenised here, on
+        the event loop, so the thread feeding the device does not)."""
+        if text is None or self.worker.step is None:
+            return None
+        ids = getattr(self.model, "text_ids", None)
+        return ids(text) if callable(ids) else None
 
     def _unknown(self, text: str | None) -> list[str]:
         """The query's words outside the model's vocabulary (none for an image query)."""
@@ -280,13 +317,15 @@ class SearchPipeline:
         if (hit := await self._cached(key, timings)) is not None:
             return hit
         m = opts.candidates if plan.reranks else opts.top_k
-        throughput = self.worker.throughput
-        cost = throughput.seconds("query") + (
-            throughput.seconds(pair_kind(plan), m) if plan.reranks else 0.0
-        )
-        answer = await self.engine.submit(
-            Query(kind, text, image, index, plan, m, opts.top_k), cost
-        )
+        query = Query(kind, text, image, index, plan, m, opts.top_k, self._ids(text))
+        if self.worker.steppable(query):  # a share of a device batch (its fixed part apart)
+            cost = self.worker.batch_cost.ticket_s(query.pairs)
+        else:
+            throughput = self.worker.throughput
+            cost = throughput.seconds("query") + (
+                throughput.seconds(pair_kind(plan), m) if plan.reranks else 0.0
+            )
+        answer = await self.engine.submit(query, cost)
         timings.update(answer.timings)
         for stage, ms in answer.timings.items():
             self.metrics.stage_seconds.labels(stage=stage).observe(ms / 1000)

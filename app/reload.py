@@ -139,6 +139,7 @@ class IndexReloader:
                 return known
             try:
                 new = await asyncio.to_thread(load_checked, path, self._pipeline.model)
+                await asyncio.to_thread(self._pipeline.prepare, new)  # device tables
             except Exception as exc:  # anything that stops a load refuses the version
                 reason = (
                     str(exc)

@@ -194,3 +194,157 @@ async def overload(
         "healthz_max_ms": round(max(health) * 1000, 1) if health else None,
         "throughput": round(cell.throughput, 1),
     }
+
+
+# -- the load spread over processes (one Python process tops out near the server's rate) ----
+_QUERIES: Queries | None = None
+
+
+def _init_worker(seed: int, n: int) -> None:
+    """Each load process draws its own captions (seed + its pid: no two share a cache key)."""
+    import os
+
+    global _QUERIES
+    _QUERIES = Queries(seed + os.getpid() % 10_000 * 1_000, n)
+
+
+def _until(start_at: float) -> None:
+    time.sleep(max(0.0, start_at - time.time()))
+
+
+def _closed_part(
+    url: str, clients: int, seconds: float, rerank: bool, candidates: int, start_at: float
+) -> Cell:
+    assert _QUERIES is not None
+    cell = Cell()
+    _until(start_at)
+    asyncio.run(closed_loop(url, clients, seconds, rerank, candidates, _QUERIES, cell))
+    return cell
+
+
+def _open_part(
+    url: str, rate: float, seconds: float, rerank: bool, candidates: int, start_at: float
+) -> Cell:
+    assert _QUERIES is not None
+    cell = Cell()
+    _until(start_at)
+    asyncio.run(open_loop(url, rate, seconds, rerank, candidates, _QUERIES, cell))
+    return cell
+
+
+class LoadPool:
+    """Load-generating processes kept for a whole benchmark: `closed` and `open` split the
+    clients (or the rate) among them, start them together and merge what they measured."""
+
+    def __init__(self, procs: int, seed: int, queries_each: int = 60_000) -> None:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.procs = procs
+        self._pool = ProcessPoolExecutor(
+            procs,
+            mp_context=mp.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(seed, queries_each),
+        )
+        list(self._pool.map(time.sleep, [0.0] * procs))  # every process up before timing
+
+    def closed(
+        self, url: str, clients: int, seconds: float, rerank: bool, candidates: int, cell: Cell
+    ) -> None:
+        shares = [clients // self.procs + (i < clients % self.procs) for i in range(self.procs)]
+        start = time.time() + 0.5
+        futs = [
+            self._pool.submit(_closed_part, url, n, seconds, rerank, candidates, start)
+            for n in shares
+            if n
+        ]
+        _merge(cell, [f.result() for f in futs], seconds)
+
+    def open(
+        self, url: str, rate: float, seconds: float, rerank: bool, candidates: int, cell: Cell
+    ) -> None:
+        start = time.time() + 0.5
+        futs = [
+            self._pool.submit(
+                _open_part, url, rate / self.procs, seconds, rerank, candidates, start
+            )
+            for _ in range(self.procs)
+        ]
+        _merge(cell, [f.result() for f in futs], seconds)
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+
+def _merge(cell: Cell, parts: list[Cell], seconds: float) -> None:
+    for p in parts:
+        cell.latencies += p.latencies
+        cell.degraded += p.degraded
+        cell.refused += p.refused
+        cell.errors += p.errors
+    cell.seconds += seconds
+
+
+async def open_loop(
+    url: str,
+    rate: float,
+    seconds: float,
+    rerank: bool,
+    candidates: int,
+    queries: Queries,
+    cell: Cell,
+    warmup: float = 1.0,
+    max_conns: int = 512,
+) -> None:
+    """Requests at a fixed `rate` per second whatever the answers do (offered load), each on
+    an idle keep-alive connection (a new one while none is idle, up to `max_conns`); latency
+    counts from the moment it was due, so a client that falls behind adds to it (no
+    coordinated omission). Requests due in the first `warmup` seconds are not counted; one
+    that finds no connection left counts as an error."""
+    idle: list[Conn] = []
+    opened = 0
+    t0 = time.perf_counter()
+    total = int((warmup + seconds) * rate)
+
+    async def send(due: float, counted: bool) -> None:
+        nonlocal opened
+        if idle:
+            conn = idle.pop()
+        elif opened < max_conns:
+            opened += 1
+            conn = Conn(url)
+        else:
+            cell.errors += counted
+            return
+        body = json.dumps(
+            {"query": queries.next(), "top_k": 10, "candidates": candidates, "rerank": rerank}
+        ).encode()
+        try:
+            status, _, data = await conn.request("POST", "/search/text", body)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            conn.close()
+            opened -= 1
+            cell.errors += counted
+            return
+        idle.append(conn)
+        if not counted:
+            return
+        if status == 429:
+            cell.refused += 1
+        elif status != 200:
+            cell.errors += 1
+        elif b'"degraded":true' in data:
+            cell.degraded += 1
+        else:
+            cell.latencies.append(time.perf_counter() - due)
+
+    tasks = []
+    for i in range(total):
+        due = t0 + i / rate
+        if (wait := due - time.perf_counter()) > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(send(due, i >= warmup * rate)))
+    await asyncio.gather(*tasks)
+    for conn in idle:
+        conn.close()

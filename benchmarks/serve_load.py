@@ -39,7 +39,7 @@ PRECISION = os.environ.get("DUET_PRECISION") or "auto"
 CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 
-from benchmarks.load_client import Cell, Queries, closed_loop, overload  # noqa: E402
+from benchmarks.load_client import Cell, LoadPool, Queries, closed_loop, overload  # noqa: E402
 from models.fusion import DEFAULT_FUSION_LAMBDA  # noqa: E402
 
 
@@ -123,6 +123,15 @@ def pairs_per_second(
     return out
 
 
+def _device_name(device: str) -> str:
+    """The device as a report names it: the GPU's model on a CUDA host."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(0)})"
+
+
 def _shown(path: Path) -> str:
     """`path` as the report names it: relative to the repository when it lies inside it, so a
     report does not carry one machine's absolute paths."""
@@ -167,25 +176,56 @@ def run_grid(
     levels: list[int],
     queries: Queries,
     results: dict[str, Cell],
+    pool: LoadPool | None = None,
 ) -> None:
     """Closed-loop load on every (mode, clients, server) cell, `--rounds` times, the servers'
-    order swapped each round; adds to `results` and prints each cell as it ends."""
+    order swapped each round (the clients spread over `pool`'s processes when given); adds
+    to `results` and prints each cell as it ends."""
     for rnd in range(args.rounds):
         order = ["duet", "baseline"] if rnd % 2 == 0 else ["baseline", "duet"]
         for mode, rerank in (("re-ranked", True), ("dot only", False)):
             for c in levels:
                 for srv in order:
                     cell = results.setdefault(f"{srv}|{mode}|{c}", Cell())
-                    asyncio.run(
-                        closed_loop(
-                            urls[srv], c, args.seconds, rerank, args.candidates, queries, cell
+                    if pool is not None:
+                        pool.closed(urls[srv], c, args.seconds, rerank, args.candidates, cell)
+                    else:
+                        asyncio.run(
+                            closed_loop(
+                                urls[srv], c, args.seconds, rerank, args.candidates, queries, cell
+                            )
                         )
-                    )
                     print(
                         f"round {rnd + 1} {mode:9s} c={c:3d} {srv:8s} "
                         f"{cell.throughput:6.1f}/s p50 {cell.q(50):7.1f} ms",
                         flush=True,
                     )
+
+
+def run_open_loop(
+    urls: dict[str, str], args: argparse.Namespace, queries: Queries, pool: LoadPool | None
+) -> dict[str, Cell]:
+    """Each --open-loop rate against each server (re-ranked); the cells by "server|rate"."""
+    from benchmarks.load_client import open_loop
+
+    out: dict[str, Cell] = {}
+    for rate in [float(r) for r in args.open_loop.split(",") if r]:
+        for srv, url in urls.items():
+            cell = out.setdefault(f"{srv}|{rate:g}", Cell())
+            if pool is not None:
+                pool.open(url, rate, args.seconds, True, args.candidates, cell)
+            else:
+                asyncio.run(
+                    open_loop(url, rate, args.seconds, True, args.candidates, queries, cell)
+                )
+                cell.seconds += args.seconds
+            print(
+                f"offered {rate:g}/s {srv:8s} answered {cell.throughput:6.1f}/s "
+                f"p50 {cell.q(50):7.1f} ms p99 {cell.q(99):7.1f} ms 429 {cell.refused} "
+                f"errors {cell.errors}",
+                flush=True,
+            )
+    return out
 
 
 def main() -> None:
@@ -208,6 +248,25 @@ def main() -> None:
         default=256,
         help="clients for the overload run against duet (0 = skip)",
     )
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        help="load-generating processes (one Python process sends at most a few thousand "
+        "requests/s; a GPU host needs several)",
+    )
+    p.add_argument(
+        "--open-loop",
+        default="",
+        help="offered loads in requests/s (e.g. 500,2000): re-ranked requests sent at that rate "
+        "whatever the answers do, latency counted from when each was due, duet and the script",
+    )
+    p.add_argument(
+        "--duet-env",
+        default="",
+        help="extra settings for duet, KEY=VALUE,... (e.g. DUET_LAYOUT=cpu to A/B the layouts)",
+    )
+    p.add_argument("--skip-bound", action="store_true", help="skip the cross-encoder-alone figure")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "performance.md")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
     args = p.parse_args()
@@ -215,8 +274,12 @@ def main() -> None:
     current = (args.index_dir / "current").resolve()
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
 
-    print("cross-encoder alone ...", flush=True)
-    bound = pairs_per_second(args.index_dir, args.device, args.candidates, min(3.0, args.seconds))
+    bound: dict[str, float] = {}
+    if not args.skip_bound:
+        print("cross-encoder alone ...", flush=True)
+        bound = pairs_per_second(
+            args.index_dir, args.device, args.candidates, min(3.0, args.seconds)
+        )
     queries = Queries(seed=2_000_000)
     results: dict[str, Cell] = {}
     duet_port, base_port = _free_port(), _free_port()
@@ -228,6 +291,7 @@ def main() -> None:
         "DUET_INDEX_POLL_S": "0",
         "DUET_REDIS_URL": "",
         "DUET_LOG_LEVEL": "warning",
+        **dict(kv.split("=", 1) for kv in args.duet_env.split(",") if kv),
     }
     base_cmd = [
         sys.executable,
@@ -243,14 +307,21 @@ def main() -> None:
         server(duet_cmd, duet_env, duet_port, logs / "duet-serve-load.log") as duet_url,
         server(base_cmd, {}, base_port, logs / "baseline-serve-load.log") as base_url,
     ):
-        run_grid({"duet": duet_url, "baseline": base_url}, args, levels, queries, results)
+        urls = {"duet": duet_url, "baseline": base_url}
+        pool = LoadPool(args.procs, seed=2_000_000) if args.procs > 1 else None
+        try:
+            run_grid(urls, args, levels, queries, results, pool)
+            offered = run_open_loop(urls, args, queries, pool)
+        finally:
+            if pool is not None:
+                pool.close()
         over = None
         if args.overload:
             print(f"overload: {args.overload} clients against duet ...", flush=True)
             over = asyncio.run(
                 overload(duet_url, args.overload, 3 * args.seconds, args.candidates, queries)
             )
-    write_report(args, levels, results, bound, over)
+    write_report(args, levels, results, bound, over, offered)
     print(args.out.read_text())
 
 
@@ -260,6 +331,7 @@ def write_report(
     results: dict[str, Cell],
     bound: dict[str, float],
     over: dict[str, object] | None,
+    offered: dict[str, Cell] | None = None,
 ) -> None:
     """The markdown report (and its plot) at --out, and the raw figures at --json."""
     png = args.out.with_suffix(".png")
@@ -269,7 +341,9 @@ def write_report(
         "",
         f"Written by `python benchmarks/serve_load.py --device {args.device}` "
         f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
-        f"device {args.device}, duet's cross-encoder in DUET_PRECISION={PRECISION}). "
+        f"device {_device_name(args.device)}, duet's cross-encoder in "
+        f"DUET_PRECISION={PRECISION}{', ' + args.duet_env if args.duet_env else ''}; "
+        f"{args.procs} load process(es)). "
         f"Index: `{_shown(args.index_dir)}/current`; "
         f"{args.candidates} candidates, top 10; closed-loop clients, {args.seconds:g} s per cell "
         f"x {args.rounds} interleaved rounds; every query a different caption (no cache hits).",
@@ -301,6 +375,21 @@ def write_report(
         "",
     ]
     lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
+    if offered:
+        lines += [
+            "",
+            f"Offered load (open loop, re-ranked, {args.seconds:g} s; latency from when each "
+            "request was due):",
+            "",
+            "| server | offered req/s | answered req/s | p50 ms | p99 ms | 429 | errors |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for key, oc in offered.items():
+            srv, rate = key.split("|")
+            lines.append(
+                f"| {srv} | {rate} | {oc.throughput:.1f} | {oc.q(50):.1f} | {oc.q(99):.1f} | "
+                f"{oc.refused} | {oc.errors} |"
+            )
     if over is not None:
         lines += [
             "",

@@ -226,6 +226,21 @@ class TorchFlat:
         return scores, rows
 
 
+def flat_vectors(index: Any) -> np.ndarray | None:
+    """The stored vectors of an exact (Flat) index, as `place` may have made it, in row
+    order; None for any other kind (IVF, HNSW, PQ: their vectors are not all kept)."""
+    if isinstance(index, TorchFlat):
+        return np.asarray(index.vectors.cpu().numpy(), dtype=np.float32)
+    gpu_flat = getattr(faiss, "GpuIndexFlat", None)  # faiss-gpu's, reconstructs the same
+    if not isinstance(index, gpu_flat or ()) and not isinstance(
+        faiss.downcast_index(index), faiss.IndexFlat
+    ):
+        return None
+    if index.ntotal == 0:
+        return np.zeros((0, index.d), np.float32)
+    return np.asarray(index.reconstruct_n(0, index.ntotal), dtype=np.float32)
+
+
 def place(index: faiss.Index, device: str) -> Any:
     """`index` ready to search on `device`: on a CUDA device a Flat index moves to the GPU,
     through faiss-gpu where it is importable, else as a `TorchFlat`; IVF and HNSW indexes

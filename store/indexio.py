@@ -180,6 +180,9 @@ class IndexVersion:
     text_index: faiss.Index
     image_tokens: np.ndarray  # (n_images, T, d) float16, memory-mapped
     store: ItemStore
+    # the serving device's copy of the vectors and image states (the GPU layout's resident
+    # tables, `models.device_step.ResidentTables`), released with the version; None: none
+    resident: Any = None
 
     @property
     def version(self) -> str:
@@ -202,6 +205,9 @@ class IndexVersion:
         self.image_index = faiss.IndexFlat(self.image_index.d, self.image_index.metric_type)
         self.text_index = faiss.IndexFlat(self.text_index.d, self.text_index.metric_type)
         self.image_tokens = np.zeros((0, *self.image_tokens.shape[1:]), self.image_tokens.dtype)
+        if self.resident is not None:
+            self.resident.release()  # the device memory goes back now, not at collection
+            self.resident = None
 
     @property
     def images_root(self) -> Path | None:

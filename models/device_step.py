@@ -1,0 +1,410 @@
+"""A batch of text queries as one device step: token ids in, candidates and their scores out.
+
+The GPU layout's hot path (`DUET_LAYOUT=gpu`, the default on a CUDA host). Everything a
+re-ranked text search computes runs on the model's device between one host-to-device copy
+(the batch's token ids) and one device-to-host copy (each query's candidate rows, dot
+products and cross-encoder logits), with no synchronisation in between:
+
+* the text tower runs once per query: its states feed both the search vector and the
+  cross-encoder (the host path tokenises and encodes the query twice);
+* search is one matmul + top-k over the index's vectors, resident on the device;
+* the candidates' image states are gathered from a token table resident on the device
+  (`ResidentTables`, made when a version is loaded or swapped in, released with it);
+* the cross-encoder runs at a few fixed shapes: queries, text length and candidates are
+  padded up to buckets (`StepShapes`) and the padding is masked, so every shape it will
+  meet can be built once at warm-up (cuDNN, autotuned kernels, allocator blocks) and no
+  request pays for a new one. Text lengths are chosen so that a pair's sequence length is a
+  multiple of 8, which masked attention kernels need to take their fast path;
+* its weights are cast once, at load, to the serving precision (autocast recasts every
+  weight on every call), and the attention backend is pinned (`SDPA_BACKENDS`).
+
+Fusion and top-k run on the host from the copied-out (queries x candidates) arrays: the same
+function (`models.fusion.fused_top_k`) as every other path, over 50 numbers a query.
+Not covered here (the host path serves them): image queries, re-rankers other than the
+cross-encoder, and indexes that are not Flat (IVF / HNSW search stays in FAISS).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.inference import Precision
+from models.joint import JointModel
+
+log = logging.getLogger("duet.device_step")
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
+def sdpa_backends(device: torch.device) -> list[object]:
+    """The attention kernels the step may use. On CUDA: memory-efficient attention (masks,
+    fp16/bf16/fp32, no per-shape graph) then the math fallback; cuDNN's kernel is left out
+    because it builds a graph for every new shape (on an H100 switching it off doubled to
+    tripled fp16 serving throughput, issue 35). On the CPU torch's own choice."""
+    from torch.nn.attention import SDPBackend
+
+    if device.type == "cuda":
+        return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def _bucket(sizes: Sequence[int], n: int) -> int:
+    """The smallest size >= n, or n itself past the largest (correct, just not pre-built)."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else n
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """The padded shapes a step runs at: queries per batch, text length, candidates."""
+
+    queries: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    texts: tuple[int, ...] = (8, 16, 24, 32)
+    candidates: tuple[int, ...] = (10, 20, 50, 100, 200, 500, 1000)
+
+    def aligned_texts(self, image_tokens: int, max_len: int) -> tuple[int, ...]:
+        """Text lengths (at least each of `texts`, all of them covering `max_len`) for which
+        [ITM] + text + image states is a multiple of 8 positions long."""
+        out = {n + (-(1 + n + image_tokens)) % 8 for n in (*self.texts, max_len) if n <= max_len}
+        return tuple(sorted(out))
+
+
+class ResidentTables:
+    """One index version's image vectors (float32, for search) and image states (in the
+    step's precision, for the cross-encoder) on the step's device."""
+
+    SLICE = 65536  # image-state rows copied at a time (512 MB of float16 at 16 x 256)
+
+    def __init__(
+        self, vectors: np.ndarray, tokens: np.ndarray, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.vectors = torch.from_numpy(np.ascontiguousarray(vectors, np.float32)).to(device)
+        # copied in slices: a memory-mapped table larger than RAM never sits there whole
+        self.tokens = torch.empty(tokens.shape, dtype=dtype, device=device)
+        for a in range(0, tokens.shape[0], self.SLICE):
+            part = torch.from_numpy(np.array(tokens[a : a + self.SLICE]))
+            self.tokens[a : a + self.SLICE] = part.to(device=device, dtype=dtype)
+        self.rows = int(self.vectors.shape[0])
+        if self.tokens.shape[0] != self.rows:
+            raise ValueError(
+                f"index has {self.rows} vectors but {self.tokens.shape[0]} image-state rows"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.element_size() * t.nelement() for t in (self.vectors, self.tokens))
+
+    def release(self) -> None:
+        """Free the device memory now (a swapped-out version's tables)."""
+        self.vectors = self.vectors.new_zeros((0, self.vectors.shape[1]))
+        self.tokens = self.tokens.new_zeros((0, *self.tokens.shape[1:]))
+        self.rows = 0
+
+
+class _Layer:
+    """One pre-norm fusion layer's weights in the serving dtype, run with a key mask."""
+
+    def __init__(self, layer: nn.TransformerEncoderLayer, heads: int, dtype: torch.dtype) -> None:
+        def cast(t: torch.Tensor | None) -> torch.Tensor:
+            assert t is not None
+            return t.detach().to(dtype).contiguous()
+
+        attn = layer.self_attn
+        self.heads = heads
+        self.d = attn.embed_dim
+        self.eps = (layer.norm1.eps, layer.norm2.eps)
+        self.n1 = (cast(layer.norm1.weight), cast(layer.norm1.bias))
+        self.n2 = (cast(layer.norm2.weight), cast(layer.norm2.bias))
+        self.qkv = (cast(attn.in_proj_weight), cast(attn.in_proj_bias))
+        self.out = (cast(attn.out_proj.weight), cast(attn.out_proj.bias))
+        self.ff1 = (cast(layer.linear1.weight), cast(layer.linear1.bias))
+        self.ff2 = (cast(layer.linear2.weight), cast(layer.linear2.bias))
+
+    def norm1(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.d,), *self.n1, eps=self.eps[0])
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, *self.qkv)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        n, s, d = x.shape
+        return x.view(n, s, self.heads, d // self.heads).transpose(1, 2)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """x (the rows being updated) + masked attention + feed-forward for those rows."""
+        a = F.scaled_dot_product_attention(
+            self._heads(q), self._heads(k), self._heads(v), attn_mask=mask
+        )
+        x = x + F.linear(a.transpose(1, 2).reshape(x.shape), *self.out)
+        h = F.layer_norm(x, (self.d,), *self.n2, eps=self.eps[1])
+        return x + F.linear(F.gelu(F.linear(h, *self.ff1)), *self.ff2)
+
+    def full(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(self.norm1(x)).chunk(3, dim=-1)
+        return self.attend(x, q, k, v, mask)
+
+    def last(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Only the [ITM] row (the one the head reads) is updated: (n, 1, d)."""
+        q, k, v = self.project(self.norm1(x)).chunk(3, dim=-1)
+        return self.attend(x[:, :1], q[:, :1], k, v, mask)
+
+
+class MaskedCrossEncoder:
+    """The joint model's cross-encoder at fixed shapes: each query's [ITM] + text row is
+    projected once for the first layer and shared by its candidates; padded text positions
+    are masked out of every key; the last layer updates the [ITM] row alone. Equal to
+    `JointModel.itm_logits` (fp32: to ~1e-5)."""
+
+    def __init__(self, model: JointModel, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        heads = model.cfg.n_heads
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(dtype).contiguous()
+
+        self.layers = [_Layer(layer, heads, dtype) for layer in model.fusion.layers]
+        self.itm = cast(model.itm_token)
+        self.type_text = cast(model.type_embed[0])
+        self.image_add = cast(model.type_embed[1] + model.fusion_pos)  # (1, T, d)
+        norm = model.fusion_norm
+        self.norm = (cast(norm.weight), cast(norm.bias), norm.eps)
+        lin1, lin2 = model.itm_head[0], model.itm_head[2]
+        assert isinstance(lin1, nn.Linear) and isinstance(lin2, nn.Linear)
+        self.head1 = (cast(lin1.weight), cast(lin1.bias))
+        self.head2 = (cast(lin2.weight), cast(lin2.bias))
+        self.d = model.cfg.d_model
+
+    def logits(
+        self, text: torch.Tensor, keep: torch.Tensor, owner: torch.Tensor, img: torch.Tensor
+    ) -> torch.Tensor:
+        """(P,) float32 logits. `text` (B, L, d) text states, `keep` (B, L) True at real
+        positions; pair p reads query `owner[p]` with image states `img[p]` (P, T, d)."""
+        b = text.shape[0]
+        pairs, n_img, _ = img.shape
+        head = torch.cat([self.itm.expand(b, 1, -1), text.to(self.dtype) + self.type_text], 1)
+        x_img = img.to(self.dtype) + self.image_add
+        real = torch.ones(b, 1, dtype=torch.bool, device=text.device)
+        head_keep = torch.cat([real, keep], 1)  # (B, 1 + L)
+        img_keep = torch.ones(pairs, n_img, dtype=torch.bool, device=text.device)
+        mask = torch.cat([head_keep[owner], img_keep], 1)[:, None, None, :]  # (P, 1, 1, S)
+        first = self.layers[0]
+        qkv = torch.cat(
+            [first.project(first.norm1(head))[owner], first.project(first.norm1(x_img))], 1
+        )
+        q, k, v = qkv.chunk(3, dim=-1)
+        x = torch.cat([head[owner], x_img], 1)
+        if len(self.layers) == 1:
+            x = first.attend(x[:, :1], q[:, :1], k, v, mask)
+        else:
+            x = first.attend(x, q, k, v, mask)
+            for layer in self.layers[1:-1]:
+                x = layer.full(x, mask)
+            x = self.layers[-1].last(x, mask)
+        h = F.layer_norm(x[:, 0], (self.d,), self.norm[0], self.norm[1], eps=self.norm[2])
+        out = F.linear(F.gelu(F.linear(h, *self.head1)), *self.head2)
+        return out.squeeze(-1).float()
+
+
+@dataclass
+class StepOutput:
+    """One batch's result on the host: per query, its candidates best-first by dot product."""
+
+    rows: np.ndarray  # (B, m) int64 index rows, -1 past the index's end
+    dots: np.ndarray  # (B, m) float32 dot products
+    logits: np.ndarray | None  # (B, m) float32 cross-encoder logits; None without re-ranking
+
+
+class DeviceStep:
+    """Text queries -> (candidate rows, dots, cross-encoder logits) in one device step.
+
+    Thread-safe: it holds no per-call state. `launch` queues the work and returns device
+    tensors without waiting; `collect` is the one copy back (and the one wait).
+    """
+
+    def __init__(
+        self,
+        model: JointModel,
+        device: torch.device,
+        precision: Precision,
+        shapes: StepShapes | None = None,
+        rerank: bool = True,
+    ) -> None:
+        self.model = model  # its towers run in fp32, as the index's vectors were made
+        self.reranks = rerank  # whether the model's cross-encoder is the service's `ce`
+        self.device = device
+        self.precision = precision
+        self.dtype = DTYPES[precision]
+        self.shapes = shapes or StepShapes()
+        cfg = model.cfg
+        self.max_len = cfg.max_text_len
+        self.image_tokens = cfg.grid * cfg.grid
+        self.text_buckets = self.shapes.aligned_texts(self.image_tokens, self.max_len)
+        self.cross = MaskedCrossEncoder(model, self.dtype)
+        self.backends = sdpa_backends(device)
+
+    # -- tables ---------------------------------------------------------------------
+    def free_bytes(self) -> int | None:
+        """Free memory on the device (None on the CPU, where the tables share host RAM)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        return None
+
+    def tables(self, vectors: np.ndarray, tokens: np.ndarray) -> ResidentTables:
+        return ResidentTables(vectors, tokens, self.device, self.dtype)
+
+    # -- shapes -----------------------------------------------------------------------
+    def padded(self, queries: int, longest: int, candidates: int) -> tuple[int, int, int]:
+        """(queries, text length, candidates) a batch runs at."""
+        return (
+            _bucket(self.shapes.queries, queries),
+            _bucket(self.text_buckets, longest),
+            _bucket(self.shapes.candidates, candidates),
+        )
+
+    def pack(self, ids: Sequence[Sequence[int]], longest: int, queries: int) -> torch.Tensor:
+        """Token id rows -> (queries, width) int64 on the host (pinned on a CUDA host),
+        zero-padded; a padding row holds one [UNK] so no row is all padding."""
+        width = min(longest, self.max_len)
+        out = torch.zeros(queries, width, dtype=torch.long)
+        for i, row in enumerate(ids):
+            out[i, : len(row)] = torch.as_tensor(row[:width], dtype=torch.long)
+        out[len(ids) :, 0] = 1
+        return out.pin_memory() if self.device.type == "cuda" else out
+
+    # -- the step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def launch(
+        self,
+        tables: ResidentTables,
+        ids: Sequence[Sequence[int]],
+        candidates: int,
+        rerank: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Queue one batch: (rows, dots, logits or None), each (B, m) on the device, for the
+        padded batch (the first len(ids) rows are the queries')."""
+        b, length, m = self.padded(len(ids), max(len(r) for r in ids), candidates)
+        m = min(m, tables.rows)
+        host = self.pack(ids, length, b)
+        tok = host.to(self.device, non_blocking=True)
+        return self.run(tables, tok, length, m, rerank)
+
+    def run(
+        self, tables: ResidentTables, tok: torch.Tensor, length: int, m: int, rerank: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The device part of `launch`: `tok` (B, width) ids already on the device."""
+        net = self.model
+        b = tok.shape[0]
+        pad = tok == 0
+        states = net.text_tokens(tok, pad)  # (B, width, d) fp32
+        vec = F.normalize(net.embed_texts(states, pad), dim=-1)
+        top = (vec @ tables.vectors.T).topk(m, dim=1)
+        dots, rows = top.values, top.indices
+        if not rerank or m == 0:
+            return rows, dots, None
+        keep = ~pad
+        if states.shape[1] < length:  # the text bucket is wider than the tower's positions
+            grow = length - states.shape[1]
+            states = F.pad(states, (0, 0, 0, grow))
+            keep = F.pad(keep, (0, grow), value=False)
+        owner = torch.arange(b, device=tok.device)[:, None].expand(b, m).reshape(-1)
+        img = tables.tokens[rows.reshape(-1)]
+        with self._kernels():
+            logits = self.cross.logits(states, keep, owner, img)
+        return rows, dots, logits.view(b, m)
+
+    def collect(
+        self,
+        launched: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        queries: int,
+    ) -> StepOutput:
+        """The one copy back (and the one wait) of a launched batch, its padding dropped."""
+        rows, dots, logits = launched
+        parts = [rows.double(), dots.double()] + ([] if logits is None else [logits.double()])
+        host = torch.stack(parts)[:, :queries].cpu().numpy()
+        return StepOutput(
+            host[0].astype(np.int64),
+            host[1].astype(np.float32),
+            None if logits is None else host[2].astype(np.float32),
+        )
+
+    def __call__(
+        self,
+        tables: ResidentTables,
+        ids: Sequence[Sequence[int]],
+        candidates: int,
+        rerank: bool,
+    ) -> StepOutput:
+        return self.collect(self.launch(tables, ids, candidates, rerank), len(ids))
+
+    @contextmanager
+    def _kernels(self) -> Iterator[None]:
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(self.backends):  # type: ignore[arg-type]
+            yield
+
+    # -- warm-up ----------------------------------------------------------------------
+    def shapes_within(
+        self, pair_budget: int, max_queries: int, max_top_k: int = 100
+    ) -> list[tuple[int, int, int, bool]]:
+        """Every (queries, text length, candidates, re-ranked) a batch can run at when cut at
+        `pair_budget` pairs and `max_queries` queries: re-ranked batches within the budget (a
+        lone query may exceed it), dot-only ones up to `max_top_k` candidates."""
+        out = []
+        for b in self.shapes.queries:
+            if b > _bucket(self.shapes.queries, max_queries):
+                break
+            for m in self.shapes.candidates:
+                runs = [
+                    rerank
+                    for rerank, fits in (
+                        (True, self.reranks and (b == 1 or b * m <= pair_budget)),
+                        (False, m <= _bucket(self.shapes.candidates, max_top_k)),
+                    )
+                    if fits
+                ]
+                out += [(b, n, m, rerank) for rerank in runs for n in self.text_buckets]
+        return out
+
+    def warm_up(
+        self, tables: ResidentTables, shapes: Sequence[tuple[int, int, int, bool]], seconds: float
+    ) -> int:
+        """Run each shape once (smallest work first) within `seconds`; returns how many were
+        built. A shape not built still runs, only its first time slower."""
+        import time
+
+        t0 = time.monotonic()
+        done = 0
+        for b, length, m, rerank in sorted(shapes, key=lambda s: (s[3], s[0] * s[2] * s[1])):
+            if time.monotonic() - t0 > seconds:
+                log.warning(
+                    "warm-up stopped after %d of %d shapes (%.0fs budget)",
+                    done,
+                    len(shapes),
+                    seconds,
+                )
+                break
+            ids = [[2] + [3] * (min(length, self.max_len) - 1)] * b
+            self.collect(self.launch(tables, ids, min(m, tables.rows), rerank), b)
+            done += 1
+        return done
