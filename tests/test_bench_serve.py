@@ -52,6 +52,14 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
             "1,2",
             "--overload",
             "8",
+            # the GPU check's options, on the CPU: load over two processes, an offered-load
+            # run, duet in the GPU layout (its device step on the CPU device)
+            "--procs",
+            "2",
+            "--open-loop",
+            "10",
+            "--duet-env",
+            "DUET_LAYOUT=gpu,DUET_RERANK_MAX_BATCH=200,DUET_MAX_BATCH=8",
             "--out",
             str(out),
         ],
@@ -66,3 +74,42 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
         assert row in report
     assert "pairs/s" in report and '"errors_5xx": 0' in report
     assert out.with_suffix(".png").stat().st_size > 10_000
+    assert "DUET_LAYOUT=gpu" in report and "2 load process(es)" in report
+    offered = [
+        line
+        for line in report.splitlines()
+        if line.startswith(("| duet | 10 |", "| baseline | 10 |"))
+    ]
+    assert len(offered) == 2
+    for line in offered:  # both answered about what was offered, without errors
+        answered, errors = float(line.split("|")[3]), int(line.split("|")[7])
+        assert answered > 5 and errors == 0, line
+
+
+@pytest.mark.slow
+def test_ce_ceiling_writes_its_table(index_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ceiling.md"
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "ce_ceiling.py"),
+            "--index-dir",
+            str(index_dir),
+            "--pairs",
+            "50,100",
+            "--seconds",
+            "0.2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| fp32 |")]
+    assert len(rows) == 2
+    for line in rows:  # every path measured a rate (none failed)
+        cells = [c.strip() for c in line.split("|")[3:7]]
+        assert all(c.replace(",", "").isdigit() and int(c.replace(",", "")) > 0 for c in cells)
