@@ -60,6 +60,15 @@ class Settings(BaseSettings):
         "resident on the device; batches cut by pairs), cpu = the host path tuned for CPU "
         "cores; auto = gpu when the model runs on CUDA",
     )
+    frontends: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="the process layout: N > 0 starts N front processes that serve HTTP "
+        "(validation, image checks, tokenising, the cache, JSON) on the public port and hand "
+        "the model work to this process, which owns the model and serves every other path; "
+        "0 = one process does everything",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: str = "info"

@@ -130,6 +130,12 @@ def _lifespan(
         )
         app.state.pipeline = pipeline
         app.state.reloader = reloader
+        engine_server = None
+        if (path := getattr(app.state, "engine_socket", None)) is not None:
+            from app.fronts import EngineServer  # the process layout's owner
+
+            engine_server = EngineServer(app, path)
+            await engine_server.start()
         metrics.ready.set(1)
         log.info(
             "duet ready (cache: %s, index poll: %s)",
@@ -139,6 +145,12 @@ def _lifespan(
         try:
             yield
         finally:
+            # the fronts first: they drain their requests through the owner, still up
+            stop_fronts = getattr(app.state, "stop_fronts", None)
+            if stop_fronts is not None:
+                await asyncio.to_thread(stop_fronts)
+            if engine_server is not None:
+                await engine_server.stop()
             app.state.pipeline = None
             app.state.reloader = None
             metrics.ready.set(0)
@@ -152,8 +164,12 @@ def _lifespan(
     return lifespan
 
 
-def create_app(settings: Settings, resources: Resources | None = None) -> FastAPI:
-    """Build the app; `resources` may be passed in (already loaded), else they load at start-up."""
+def create_app(
+    settings: Settings, resources: Resources | None = None, *, front: bool = False
+) -> FastAPI:
+    """Build the app; `resources` may be passed in (already loaded), else they load at start-up.
+    `front`: the search routes alone, for a front of the process layout (`app.fronts`, which
+    adds its lifespan and passes every other path through to the owner)."""
     metrics = Metrics()
     app = FastAPI(
         title="duet",
@@ -173,9 +189,10 @@ def create_app(settings: Settings, resources: Resources | None = None) -> FastAP
     install_handlers(app)
     search.refresh_docs()  # the re-rankers registered by now are the ones served
     app.include_router(search.router)
-    app.include_router(health.router)
-    app.include_router(admin.router)
-    app.include_router(ui.router)
+    if not front:
+        app.include_router(health.router)
+        app.include_router(admin.router)
+        app.include_router(ui.router)
 
     app.add_middleware(
         BodyLimit,

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -112,6 +112,7 @@ class SearchPipeline:
             max_units=rerank_max_batch if step is not None else None,
             batch_cost_s=(lambda: worker.batch_cost.fixed_s) if step is not None else None,
         )
+        self.swap_listeners: list[Callable[[str], None]] = []
         self._publish(index)
         metrics.queue_depth.set_function(lambda: self.engine.depth)
         metrics.queue_capacity.set(max_queue)
@@ -133,6 +134,8 @@ class SearchPipeline:
         """
         old = self.indexes.swap(new)
         self._publish(new)
+        for listener in self.swap_listeners:  # the process layout's fronts learn the version
+            listener(new.version)
         if old.version != new.version:
             self.metrics.index_info.remove(old.version)
         return old
@@ -301,6 +304,33 @@ class SearchPipeline:
                 index, "image", None, image, hashlib.sha256(data).hexdigest(), opts
             )
 
+    async def run(
+        self,
+        index: IndexVersion,
+        kind: Literal["text", "image"],
+        text: str | None,
+        image: Image.Image | None,
+        plan: RerankPlan,
+        m: int,
+        top_k: int,
+        ids: list[int] | None = None,
+    ) -> tuple[Answer, str]:
+        """The model work of one search on the engine (admission, batching, the worker):
+        its answer and the index version it ran on. The process layout's fronts call it
+        over their connection to the process that owns the model (`app.fronts`), with the
+        text's token ids (`ids`) already made."""
+        if ids is None or self.worker.step is None:
+            ids = self._ids(text)
+        query = Query(kind, text, image, index, plan, m, top_k, ids)
+        if self.worker.steppable(query):  # a share of a device batch (its fixed part apart)
+            cost = self.worker.batch_cost.ticket_s(query.pairs)
+        else:
+            throughput = self.worker.throughput
+            cost = throughput.seconds("query") + (
+                throughput.seconds(pair_kind(plan), m) if plan.reranks else 0.0
+            )
+        return await self.engine.submit(query, cost), index.version
+
     async def _search(
         self,
         index: IndexVersion,
@@ -317,15 +347,7 @@ class SearchPipeline:
         if (hit := await self._cached(key, timings)) is not None:
             return hit
         m = opts.candidates if plan.reranks else opts.top_k
-        query = Query(kind, text, image, index, plan, m, opts.top_k, self._ids(text))
-        if self.worker.steppable(query):  # a share of a device batch (its fixed part apart)
-            cost = self.worker.batch_cost.ticket_s(query.pairs)
-        else:
-            throughput = self.worker.throughput
-            cost = throughput.seconds("query") + (
-                throughput.seconds(pair_kind(plan), m) if plan.reranks else 0.0
-            )
-        answer = await self.engine.submit(query, cost)
+        answer, version = await self.run(index, kind, text, image, plan, m, opts.top_k)
         timings.update(answer.timings)
         for stage, ms in answer.timings.items():
             self.metrics.stage_seconds.labels(stage=stage).observe(ms / 1000)
@@ -349,7 +371,7 @@ class SearchPipeline:
         resp = SearchResponse(
             hits=hits,
             timings_ms=timings,
-            index_version=index.version,
+            index_version=version,
             cached=False,
             degraded=answer.degraded,
             reranked=answer.reranked,

@@ -10,6 +10,8 @@
 #   serve     serve_load, GPU layout (DUET_LAYOUT=gpu, the default on CUDA), default precision,
 #             1-512 clients over 8 load processes, 2,000 req/s offered, overload at 512
 #             -> serve_gpu.md/.png
+#   fronts    serve_load, GPU layout with the process layout (DUET_FRONTENDS=6: six HTTP
+#             processes, the model in one) at 1, 64 and 512 clients -> serve_fronts.md
 #   ceiling   ce_ceiling: plain forward / host runtime / device step / the step's cross-encoder,
 #             50 to 12,800 pairs a call, fp32 fp16 bf16 -> ceiling.md
 #   ab        serve_load with DUET_LAYOUT=cpu (the host path, as before issue 35) at 1 and 64
@@ -37,7 +39,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
 WHEELS=${WHEELS:-.whl}
 BUDGET=${BUDGET:-560}
-STEPS=${STEPS:-sync index serve ceiling ab fp32 workers1 tests build suite}
+STEPS=${STEPS:-sync index serve fronts ceiling ab fp32 workers1 tests build suite}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 T0=$(date +%s)
@@ -84,6 +86,10 @@ for s in $STEPS; do
   serve)
     step serve 260 90 "${SERVE[@]}" --concurrency 1,8,64,256,512 --procs 8 --open-loop 2000 \
       --overload 512 --out "$OUT/serve_gpu.md"
+    ;;
+  fronts)
+    step fronts 120 60 "${SERVE[@]}" --concurrency 1,64,512 --procs 6 --overload 0 --skip-bound \
+      --duet-env DUET_FRONTENDS=6 --out "$OUT/serve_fronts.md"
     ;;
   ceiling) step ceiling 120 40 python3 benchmarks/ce_ceiling.py --device cuda --seconds 0.75 \
     --out "$OUT/ceiling.md" ;;

@@ -34,6 +34,16 @@ def add(sub: Any) -> None:
     )
     s.set_defaults(fn=cmd_serve)
 
+    f = sub.add_parser(
+        "serve-front",
+        formatter_class=HelpFormatter,
+        help="(internal) one front of the process layout, started by `duet serve`",
+        description="One front process of the process layout (DUET_FRONTENDS > 0): serves the "
+        "search routes on the listening socket `duet serve` hands it and passes their model "
+        "work, and every other path, to the `duet serve` process. Not run by hand.",
+    )
+    f.set_defaults(fn=cmd_serve_front)
+
     h = sub.add_parser(
         "healthcheck",
         formatter_class=HelpFormatter,
@@ -65,6 +75,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         resources.index.version,
         getattr(resources.model, "device", "cpu"),
     )
+    if settings.frontends:
+        _serve_with_fronts(settings, app)
+        return 0
     uvicorn.run(
         app,
         host=settings.host,
@@ -73,6 +86,102 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=settings.access_log,
         **uvicorn_options(settings),
     )
+    return 0
+
+
+def _listen(host: str, port: int, backlog: int) -> Any:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    return sock
+
+
+def _serve_with_fronts(settings: Any, app: Any) -> None:
+    """The process layout: this process owns the model and serves on a loopback port of its
+    own; DUET_FRONTENDS front processes share the public socket (`app.fronts`)."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    import uvicorn
+
+    from app.fronts import FD_ENV, OWNER_ENV, SOCKET_ENV
+    from app.limits import uvicorn_options
+
+    public = _listen(settings.host, settings.port, settings.http_backlog)
+    public.set_inheritable(True)
+    owner = _listen("127.0.0.1", 0, settings.http_backlog)
+    run_dir = tempfile.mkdtemp(prefix="duet-")  # private (0700): the engine socket lives here
+    path = os.path.join(run_dir, "engine.sock")
+    env = {
+        **os.environ,
+        SOCKET_ENV: path,
+        OWNER_ENV: f"http://127.0.0.1:{owner.getsockname()[1]}",
+        FD_ENV: str(public.fileno()),
+    }
+    fronts = [
+        subprocess.Popen(
+            [sys.executable, "-m", "duet.cli", "serve-front"], env=env, pass_fds=(public.fileno(),)
+        )
+        for _ in range(settings.frontends)
+    ]
+    public.close()  # the fronts hold it now
+
+    def stop_fronts() -> None:
+        for p in fronts:
+            if p.poll() is None:
+                p.terminate()
+        for p in fronts:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    app.state.engine_socket = path
+    app.state.stop_fronts = stop_fronts
+    log.info("process layout: %d fronts on the public port, the model here", len(fronts))
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        **uvicorn_options(settings),
+    )
+    try:
+        uvicorn.Server(config).run(sockets=[owner])
+    finally:
+        stop_fronts()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def cmd_serve_front(args: argparse.Namespace) -> int:
+    """One front of the process layout (see `app.fronts`)."""
+    import os
+    import socket
+
+    import uvicorn
+
+    from app.fronts import FD_ENV, OWNER_ENV, SOCKET_ENV, create_front_app
+    from app.limits import uvicorn_options
+
+    settings = load_settings()
+    setup_logging(settings.log_level)
+    if FD_ENV not in os.environ:
+        print("duet serve-front is started by `duet serve` (DUET_FRONTENDS > 0)", file=sys.stderr)
+        return 2
+    sock = socket.socket(fileno=int(os.environ[FD_ENV]))
+    app = create_front_app(settings, os.environ[SOCKET_ENV], os.environ[OWNER_ENV])
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        **uvicorn_options(settings),
+    )
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

@@ -1,0 +1,504 @@
+"""The process layout (`DUET_FRONTENDS=N`): N front processes serve HTTP, one process owns the
+model.
+
+One Python process tops out at a few hundred to a couple of thousand requests a second of
+HTTP parsing, validation, JSON and cache look-ups, while a GPU running the device step
+(`models.device_step`) can answer thousands. So with `DUET_FRONTENDS=N`, `duet serve` starts:
+
+* the **owner** (the `duet serve` process itself): loads the model and the index and runs the
+  inference engine, exactly as a single-process service does, on a loopback port of its own,
+  plus a Unix socket (`EngineServer`) over which fronts hand it their searches' model work;
+* **N fronts** (`duet serve-front`), sharing the public listening socket (the kernel spreads
+  the connections among them). A front validates each search, decodes and checks an
+  uploaded image, tokenises, reads and writes the cache and writes the JSON; only the model
+  work (`SearchPipeline.run`: query in, ranked rows with scores and item metadata out) crosses
+  to the owner, as one length-prefixed pickle each way on one connection per front. Every
+  other path (`/readyz`, `/metrics`, `/admin/*`, `/images/*`, the page) is passed through to
+  the owner, so there is one readiness, one set of metrics and one reload for the service.
+
+A front's own request metrics (`duet_request_seconds`, `duet_cache_requests`,
+`duet_stage_seconds`, `duet_degraded_requests`) are sent to the owner a few times a second and
+counted there. The owner tells every front the new index version as it swaps one in, and
+each answer carries the version it ran on, so cache keys follow swaps within one message.
+The peers are the service's own processes on one host (the socket lives in a private
+directory), which is why pickle is an acceptable wire format here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import hashlib
+import itertools
+import logging
+import os
+import pickle
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from PIL import Image
+from starlette.routing import Route
+
+from app import errors
+from app.batch import Answer, RerankPlan
+from app.errors import DuetError, NotReady, ShuttingDown
+from app.metrics import Metrics
+from app.pipeline import SearchPipeline
+from models.tokenizer import WordTokenizer
+from store.indexio import IndexVersion
+
+log = logging.getLogger("duet.fronts")
+
+SOCKET_ENV = "DUET_FRONT_SOCKET"  # the owner's Unix socket, for a front
+OWNER_ENV = "DUET_FRONT_OWNER"  # the owner's loopback URL, for a front
+FD_ENV = "DUET_FRONT_FD"  # the shared public listening socket, inherited by a front
+FORWARDED = ("request_seconds", "cache_requests", "stage_seconds", "degraded")
+FLUSH_S = 0.25  # how often a front sends its metric observations to the owner
+# the upload a front's image search is answering (the owner decodes it for the model)
+_UPLOAD: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("upload", default=None)
+
+
+async def _send(writer: asyncio.StreamWriter, msg: object) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    writer.write(len(data).to_bytes(4, "little") + data)
+    await writer.drain()
+
+
+async def _recv(reader: asyncio.StreamReader) -> Any:
+    size = int.from_bytes(await reader.readexactly(4), "little")
+    return pickle.loads(await reader.readexactly(size))
+
+
+def _error_of(exc: BaseException) -> dict[str, object]:
+    """A DuetError as data (its class by name: every one lives in `app.errors`)."""
+    if isinstance(exc, DuetError):
+        return {
+            "type": type(exc).__name__,
+            "message": exc.message,
+            "retry_after": exc.retry_after,
+            "extra": exc.extra,
+        }
+    return {"type": "RuntimeError", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def _raise(err: dict[str, Any]) -> None:
+    cls = getattr(errors, str(err["type"]), None)
+    if isinstance(cls, type) and issubclass(cls, DuetError):
+        raise cls(err["message"], retry_after=err.get("retry_after"), **err.get("extra", {}))
+    raise RuntimeError(err["message"])
+
+
+# -- the owner's side ---------------------------------------------------------------------
+class EngineServer:
+    """The owner's Unix socket: fronts say hello, send searches and metric observations; the
+    owner answers each search and tells every front of each index swap."""
+
+    def __init__(self, app: FastAPI, path: str) -> None:
+        self.app = app
+        self.path = path
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def pipeline(self) -> SearchPipeline:
+        p = self.app.state.pipeline
+        if p is None:
+            raise NotReady("the model and index are still loading; retry in a moment")
+        return cast(SearchPipeline, p)
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self._server = await asyncio.start_unix_server(self._serve, self.path)
+        os.chmod(self.path, 0o600)
+        loop = asyncio.get_running_loop()
+
+        def swapped(version: str) -> None:  # called where the swap runs
+            loop.call_soon_threadsafe(self._announce, version)
+
+        self.pipeline.swap_listeners.append(swapped)
+        log.info("engine socket %s open for the fronts", self.path)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for w in list(self._writers):
+            w.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def info(self) -> dict[str, object]:
+        """What a front needs to plan, key and check requests as the owner would."""
+        p = self.pipeline
+        model = p.model
+        joint = getattr(model, "joint", None)
+        tok = getattr(joint, "tokenizer", None)
+        return {
+            "fingerprint": model.fingerprint,
+            "numerics": getattr(model, "numerics", None),
+            "vocab": None if tok is None else {"words": tok.itos[3:], "max_len": tok.max_len},
+            "rerankers": p.rerankers,
+            "default_reranker": p.default_reranker,
+            "unavailable": p._unavailable,
+            "fusion_lambda": p.fusion_lambda,
+            "theta": p.theta,
+            "version": p.index.version,
+        }
+
+    def _announce(self, version: str) -> None:
+        for w in list(self._writers):
+            task = asyncio.ensure_future(_send(w, {"op": "version", "version": version}))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        lock = asyncio.Lock()
+        try:
+            while True:
+                try:
+                    msg = await _recv(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                op = msg.get("op")
+                if op == "search":
+                    task = asyncio.ensure_future(self._search(msg, writer, lock))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                elif op == "observe":
+                    self._observe(msg["items"])
+                elif op == "hello":
+                    async with lock:
+                        await _send(writer, {"op": "hello", "info": self.info()})
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _search(
+        self, msg: dict[str, Any], writer: asyncio.StreamWriter, lock: asyncio.Lock
+    ) -> None:
+        reply: dict[str, object] = {"op": "answer", "id": msg["id"]}
+        try:
+            p = self.pipeline
+            image = None
+            if msg["kind"] == "image":
+                image = await self.app.state.decoder.decode(msg["image"])
+            with p.indexes.lease() as index:
+                answer, version = await p.run(
+                    index,
+                    msg["kind"],
+                    msg["text"],
+                    image,
+                    msg["plan"],
+                    msg["m"],
+                    msg["top_k"],
+                    ids=msg.get("ids"),
+                )
+            reply["answer"] = answer
+            reply["version"] = version
+        except Exception as exc:
+            if not isinstance(exc, DuetError):
+                log.exception("a front's search failed in the owner")
+            reply["error"] = _error_of(exc)
+        with contextlib.suppress(ConnectionError):
+            async with lock:
+                await _send(writer, reply)
+
+    def _observe(self, items: list[tuple[str, tuple[tuple[str, str], ...], str, float]]) -> None:
+        metrics = self.app.state.metrics
+        for family, labels, method, value in items:
+            if family not in FORWARDED:
+                continue
+            target = getattr(metrics, family)
+            if labels:
+                target = target.labels(**dict(labels))
+            getattr(target, method)(value)
+
+
+# -- the front's side -----------------------------------------------------------------------
+class _Forward:
+    """Stands in for a front's metric family: what is observed goes to the owner."""
+
+    def __init__(self, name: str, sink: list[Any], labels: tuple[tuple[str, str], ...] = ()):
+        self._name, self._sink, self._labels = name, sink, labels
+
+    def labels(self, **kw: str) -> _Forward:
+        return _Forward(self._name, self._sink, tuple(sorted(kw.items())))
+
+    def observe(self, value: float) -> None:
+        # a passed-through request is counted once, by the owner that answers it
+        if self._name == "request_seconds" and not dict(self._labels).get(
+            "endpoint", ""
+        ).startswith("/search/"):
+            return
+        self._sink.append((self._name, self._labels, "observe", value))
+
+    def inc(self, value: float = 1.0) -> None:
+        self._sink.append((self._name, self._labels, "inc", value))
+
+
+class RemoteEngine:
+    """A front's connection to the owner: searches out, answers back, matched by id."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.info: dict[str, Any] = {}
+        self.observed: list[Any] = []
+        self._ids = itertools.count()
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.on_version: Callable[[str], None] = lambda _: None
+
+    async def connect(self, wait_s: float = 600.0) -> None:
+        """Connect and say hello, waiting while the owner loads (it opens the socket once
+        ready)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._io = await asyncio.open_unix_connection(self.path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+        reader, writer = self._io
+        await _send(writer, {"op": "hello"})
+        self.info = (await _recv(reader))["info"]
+        self._tasks = [
+            asyncio.create_task(self._read(), name="front-reader"),
+            asyncio.create_task(self._flush(), name="front-metrics"),
+        ]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._io is not None:
+            self._io[1].close()
+            self._io = None
+
+    async def _read(self) -> None:
+        assert self._io is not None
+        reader = self._io[0]
+        try:
+            while True:
+                msg = await _recv(reader)
+                if msg["op"] == "answer":
+                    fut = self._pending.pop(msg["id"], None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                elif msg["op"] == "version":
+                    self.info["version"] = msg["version"]
+                    self.on_version(msg["version"])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            log.warning("the owner process closed its socket; this front stops answering")
+        finally:
+            self._io = None
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(
+                        ShuttingDown("the service is shutting down; retry on another replica")
+                    )
+            self._pending.clear()
+
+    async def _flush(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            if self.observed and self._io is not None:
+                items = list(self.observed)  # the list itself stays: the metrics append to it
+                self.observed.clear()
+                with contextlib.suppress(ConnectionError):
+                    await _send(self._io[1], {"op": "observe", "items": items})
+
+    async def search(self, **msg: object) -> dict[str, Any]:
+        if self._io is None:
+            raise ShuttingDown("the service is shutting down; retry on another replica")
+        rid = next(self._ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await _send(self._io[1], {"op": "search", "id": rid, **msg})
+            return await fut
+        finally:
+            self._pending.pop(rid, None)
+
+
+class _RemoteModel:
+    """What a front's pipeline reads of the model, from the owner's hello."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.fingerprint = info["fingerprint"]
+        self.numerics = info["numerics"]
+        vocab = info.get("vocab")
+        self.tokenizer = (
+            None if vocab is None else WordTokenizer(list(vocab["words"]), int(vocab["max_len"]))
+        )
+
+    def unknown_words(self, text: str) -> list[str]:
+        return [] if self.tokenizer is None else self.tokenizer.unknown_words(text)
+
+    def query_identity(self, text: str) -> str:
+        return text if self.tokenizer is None else self.tokenizer.reading(text)
+
+
+@dataclass
+class _Version:
+    """A front's view of the served index: its version (for cache keys and answers)."""
+
+    version: str
+
+
+class FrontPipeline(SearchPipeline):
+    """`SearchPipeline` as a front runs it: planning, cache keys, the cache and the response
+    are the single-process code; `run` (the model work) goes to the owner."""
+
+    def __init__(self, remote: RemoteEngine, cache: Any, metrics: Metrics) -> None:
+        # no model, index, worker or engine here: only what the shared methods read
+        info = remote.info
+        self.remote = remote
+        self.remote_model = _RemoteModel(info)
+        self.model = self.remote_model  # type: ignore[assignment]
+        self.cache = cache
+        self.metrics = metrics
+        self.fusion_lambda = info["fusion_lambda"]
+        self.theta = info["theta"]
+        self.rerankers = tuple(info["rerankers"])
+        self.default_reranker = info["default_reranker"]
+        self._unavailable = dict(info["unavailable"])
+        self._served = _Version(info["version"])
+        remote.on_version = self._swapped
+
+    def _swapped(self, version: str) -> None:
+        self._served = _Version(version)
+
+    @property
+    def index(self) -> IndexVersion:
+        return cast(IndexVersion, self._served)
+
+    async def search_text(self, query: str, opts: Any) -> Any:
+        return await self._search(self.index, "text", query, None, self._identity(query), opts)
+
+    async def search_image(self, data: bytes, image: Image.Image, opts: Any) -> Any:
+        _UPLOAD.set(data)  # this request's task only
+        return await self._search(
+            self.index, "image", None, image, hashlib.sha256(data).hexdigest(), opts
+        )
+
+    async def run(
+        self,
+        index: IndexVersion,
+        kind: Literal["text", "image"],
+        text: str | None,
+        image: Image.Image | None,
+        plan: RerankPlan,
+        m: int,
+        top_k: int,
+        ids: list[int] | None = None,
+    ) -> tuple[Answer, str]:
+        tok = self.remote_model.tokenizer
+        reply = await self.remote.search(
+            kind=kind,
+            text=text,
+            ids=None if text is None or tok is None else tok.ids(text),  # tokenised here
+            # the upload as sent (checked here already): the owner decodes it for the model
+            image=_UPLOAD.get() if kind == "image" else None,
+            plan=plan,
+            m=m,
+            top_k=top_k,
+        )
+        if "error" in reply:
+            _raise(reply["error"])
+        if reply["version"] != self._served.version:
+            self._served = _Version(reply["version"])
+        return reply["answer"], reply["version"]
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        await self.cache.close()
+
+
+async def _orphaned(parent: int) -> None:
+    """End this front (as SIGTERM would) once the owner that started it is gone."""
+    import signal
+
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    log.warning("the owner process is gone; this front stops")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# -- the front's app --------------------------------------------------------------------------
+def create_front_app(settings: Any, socket_path: str, owner_url: str) -> FastAPI:
+    """The service's app as a front serves it: the search routes run here (their model work on
+    the owner), every other path is passed through to the owner."""
+    from app.cache import ResilientCache
+    from app.main import _cache_backend, create_app
+
+    app = create_app(settings, front=True)
+    metrics: Metrics = app.state.metrics
+    remote = RemoteEngine(socket_path)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per passed-through call
+    for name in FORWARDED:  # counted by the owner, whose /metrics is the service's
+        setattr(metrics, name, _Forward(name, remote.observed))
+    client = httpx.AsyncClient(base_url=owner_url, timeout=None)
+
+    async def passthrough(request: Request) -> Response:
+        url = httpx.URL(path=request.url.path, query=request.url.query.encode())
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"host"]
+        try:
+            r = await client.request(
+                request.method, url, headers=headers, content=await request.body()
+            )
+        except httpx.TransportError as exc:
+            raise NotReady(
+                "the process that owns the model is not answering; retry in a moment"
+            ) from exc
+        drop = {"content-length", "transfer-encoding", "connection"}
+        return Response(
+            r.content,
+            r.status_code,
+            headers={k: v for k, v in r.headers.items() if k.lower() not in drop},
+        )
+
+    app.router.routes.append(
+        Route(
+            "/{path:path}",
+            passthrough,
+            methods=["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"],
+        )
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await remote.connect()
+        cache = ResilientCache(
+            _cache_backend(settings), metrics, timeout_s=settings.redis_timeout_ms / 1000
+        )
+        app.state.pipeline = FrontPipeline(remote, cache, metrics)
+        watchdog = asyncio.create_task(_orphaned(os.getppid()), name="front-watchdog")
+        log.info("front %d ready (owner %s)", os.getpid(), owner_url)
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            app.state.pipeline = None
+            await cache.close()
+            await remote.close()
+            await client.aclose()
+            app.state.decoder.close()
+
+    app.router.lifespan_context = lifespan
+    return app

@@ -1,0 +1,177 @@
+"""The process layout (DUET_FRONTENDS > 0, `app.fronts`): real `duet serve` processes, fronts
+sharing the public socket, the model work over the owner's Unix socket."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from index_builder.build import build
+from models.builtin import BuiltinModel
+from tests.conftest import REPO, start_service, stop_service
+
+pytestmark = pytest.mark.slow
+
+QUERIES = [
+    {"query": "a small red diamond left of a small yellow triangle", "top_k": 5},
+    {"query": "two blue squares", "top_k": 3, "candidates": 20, "fusion": "norm_add"},
+    {"query": "a red square", "top_k": 4, "rerank": False},
+    {"query": "a green cross", "reranker": "late"},
+]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _hits(body: dict[str, object]) -> list[tuple[str, float]]:
+    return [(h["id"], round(h["score"], 5)) for h in body["hits"]]  # type: ignore[attr-defined]
+
+
+def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> None:
+    """Two fronts and an owner: the same answers as one process (text, image, every
+    re-ranker), validation errors from the fronts, the rest passed through to the owner, the
+    fronts' requests counted on the owner's /metrics, and SIGTERM ends every process."""
+    fronts = start_service(index_dir, tmp_path / "fronts.log", DUET_FRONTENDS="2")
+    single = start_service(index_dir, tmp_path / "single.log")
+    try:
+        kids = [p for p in _children(fronts.proc.pid) if "serve-front" in _cmdline(p)]
+        assert len(kids) == 2
+        with fronts.client() as f, single.client() as s:
+            for body in QUERIES:
+                a, b = f.post("/search/text", json=body), s.post("/search/text", json=body)
+                assert a.status_code == b.status_code == 200, (a.text, b.text)
+                assert _hits(a.json()) == _hits(b.json()), body
+                assert a.json()["index_version"] == b.json()["index_version"]
+            upload = _an_image(index_dir)
+            a = f.post("/search/image", files={"image": ("q.png", upload)}, data={"top_k": "3"})
+            b = s.post("/search/image", files={"image": ("q.png", upload)}, data={"top_k": "3"})
+            assert a.status_code == 200, a.text
+            assert _hits(a.json()) == _hits(b.json())
+            bad = f.post("/search/text", json={"query": ""})
+            assert bad.status_code == 422 and bad.json()["error"]["code"] == "validation_error"
+            broken = f.post("/search/image", files={"image": ("x.png", b"not an image")})
+            assert broken.status_code == 400, broken.text
+            assert f.get("/readyz").status_code == 200
+            assert f.get("/healthz").status_code == 200
+            assert f.get("/").status_code == 200  # the page, from the owner
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                metrics = f.get("/metrics").text
+                if _count(metrics, 'endpoint="/search/text",status="200"') >= len(QUERIES):
+                    break
+                time.sleep(0.2)
+            assert _count(metrics, 'endpoint="/search/text",status="200"') == len(QUERIES)
+            assert _count(metrics, 'endpoint="/search/image",status="200"') == 1
+            assert 'duet_stage_seconds_count{stage="rerank"}' in metrics
+        fronts.proc.send_signal(signal.SIGTERM)
+        fronts.proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in kids), "a front outlived its owner"
+    finally:
+        stop_service(fronts)
+        stop_service(single)
+
+
+def test_fronts_pass_on_overload_and_swaps(index_dir: Path, corpus: Path, tmp_path: Path) -> None:
+    """A 429 from the owner's admission reaches the client with its Retry-After; a new index
+    version swapped in by the owner is what the fronts' answers then carry."""
+    own = tmp_path / "indexes"
+    shutil.copytree(index_dir, own, symlinks=True)
+    svc = start_service(
+        own,
+        tmp_path / "svc.log",
+        DUET_FRONTENDS="2",
+        DUET_WORKERS="1",
+        DUET_MAX_QUEUE="1",
+        DUET_INDEX_POLL_S="0.3",
+    )
+    try:
+        with svc.client() as c:
+            first = c.post("/search/text", json=QUERIES[0]).json()["index_version"]
+
+            def one(i: int) -> httpx.Response:
+                with httpx.Client(base_url=svc.url, timeout=30) as cc:
+                    body = {"query": f"a red circle above {i % 3 + 1} blue squares", "top_k": 3}
+                    body["candidates"] = 200 + i
+                    return cc.post("/search/text", json=body)
+
+            with ThreadPoolExecutor(24) as pool:
+                codes = list(pool.map(one, range(48)))
+            refused = [r for r in codes if r.status_code == 429]
+            assert refused and all(r.headers.get("retry-after") for r in refused)
+            assert {r.status_code for r in codes} <= {200, 429}
+            build(corpus, own, BuiltinModel.load(), progress=False)  # a new version
+            deadline = time.monotonic() + 20
+            version = first
+            while version == first and time.monotonic() < deadline:
+                time.sleep(0.3)
+                version = c.post("/search/text", json=QUERIES[2]).json()["index_version"]
+            assert version != first
+            assert c.post("/search/text", json=QUERIES[1]).json()["index_version"] == version
+    finally:
+        stop_service(svc)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _count(metrics: str, labels: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith("duet_request_seconds_count{") and labels in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _an_image(index_dir: Path) -> bytes:
+    """A PNG of the test corpus (the manifest's corpus folder holds its images)."""
+    import json
+
+    current = (index_dir / "current").resolve()
+    corpus = Path(json.loads((current / "manifest.json").read_text())["corpus"]).parent
+    return next((corpus / "images").glob("*.png")).read_bytes()
+
+
+def test_serve_front_alone_says_how_it_starts() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "duet.cli", "serve-front"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert res.returncode == 2 and "DUET_FRONTENDS" in res.stderr
