@@ -2,8 +2,9 @@
 # duet's checks on a GPU host, in one run, most important first (issue 35: the GPU engine).
 # Each step gets at most its own cap and what is left of BUDGET; a step that no longer fits
 # is skipped and says so. Results go to $OUT (default ./gpu-out): log.txt (every step, the
-# GPU's name first: record it beside every figure), the reports below, and all.tgz (the
-# reports with their plots and suite.log: a device call returns at most 8 files).
+# GPU's name first: record it beside every figure), reports.md (every report below, one after
+# the other) and all.tgz (the reports with their plots and suite.log): a device call returns
+# at most 8 files.
 #
 #   sync      the device step's tests, the CUDA one under torch.cuda.set_sync_debug_mode("error")
 #   index     the demo index (2,000 images), built on the GPU
@@ -14,6 +15,8 @@
 #             processes, the model in one) at 1, 64 and 512 clients -> serve_fronts.md
 #   ceiling   ce_ceiling: plain forward / host runtime / device step / the step's cross-encoder,
 #             50 to 12,800 pairs a call, fp32 fp16 bf16 -> ceiling.md
+#   quality   step_quality: served R@1 on the test split through the device step in each
+#             precision against the host path in fp32 -> quality.md
 #   ab        serve_load with DUET_LAYOUT=cpu (the host path, as before issue 35) at 1 and 64
 #             clients: the A/B for the layout -> serve_hostpath.md
 #   fp32      serve_load, GPU layout in fp32 at 1 and 64 clients -> serve_fp32.md
@@ -39,7 +42,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
 WHEELS=${WHEELS:-.whl}
 BUDGET=${BUDGET:-560}
-STEPS=${STEPS:-sync index serve fronts ceiling ab fp32 workers1 tests build suite}
+STEPS=${STEPS:-sync index serve fronts ceiling quality ab fp32 workers1 tests build suite}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 T0=$(date +%s)
@@ -93,6 +96,7 @@ for s in $STEPS; do
     ;;
   ceiling) step ceiling 120 40 python3 benchmarks/ce_ceiling.py --device cuda --seconds 0.75 \
     --out "$OUT/ceiling.md" ;;
+  quality) step quality 120 45 python3 benchmarks/step_quality.py --device cuda --out "$OUT/quality.md" ;;
   ab)
     step ab 100 50 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound \
       --duet-env DUET_LAYOUT=cpu --out "$OUT/serve_hostpath.md"
@@ -128,9 +132,12 @@ for s in $STEPS; do
   *) el "unknown step $s (see the header)" && failed=1 ;;
   esac
 done
-# at most 8 files come back from a device call: the reports and the log stay, the rest
-# (plots, suite.log) travel in one archive
+# at most 8 files come back from a device call: log.txt, every report in reports.md, and
+# all.tgz (the reports one by one, their plots, suite.log)
 tar czf "$OUT/all.tgz" -C "$OUT" --exclude=all.tgz . 2>/dev/null
-rm -f "$OUT"/*.png "$OUT/suite.log"
+for f in "$OUT"/*.md; do
+  [ -e "$f" ] && [ "$f" != "$OUT/reports.md" ] && { echo "## $(basename "$f")" && cat "$f"; }
+done >"$OUT/reports.md"
+find "$OUT" -maxdepth 1 -type f ! -name log.txt ! -name reports.md ! -name all.tgz -delete
 el done
 exit "$failed"
