@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from models.builtin import BuiltinModel
-from models.fusion import DEFAULT_FUSION_LAMBDA
+from models.fusion import DEFAULT_FUSION_LAMBDA, sigmoid
 
 
 class Query(BaseModel):
@@ -32,8 +32,15 @@ class Query(BaseModel):
     rerank: bool = True
 
 
-def make_app(index_dir: Path, device: str = "cpu") -> FastAPI:
+def make_app(index_dir: Path, device: str = "cpu", reranker: Path | None = None) -> FastAPI:
+    """The script over `index_dir`; `reranker`: a BLIP ITM directory re-ranks instead of the
+    builtin cross-encoder (the index must have been built with it: its image states)."""
     model = BuiltinModel.load(device=device)
+    blip = None
+    if reranker is not None:
+        from models.hf import HFBlipReranker
+
+        blip = HFBlipReranker(reranker, device=device)
     index = faiss.read_index(str(index_dir / "image.faiss"))
     tokens = np.load(index_dir / "image_tokens.npy", mmap_mode="r")
     db = sqlite3.connect(index_dir / "items.sqlite", check_same_thread=False)
@@ -47,7 +54,10 @@ def make_app(index_dir: Path, device: str = "cpu") -> FastAPI:
             dots, rows = index.search(vec, q.candidates if q.rerank else q.top_k)
             dots, rows = dots[0], rows[0]
             score = dots
-            if q.rerank:
+            if q.rerank and blip is not None:  # the heavy re-ranker, its plain forward
+                ce = sigmoid(blip.score_pairs([q.query] * len(rows), tokens[rows]))
+                score = DEFAULT_FUSION_LAMBDA * dots + (1 - DEFAULT_FUSION_LAMBDA) * ce
+            elif q.rerank:
                 ids_t, pad = model.tokenizer.batch([q.query])  # the sentence once, shared
                 ids_t, pad = ids_t.to(model.device), pad.to(model.device)
                 text = model.model.text_tokens(ids_t, pad).expand(len(rows), -1, -1)
@@ -71,9 +81,12 @@ def main() -> None:
     )
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--reranker", type=Path, default=None, help="a BLIP ITM directory (DUET_RERANKER's kind)"
+    )
     args = p.parse_args()
     uvicorn.run(
-        make_app(args.index.resolve(), args.device),
+        make_app(args.index.resolve(), args.device, args.reranker),
         host="127.0.0.1",
         port=args.port,
         log_level="warning",

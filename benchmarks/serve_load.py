@@ -267,6 +267,13 @@ def main() -> None:
         help="extra settings for duet, KEY=VALUE,... (e.g. DUET_LAYOUT=cpu to A/B the layouts)",
     )
     p.add_argument("--skip-bound", action="store_true", help="skip the cross-encoder-alone figure")
+    p.add_argument(
+        "--reranker",
+        type=Path,
+        default=None,
+        help="a BLIP ITM directory both servers re-rank with (DUET_RERANKER; the index must "
+        "be built with it): the heavy re-ranker's row (benchmarks/blip_base.py makes one)",
+    )
     p.add_argument("--out", type=Path, default=REPO / "docs" / "performance.md")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
     args = p.parse_args()
@@ -275,7 +282,7 @@ def main() -> None:
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
 
     bound: dict[str, float] = {}
-    if not args.skip_bound:
+    if not args.skip_bound and args.reranker is None:  # the builtin cross-encoder's figure
         print("cross-encoder alone ...", flush=True)
         bound = pairs_per_second(
             args.index_dir, args.device, args.candidates, min(3.0, args.seconds)
@@ -292,6 +299,7 @@ def main() -> None:
         "DUET_REDIS_URL": "",
         "DUET_LOG_LEVEL": "warning",
         **dict(kv.split("=", 1) for kv in args.duet_env.split(",") if kv),
+        **({"DUET_RERANKER": str(args.reranker)} if args.reranker else {}),
     }
     base_cmd = [
         sys.executable,
@@ -302,6 +310,7 @@ def main() -> None:
         str(base_port),
         "--device",
         args.device,
+        *(["--reranker", str(args.reranker)] if args.reranker else []),
     ]
     with (
         server(duet_cmd, duet_env, duet_port, logs / "duet-serve-load.log") as duet_url,
@@ -342,7 +351,8 @@ def write_report(
         f"Written by `python benchmarks/serve_load.py --device {args.device}` "
         f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
         f"device {_device_name(args.device)}, duet's cross-encoder in "
-        f"DUET_PRECISION={PRECISION}{', ' + args.duet_env if args.duet_env else ''}; "
+        f"DUET_PRECISION={PRECISION}{', ' + args.duet_env if args.duet_env else ''}"
+        f"{'; re-ranker ' + args.reranker.name + ' (BLIP ITM) on both' if args.reranker else ''}; "
         f"{args.procs} load process(es)). "
         f"Index: `{_shown(args.index_dir)}/current`; "
         f"{args.candidates} candidates, top 10; closed-loop clients, {args.seconds:g} s per cell "

@@ -3,12 +3,14 @@ default does (same model, same index, the default ADD_λ), and the benchmark run
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 from app.config import Settings
 from app.main import create_app
@@ -113,3 +115,46 @@ def test_ce_ceiling_writes_its_table(index_dir: Path, tmp_path: Path) -> None:
     for line in rows:  # every path measured a rate (none failed)
         cells = [c.strip() for c in line.split("|")[3:7]]
         assert all(c.replace(",", "").isdigit() and int(c.replace(",", "")) > 0 for c in cells)
+
+
+@pytest.mark.slow
+def test_heavy_reranker_row_runs_with_a_blip_stand_in(corpus: Path, tmp_path: Path) -> None:
+    """The real-size row's plumbing, with a tiny checkpoint of the same kind: blip_base.py
+    writes a BLIP ITM checkpoint from its config, `duet build --reranker` stores its image
+    states, and the plain script re-ranks with it exactly as duet does."""
+    blip = tmp_path / "blip"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    make = [sys.executable, str(REPO / "benchmarks" / "blip_base.py"), "--out", str(blip)]
+    res = subprocess.run(
+        [*make, "--tiny", "--dtype", "fp32"], capture_output=True, text=True, env=env
+    )
+    assert res.returncode == 0, res.stderr
+    assert "BLIP ITM tiny-shaped" in res.stdout
+    idx = tmp_path / "idx"
+    build_cmd = [
+        sys.executable,
+        "-m",
+        "duet.cli",
+        "build",
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(idx),
+    ]
+    res = subprocess.run(
+        [*build_cmd, "--reranker", str(blip), "--no-progress"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert res.returncode == 0, res.stderr
+    baseline = make_app(resolve_current(idx), reranker=blip)
+    duet = create_app(Settings(index_dir=idx, index_poll_s=0, reranker=str(blip)))
+    body = {"query": "a red circle above a small blue square", "top_k": 5, "candidates": 20}
+    got = []
+    with TestClient(duet) as d, TestClient(baseline) as b:
+        for client in (d, b):
+            r = client.post("/search/text", json=body)
+            assert r.status_code == 200, r.text
+            got.append([(h["id"], round(h["score"], 4)) for h in r.json()["hits"]])
+    assert got[0] == got[1]
