@@ -56,23 +56,26 @@ def served_match(plan_reranker: str, fusion: str, lam: float | None, model_name:
 
 
 def image_captions(index: IndexVersion, image_ids: Sequence[str]) -> dict[str, list[str]]:
-    """Each image's captions as the index stores them (items.sqlite, read-only), in order."""
+    """Each image's captions as the index stores them (items.sqlite, read-only), in order.
+
+    The builder names an image's captions `<image id>#<n>`, so each image is one range of the
+    texts table's unique id index (no scan, whatever the corpus's size)."""
     if not image_ids:
         return {}
-    marks = ",".join("?" * len(image_ids))
+    out: dict[str, list[str]] = {}
     con = sqlite3.connect(f"file:{index.path / ITEMS}?mode=ro", uri=True)
     try:
-        rows = con.execute(
-            f"SELECT image_id, text FROM texts WHERE image_id IN ({marks}) ORDER BY row",
-            list(image_ids),
-        ).fetchall()
+        for image_id in dict.fromkeys(image_ids):
+            rows = con.execute(
+                "SELECT text FROM texts WHERE id >= ? AND id < ? AND image_id = ? ORDER BY row",
+                (f"{image_id}#", f"{image_id}$", image_id),  # "$" sorts right after "#"
+            ).fetchall()
+            if rows:
+                out[image_id] = [str(r[0]) for r in rows]
     except sqlite3.Error:
         return {}  # a caption is a courtesy: an unreadable store leaves hits without one
     finally:
         con.close()
-    out: dict[str, list[str]] = {}
-    for image_id, text in rows:
-        out.setdefault(str(image_id), []).append(str(text))
     return out
 
 

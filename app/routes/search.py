@@ -101,7 +101,7 @@ def _json(resp: SearchResponse) -> JSONResponse:
     return JSONResponse(resp.model_dump(mode="json"))
 
 
-def _for_people(
+async def _for_people(
     pipeline: SearchPipeline, resp: SearchResponse, opts: SearchOptions, query: str | None
 ) -> SearchResponse:
     """The pipeline's answer with each hit's caption and `match` (app.answers)."""
@@ -111,7 +111,8 @@ def _for_people(
     if query is not None:  # image hits: their captions, from the version that answered
         with pipeline.indexes.lease() as index:
             if index.version == resp.index_version:
-                captions = image_captions(index, [h.id for h in resp.hits])
+                ids = [h.id for h in resp.hits]
+                captions = await asyncio.to_thread(image_captions, index, ids)
     # captions are chosen by what the model reads of the query ("and" as "with"), so queries
     # that share a cache entry share their captions too
     reading = getattr(pipeline.model, "query_identity", None)
@@ -150,7 +151,7 @@ async def search_text(
     refuse_if_not_understood(pipeline.model, body.query)
     opts = body.options()
     resp = await _unless_gone(request, pipeline.search_text(body.query, opts))
-    return _json(_for_people(pipeline, resp, opts, body.query))
+    return _json(await _for_people(pipeline, resp, opts, body.query))
 
 
 def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOptions:
@@ -204,4 +205,4 @@ async def search_image(
         )
     image = await request.app.state.decoder.decode(data)
     resp = await _unless_gone(request, pipeline.search_image(data, image, opts))
-    return _json(_for_people(pipeline, resp, opts, None))
+    return _json(await _for_people(pipeline, resp, opts, None))
