@@ -30,15 +30,17 @@ def refuse_if_not_understood(model: Any, query: str) -> None:
         return  # understood something (or cannot tell: None)
     unknown = getattr(model, "unknown_words", None)
     missing = list(unknown(query)) if callable(unknown) else []
+    quoted = [f'"{w}"' for w in missing]
     what = (
-        "it does not know " + ", ".join(f'"{w}"' for w in missing)
-        if missing
+        "it does not know "
+        + " or ".join([", ".join(quoted[:-1]), quoted[-1]] if quoted[:-1] else quoted)
+        if quoted
         else "articles, prepositions and 'and' alone name nothing"
     )
     raise ValidationFailed(
         f"query: has no words the model can read: {what}. Name a shape, a colour, a size, a "
         'count or a place it knows, e.g. "a red circle" or "two blue squares left of a '
-        'triangle" (the page and unknown_words list words it does not know)'
+        'triangle"'
     )
 
 
