@@ -11,7 +11,9 @@ ADD_λ at λ = DEFAULT_FUSION_LAMBDA. Each of the top 10 hits is judged by wheth
 the query (`models.world.satisfies`); about a third of the partial queries fit no image in
 the pool, so they show what "nothing fits" scores. It prints, per threshold, how many fitting
 and non-fitting hits it calls right, and the threshold with the best balanced accuracy (the
-mean of the two rates; on a tie, the middle of the tied thresholds).
+mean of the two rates; on a tie, the middle of the tied thresholds). Image queries against
+the split's captions (a caption hit fits when it describes the query image's scene) are then
+read at that threshold, the same one serving both directions.
 """
 
 from __future__ import annotations
@@ -75,6 +77,34 @@ def served_hits(
     )
 
 
+def served_caption_hits(
+    model: BuiltinModel, seed: int, images: int, candidates: int = 50, top_k: int = TOP_K
+) -> tuple[np.ndarray, np.ndarray]:
+    """Image queries the same way: (scores, fits), each of `images` images of split `seed`
+    against the five captions of every image there, a caption hit fitting when it describes
+    the query image's scene (not only its own image's)."""
+    check_validation_seeds([seed])
+    val = list(world.generate(images, seed, n_captions=5))
+    scenes = [s.scene for s in val]
+    pool = encode_pool(model, [s.image for s in val], [s.captions for s in val], scenes=scenes)
+    fit = np.array([[world.satisfies(t, sc) for t in pool.texts] for sc in scenes], dtype=bool)
+    cand, dots = top_m(pool.image_vecs, pool.text_vecs, candidates)
+    d = Direction(
+        "i2t",
+        pool.image_vecs,
+        pool.text_vecs,
+        pool.texts,
+        pool.image_tokens,
+        lambda q, it: it,
+        lambda q, it: q,
+        lambda q, it: fit[q, it],
+    )
+    served = fuse(dots, cross_scores(model, d, np.arange(images), cand), DEFAULT_FUSION_LAMBDA)
+    order = np.argsort(-served, axis=1, kind="stable")[:, :top_k]
+    rows = np.take_along_axis(cand, order, axis=1)
+    return np.take_along_axis(served, order, axis=1), np.take_along_axis(fit, rows, axis=1)
+
+
 def sweep(
     scores: np.ndarray, fits: np.ndarray, thresholds: Sequence[float] = THRESHOLDS
 ) -> list[dict[str, float]]:
@@ -112,6 +142,12 @@ def main() -> None:
     p.add_argument("--captions", type=int, default=500, help="full-caption queries per split")
     p.add_argument("--partial", type=int, default=300, help="partial queries per split")
     p.add_argument("--seeds", default=f"{HELD_OUT_SEED_BASE - 1},{HELD_OUT_SEED_BASE - 3}")
+    p.add_argument(
+        "--image-queries",
+        type=int,
+        default=500,
+        help="image->caption queries per split, read at the chosen threshold (0: none)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -141,6 +177,16 @@ def main() -> None:
             round(float(np.median(scores[~fits])), 4),
         ],
     }
+    if args.image_queries:  # read at the chosen threshold, not used to choose it
+        i2t = [served_caption_hits(model, s, args.image_queries) for s in seeds]
+        i_scores = np.concatenate([p_[0] for p_ in i2t])
+        i_fits = np.concatenate([p_[1] for p_ in i2t])
+        summary["image queries at the chosen threshold"] = {
+            "queries": len(i_scores),
+            "hits": int(i_scores.size),
+            "fitting hits": int(i_fits.sum()),
+            **sweep(i_scores, i_fits, [t])[0],
+        }
     if args.json:
         print(json.dumps({"summary": summary, "sweep": rows}, indent=1))
         return
