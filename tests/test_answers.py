@@ -18,9 +18,11 @@ import pytest
 from PIL import Image
 
 from app.answers import best_caption
+from models.builtin import BuiltinModel
 from models.fusion import MATCH_THRESHOLD
-from models.match_threshold import choose, sweep
+from models.match_threshold import choose, served_caption_hits, served_hits, sweep
 from models.tokenizer import WordTokenizer, unknown_words
+from models.trainconfig import HELD_OUT_SEED_BASE
 from models.world import Scene, satisfies
 from tests.conftest import REPO, Service, start_service, stop_service
 
@@ -127,6 +129,17 @@ def test_threshold_choice_picks_the_best_balanced_accuracy() -> None:
     fits = np.array([[True, False], [True, False], [False, False]])
     best = choose(sweep(scores, fits))
     assert best["BA"] == 1.0 and 0.3 < best["threshold"] <= 0.6
+
+
+def test_served_scores_are_judged_on_validation_splits_only(model: BuiltinModel) -> None:
+    scores, fits, has_fit = served_hits(model, HELD_OUT_SEED_BASE - 1, 12, 4, 4, top_k=3)
+    assert scores.shape == fits.shape == (8, 3) and has_fit.shape == (8,)
+    assert fits[:4].any(axis=1).all()  # a full caption's own image is in the pool
+    assert np.all(np.diff(scores, axis=1) <= 0)  # best first, as served
+    i_scores, i_fits = served_caption_hits(model, HELD_OUT_SEED_BASE - 1, 6, top_k=3)
+    assert i_scores.shape == i_fits.shape == (6, 3)
+    with pytest.raises(ValueError, match="test split"):
+        served_hits(model, HELD_OUT_SEED_BASE + 2026, 12, 4, 4)
 
 
 def test_the_threshold_is_documented_as_it_is_in_the_code() -> None:
