@@ -177,6 +177,16 @@ class Hit(BaseModel):
         description="the hit's image (for a caption: the image it describes), served by "
         "GET /images/{id}; null when the item has none",
     )
+    caption: str | None = Field(
+        None,
+        description="for a caption hit its text; for an image hit the image's caption that "
+        "shares most words with the query; null when the index stores none",
+    )
+    match: bool | None = Field(
+        None,
+        description="score >= the documented match threshold: the hit reads as fitting the "
+        "query; null when the score is not the default fused one (reranker ce, fusion add)",
+    )
 
 
 class SearchResponse(BaseModel):

@@ -65,16 +65,20 @@ class Hit:
     rerank_score: float | None  # the re-ranker's own score; None when not re-ranked
     image_url: str | None  # path of the hit's image on the service (see DuetClient.image)
     meta: dict[str, Any] = field(default_factory=dict)
+    # the hit's text for an image query, else the image's caption closest to the query
+    caption: str | None = None
+    # the score reads as a fit (>= the service's match threshold); None when not judged
+    match: bool | None = None
 
-    @property
-    def caption(self) -> str | None:
-        """The caption: the hit's text for an image query, else the image's first caption
-        when the index stores captions with it."""
-        text = self.meta.get("text")
-        if isinstance(text, str):
-            return text
-        captions = self.meta.get("captions")
-        return captions[0] if isinstance(captions, list) and captions else None
+
+def _text(meta: dict[str, Any]) -> str | None:
+    """A caption from the hit's meta (a service older than its `caption` field): the hit's
+    text, else the image's first caption when the index stores captions with it."""
+    text = meta.get("text")
+    if isinstance(text, str):
+        return text
+    captions = meta.get("captions")
+    return str(captions[0]) if isinstance(captions, list) and captions else None
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,8 @@ class SearchResult:
                     rerank_score=h.get("rerank_score"),
                     image_url=h.get("image_url"),
                     meta=h.get("meta") or {},
+                    caption=h.get("caption") or _text(h.get("meta") or {}),
+                    match=h.get("match"),
                 )
                 for h in body["hits"]
             ],

@@ -148,6 +148,11 @@ class BuiltinModel:
         """The words of `text` outside the vocabulary (each read as [UNK])."""
         return self.tokenizer.unknown_words(text)
 
+    def content_words(self, text: str) -> list[str]:
+        """The words of `text` the model knows that name something (not articles,
+        prepositions or "and"): empty when it understood nothing of the text."""
+        return self.tokenizer.content_words(text)
+
     def query_identity(self, text: str) -> str:
         """What this model reads of a text: its word tokenizer sees only its words, each alias
         read as its word (`WordTokenizer.reading`), so texts equal after it are encoded and

@@ -8,6 +8,10 @@ import numpy as np
 # validation splits (world seeds 999,999 to 999,989) for the shipped weights, never on a test
 # split (`python -m models.tune_fusion --seeds ...`; models/weights/README.md has the sweep).
 DEFAULT_FUSION_LAMBDA = 0.1
+# A served score (ADD at DEFAULT_FUSION_LAMBDA, the shipped weights) at or above this reads as
+# "this hit fits the query": the API's per-hit `match`, the page's "weak" below it. Chosen on
+# validation splits only (`python -m models.match_threshold`; docs/api.md has the figures).
+MATCH_THRESHOLD = 0.71
 
 
 def sigmoid(logits: np.ndarray) -> np.ndarray:

@@ -149,6 +149,13 @@ class Models:
         words = getattr(self.encoder, "unknown_words", None)
         return list(words(text)) if callable(words) else []
 
+    def content_words(self, text: str) -> list[str] | None:
+        """The query's words the encoder knows that name something (`BuiltinModel.
+        content_words`); None when the encoder cannot tell (a sub-word tokenizer reads
+        every word)."""
+        words = getattr(self.encoder, "content_words", None)
+        return list(words(text)) if callable(words) else None
+
     def query_identity(self, text: str) -> str:
         """What the cache keys a text query by: its words (aliases read as their word) when
         every model that reads the text is the builtin one (its word tokenizer sees nothing

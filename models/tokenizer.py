@@ -12,6 +12,14 @@ import torch
 from models.shipped import ALIASES, DEFAULT_WEIGHTS, caption_words
 
 PAD, UNK, CLS = "[PAD]", "[UNK]", "[CLS]"
+# Words that alone say nothing about a picture: articles, prepositions, "and" / "with", and
+# the captions' filler ("there is", "you can see", "a picture of"). A query whose every known
+# word is one of these has nothing the model understood (the service answers 422 for it).
+FUNCTION_WORDS = frozenset(
+    {"a", "an", "the", "and", "or", "with", "of", "in", "on", "at", "to", "near", "over"}
+    | {"under", "above", "below", "beneath", "is", "are", "it", "its", "there", "you", "can"}
+    | {"see", "picture", "placed"}
+)
 
 
 def unique_texts(texts: Sequence[str]) -> tuple[list[str], list[int]]:
@@ -70,6 +78,11 @@ class WordTokenizer:
             if w not in self.stoi:
                 seen.setdefault(w, None)
         return list(seen)
+
+    def content_words(self, text: str) -> list[str]:
+        """The words of `text` this vocabulary knows, less `FUNCTION_WORDS`: what the model
+        understood of it (none for "crimson box" or "a pink star")."""
+        return [w for w in caption_words(text) if w in self.stoi and w not in FUNCTION_WORDS]
 
     def batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded ids (B, T) and a padding mask (True where padded)."""

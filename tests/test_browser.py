@@ -1,17 +1,24 @@
 """The page at / in a real headless browser (Debian's chromium and chromedriver, driven by
 Selenium; nothing is downloaded): type a query, wait for the thumbnails and check they
-loaded; upload an image, check the caption hits (issue 16)."""
+loaded; upload an image, check the caption hits (issue 16). What a person must be able to
+trust (issue 37): a query of unknown words says nothing was understood, hits that fit nothing
+are marked weak, each hit shows a caption and one line explains the scores, a cached answer
+shows its time, and one kind of search clears the other's input."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from models.world import satisfies
 from tests.conftest import Service, start_service, stop_service, system_tool
+from tests.test_answers import NO_FIT, _scenes
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.chrome.service import Service as DriverService  # noqa: E402
@@ -93,3 +100,118 @@ def test_uploaded_image_shows_caption_hits(service: Service, browser: Any, corpu
     captions = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#grid .hit .cap")]
     assert len(captions) == 12 and all(captions)
     assert "captions" in d.find_element(By.ID, "status").text
+
+
+def _search(d: Any, query: str) -> None:
+    box = d.find_element(By.ID, "query")
+    box.clear()
+    box.send_keys(query)
+    d.find_element(By.ID, "search").click()
+
+
+def _answered(d: Any, before: str = "") -> Any:
+    """Wait for the status line to show a new answer (it differs from `before`)."""
+    WebDriverWait(d, 30).until(
+        lambda drv: (t := drv.find_element(By.ID, "status").text) != before and "hits" in t
+    )
+    return d.find_element(By.ID, "status").text
+
+
+def test_a_query_of_unknown_words_says_nothing_was_understood(
+    service: Service, browser: Any
+) -> None:
+    d = browser
+    d.get(service.url + "/")
+    _search(d, "a red circle")
+    _answered(d)
+    _search(d, "crimson box")
+    WebDriverWait(d, 30).until(lambda drv: drv.find_element(By.ID, "error").text)
+    error = d.find_element(By.ID, "error").text
+    assert "422" in error and "no words the model can read" in error and "crimson" in error
+    assert d.find_elements(By.CSS_SELECTOR, "#grid .hit") == []  # no stale list under it
+    assert not d.find_element(By.ID, "legend").is_displayed()
+
+
+def test_hits_that_fit_nothing_are_marked_weak(
+    service: Service, browser: Any, corpus: Path
+) -> None:
+
+    assert not any(satisfies(NO_FIT, s) for s in _scenes(corpus))
+    d = browser
+    d.get(service.url + "/")
+    _search(d, NO_FIT)
+    _answered(d)
+    cards = d.find_elements(By.CSS_SELECTOR, "#grid .hit")
+    assert cards and all("weak" in c.get_attribute("class").split() for c in cards)
+    assert all("weak" in c.text for c in cards)
+    assert "Nothing here fits well" in d.find_element(By.ID, "notice").text
+    first = json.loads(corpus.read_text().splitlines()[0])
+    _search(d, first["captions"][0])  # its image is in the index: the first hit fits
+    _answered(d, d.find_element(By.ID, "status").text)
+    top = d.find_element(By.CSS_SELECTOR, "#grid .hit")
+    assert "weak" not in top.get_attribute("class").split()
+    assert d.find_element(By.ID, "notice").text == ""
+
+
+def test_hits_show_captions_and_the_scores_are_explained(
+    service: Service, browser: Any, corpus: Path
+) -> None:
+    d = browser
+    d.get(service.url + "/")
+    assert not d.find_element(By.ID, "legend").is_displayed()
+    _search(d, "a red circle")
+    _answered(d)
+    caps = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#grid .hit .cap")]
+    ids = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#grid .hit .id")]
+    captions = {c for ln in corpus.read_text().splitlines() for c in json.loads(ln)["captions"]}
+    assert len(caps) == 12 and all(c in captions for c in caps), caps
+    assert all(i.startswith("img-") for i in ids)
+    legend = d.find_element(By.ID, "legend")
+    assert legend.is_displayed()
+    assert "score" in legend.text and "dot" in legend.text and "fits" in legend.text
+
+
+def test_a_cached_answer_shows_its_time(service: Service, browser: Any) -> None:
+    d = browser
+    d.get(service.url + "/")
+    _search(d, "two green squares above a cross")
+    first = _answered(d)
+    _search(d, "two green squares above a cross")
+    WebDriverWait(d, 30).until(lambda drv: "cached" in drv.find_element(By.ID, "status").text)
+    second = d.find_element(By.ID, "status").text
+    assert "cached" not in first
+    assert re.search(r"\d+(\.\d+)? ms \(cached answer\)", second), second
+    assert "?" not in second
+
+
+def test_one_kind_of_search_clears_the_others_input(
+    service: Service, browser: Any, corpus: Path
+) -> None:
+    d = browser
+    d.get(service.url + "/")
+    _search(d, "a red circle")
+    status = _answered(d)
+    d.find_element(By.ID, "file").send_keys(str(corpus.parent / "images" / "0003.png"))
+    status = _answered(d, status)
+    assert "captions" in status
+    assert d.find_element(By.ID, "query").get_attribute("value") == ""
+    assert d.find_element(By.ID, "query-image").is_displayed()
+    _search(d, "a blue square")
+    _answered(d, status)
+    assert d.find_element(By.ID, "file").get_attribute("value") == ""
+    assert not d.find_element(By.ID, "query-image").is_displayed()
+
+
+def test_the_page_has_an_icon(service: Service, browser: Any) -> None:
+    d = browser
+    d.get_log("browser")  # what earlier tests left in the console
+    d.get(service.url + "/")
+    WebDriverWait(d, 10).until(
+        lambda drv: drv.execute_script("return document.readyState") == "complete"
+    )
+    icon = d.execute_script(
+        "return fetch('/favicon.ico').then(r => r.ok && r.headers.get('content-type'))"
+    )
+    assert icon == "image/png"
+    console = [e["message"] for e in d.get_log("browser")]
+    assert not [m for m in console if "favicon" in m or "404" in m], console

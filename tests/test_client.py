@@ -28,6 +28,8 @@ def test_text_and_image_search_give_typed_hits(service: Service, corpus: Path) -
         res = duet.search_text("a small red circle left of a large blue square", top_k=5)
         assert len(res.hits) == 5 and [h.rank for h in res.hits] == [1, 2, 3, 4, 5]
         assert all(isinstance(h, Hit) and h.image_url for h in res.hits)
+        # each image hit carries its caption closest to the query, and whether it fits
+        assert all(h.caption and isinstance(h.match, bool) for h in res.hits)
         assert res.index_version == ready["index_version"]
         assert res.reranked == 40 and not res.degraded  # all 40 images: fewer than M = 50
         assert res.unknown_words == []
@@ -48,6 +50,7 @@ def test_text_and_image_search_give_typed_hits(service: Service, corpus: Path) -
         by_path = duet.search_image(next((corpus.parent / "images").glob("*.png")), top_k=3)
         for r in (by_bytes, by_path):
             assert len(r.hits) == 3 and all(h.caption for h in r.hits)
+            assert all(isinstance(h.match, bool) for h in r.hits)
         assert by_bytes.hits[0].meta["image_id"] == res.hits[0].id
 
 

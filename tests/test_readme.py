@@ -105,3 +105,38 @@ def test_the_python_client_example_runs_as_written(
         exec(compile(code.replace("http://127.0.0.1:8000", svc.url), "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "images/" in printed and printed.count("\n") >= 5
+
+
+def _dry_run(*args: str) -> str:
+    """What `make ARGS` would run (make -n: nothing is run, installed or built)."""
+    return subprocess.run(
+        ["make", "-n", *args], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+
+
+def test_the_top_keeps_exactly_the_two_setup_commands() -> None:
+    first = _blocks("sh")[0]
+    assert [ln.split("#")[0].strip() for ln in first.strip().splitlines()] == [
+        "make serve",
+        "make test",
+    ]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_the_readme_says_how_to_pick_a_port_and_it_works() -> None:
+    line = next(ln for ln in README.splitlines() if ln.startswith("Another port:"))
+    cmd = re.search(r"`make serve PORT=(\d+)`", line)
+    assert cmd is not None, line
+    port = cmd.group(1)
+    assert f"http://127.0.0.1:{port}/" in line
+    assert f"DUET_PORT={port} " in _dry_run("serve", f"PORT={port}")
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_the_readme_says_how_long_the_tests_take_and_that_test_fast_exists() -> None:
+    top = README.split("## ", 1)[0]
+    took = re.search(r"`make test` takes about (\d+) to (\d+) minutes on (\d+) CPU cores", top)
+    assert took is not None, "the README's top says how long `make test` takes"
+    fast = next(ln for ln in top.splitlines() if ln.startswith("`make test-fast`"))
+    assert "no real service" in fast
+    assert '-m "not slow"' in _dry_run("test-fast")

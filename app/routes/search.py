@@ -9,11 +9,12 @@ import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
+from app.answers import annotate, image_captions, refuse_if_not_understood, served_match
 from app.deps import PipelineDep, SettingsDep
 from app.errors import (
     ClientGone,
@@ -23,6 +24,7 @@ from app.errors import (
     describe_errors,
     documented,
 )
+from app.pipeline import SearchPipeline
 from app.schemas import (
     FUSIONS,
     ImageSearchJSON,
@@ -99,14 +101,57 @@ def _json(resp: SearchResponse) -> JSONResponse:
     return JSONResponse(resp.model_dump(mode="json"))
 
 
+async def _for_people(
+    pipeline: SearchPipeline, resp: SearchResponse, opts: SearchOptions, query: str | None
+) -> SearchResponse:
+    """The pipeline's answer with each hit's caption and `match` (app.answers)."""
+    plan = pipeline.plan(opts)
+    judged = served_match(plan.reranker, plan.fusion, plan.lam, str(pipeline.model.fingerprint))
+    captions: dict[str, list[str]] = {}
+    if query is not None:  # image hits: their captions, from the version that answered
+        with pipeline.indexes.lease() as index:
+            if index.version == resp.index_version:
+                ids = [h.id for h in resp.hits]
+                captions = await asyncio.to_thread(image_captions, index, ids)
+    # captions are chosen by what the model reads of the query ("and" as "with"), so queries
+    # that share a cache entry share their captions too
+    reading = getattr(pipeline.model, "query_identity", None)
+    if query is not None and callable(reading):
+        query = str(reading(query))
+    return annotate(resp, query=query, captions=captions, judged=judged)
+
+
+def _media_type(request: Request) -> str:
+    """The content type without its parameters, lower-cased (`Application/JSON;
+    charset=utf-8` is application/json); "" when none was sent."""
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def _json_body(request: Request) -> None:
+    """415 unless the request says its body is JSON: a body sent as a form (curl -d without
+    -H) would otherwise be read as a string and refused with a message about dictionaries."""
+    ctype = request.headers.get("content-type", "")
+    if _media_type(request) != "application/json":
+        raise UnsupportedMediaType(
+            f"content-type {ctype or '(none)'} is not accepted; send the JSON body with the "
+            "header content-type: application/json (curl: -H 'content-type: application/json')"
+        )
+
+
 @router.post(
-    "/search/text", response_model=SearchResponse, responses=documented(413, 422, 429, 499, 503)
+    "/search/text",
+    response_model=SearchResponse,
+    responses=documented(413, 415, 422, 429, 499, 503),
+    dependencies=[Depends(_json_body)],
 )
 async def search_text(
     body: TextSearchRequest, request: Request, pipeline: PipelineDep
 ) -> JSONResponse:
-    """A sentence finds images."""
-    return _json(await _unless_gone(request, pipeline.search_text(body.query, body.options())))
+    """A sentence finds images (the body as `content-type: application/json`)."""
+    refuse_if_not_understood(pipeline.model, body.query)
+    opts = body.options()
+    resp = await _unless_gone(request, pipeline.search_text(body.query, opts))
+    return _json(await _for_people(pipeline, resp, opts, body.query))
 
 
 def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOptions:
@@ -128,7 +173,8 @@ async def search_image(
     """An image finds captions: multipart field `image`, or JSON `image_b64`; same options."""
     max_bytes = settings.max_image_bytes  # the body itself is bounded by app.limits.BodyLimit
     ctype = request.headers.get("content-type", "")
-    if ctype.startswith("multipart/form-data"):
+    media = _media_type(request)
+    if media == "multipart/form-data":
         form = await request.form(max_files=1, max_fields=16)
         upload = form.get("image")
         if not isinstance(upload, UploadFile):
@@ -136,7 +182,7 @@ async def search_image(
         data = await upload.read(max_bytes + 1)
         fields = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
         opts = _options(fields, SearchOptions)
-    elif ctype.startswith("application/json"):
+    elif media == "application/json":
         try:
             payload = await request.json()
         except (ValueError, UnicodeDecodeError) as exc:
@@ -158,4 +204,5 @@ async def search_image(
             'a file field "image", or application/json with "image_b64"'
         )
     image = await request.app.state.decoder.decode(data)
-    return _json(await _unless_gone(request, pipeline.search_image(data, image, opts)))
+    resp = await _unless_gone(request, pipeline.search_image(data, image, opts))
+    return _json(await _for_people(pipeline, resp, opts, None))

@@ -11,7 +11,9 @@ from fastapi.responses import FileResponse, HTMLResponse
 from app.errors import ImageNotFound, NotReady, documented
 
 router = APIRouter(tags=["ui"])
-PAGE = Path(__file__).resolve().parent.parent / "static" / "index.html"
+STATIC = Path(__file__).resolve().parent.parent / "static"
+PAGE = STATIC / "index.html"
+ICON = STATIC / "favicon.png"  # 32x32: a red circle and a blue square, the page's tab icon
 
 
 def inside(root: Path, rel: str) -> Path | None:
@@ -26,6 +28,14 @@ def inside(root: Path, rel: str) -> Path | None:
 async def page() -> HTMLResponse:
     """The search page."""
     return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+
+@router.get("/favicon.ico", response_class=FileResponse, include_in_schema=False)
+async def favicon() -> FileResponse:
+    """The tab icon (a PNG: browsers take one at this path, and the page links it)."""
+    return FileResponse(
+        ICON, media_type="image/png", headers={"Cache-Control": "public, max-age=86400"}
+    )
 
 
 @router.get("/images/{item_id}", response_class=FileResponse, responses=documented(404, 503))

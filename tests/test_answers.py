@@ -1,0 +1,205 @@
+"""Answers a person can trust (issue 37), against a real `duet serve` over real sockets: a query
+the model understood nothing of is a 422 that says so; each hit carries its caption and
+whether its score reads as a fit; a cached answer says how long it took; a JSON body must say
+it is JSON (any case, any parameters); the page's icon is served."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from app.answers import best_caption
+from models.builtin import BuiltinModel
+from models.fusion import MATCH_THRESHOLD
+from models.match_threshold import choose, served_caption_hits, served_hits, sweep
+from models.tokenizer import WordTokenizer, unknown_words
+from models.trainconfig import HELD_OUT_SEED_BASE
+from models.world import Scene, satisfies
+from tests.conftest import REPO, Service, start_service, stop_service
+
+API_DOC = (REPO / "docs" / "api.md").read_text()
+# fits no image of the tests' 40-image corpus (checked below): "nothing fits" as a person sees it
+NO_FIT = "a large purple diamond in the top left corner"
+
+
+@pytest.fixture(scope="module")
+def service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = start_service(index_dir, tmp_path_factory.mktemp("answers") / "serve.log")
+    yield svc
+    stop_service(svc)
+
+
+def _scenes(corpus: Path) -> list[Scene]:
+    lines = corpus.read_text().splitlines()
+    return [Scene.from_json(json.loads(ln)["meta"]["scene"]) for ln in lines if ln.strip()]
+
+
+# -- row 1: nothing understood ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("crimson box", ["crimson", "box"]),
+        ("pink star", ["pink", "star"]),
+        ("zzz qqq", ["zzz", "qqq"]),
+        ("a pink star in the sky", ["pink", "star", "sky"]),  # articles, prepositions: nothing
+        ("in the", []),
+    ],
+)
+def test_a_query_of_unknown_words_is_refused_plainly(
+    service: Service, query: str, named: list[str]
+) -> None:
+    with service.client() as c:
+        r = c.post("/search/text", json={"query": query})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["code"] == "validation_error"
+    assert "has no words the model can read" in err["message"]
+    for word in named:
+        assert f'"{word}"' in err["message"]
+    assert "a red circle" in err["message"]  # says what to do instead
+
+
+def test_a_query_with_one_known_content_word_is_answered(service: Service) -> None:
+    with service.client() as c:
+        r = c.post("/search/text", json={"query": "a big pink star", "top_k": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["unknown_words"] == ["pink", "star"] and len(r.json()["hits"]) == 3
+
+
+def test_content_words_leave_out_articles_and_prepositions() -> None:
+    tok = WordTokenizer(["a", "the", "in", "red", "circle", "left", "with"])
+    assert tok.content_words("A red zebra in the left") == ["red", "left"]
+    assert tok.content_words("a zebra in the sky and a cat") == []
+    assert unknown_words("crimson box") == ["crimson", "box"]
+
+
+# -- rows 2 and 3: each hit's caption and match ---------------------------------------------
+def test_hits_carry_their_caption_and_match(service: Service, corpus: Path) -> None:
+    first = json.loads(corpus.read_text().splitlines()[0])
+    with service.client() as c:
+        body = c.post("/search/text", json={"query": first["captions"][0], "top_k": 5}).json()
+        plain = c.post(
+            "/search/text", json={"query": first["captions"][0], "top_k": 5, "reranker": "none"}
+        ).json()
+    top = body["hits"][0]
+    assert top["id"] == first["id"] and top["match"] is True
+    assert top["caption"] in first["captions"]
+    for hit in body["hits"]:
+        assert isinstance(hit["caption"], str) and hit["caption"]
+        assert hit["match"] is (hit["score"] >= MATCH_THRESHOLD)
+    # the threshold was chosen for the default fused score: another score has no `match`
+    assert all(h["match"] is None for h in plain["hits"])
+
+
+def test_a_query_nothing_fits_has_weak_hits(service: Service, corpus: Path) -> None:
+    assert not any(satisfies(NO_FIT, s) for s in _scenes(corpus))
+    with service.client() as c:
+        body = c.post("/search/text", json={"query": NO_FIT, "top_k": 5}).json()
+    assert body["hits"] and all(h["match"] is False for h in body["hits"]), body["hits"]
+
+
+def test_caption_hits_carry_their_text(service: Service, corpus: Path) -> None:
+    png = (corpus.parent / "images" / "0003.png").read_bytes()
+    with service.client() as c:
+        r = c.post(
+            "/search/image", files={"image": ("q.png", png, "image/png")}, data={"top_k": "3"}
+        )
+    for hit in r.json()["hits"]:
+        assert hit["caption"] == hit["meta"]["text"] and isinstance(hit["match"], bool)
+
+
+def test_best_caption_shares_most_words_with_the_query() -> None:
+    caps = ["a big red circle at the top", "there is a red circle", "a blue square"]
+    assert best_caption("red circle", caps) == "there is a red circle"  # tie: the shorter
+    assert best_caption("a blue square", caps) == "a blue square"
+    assert best_caption("anything", []) is None
+
+
+def test_threshold_choice_picks_the_best_balanced_accuracy() -> None:
+    scores = np.array([[0.9, 0.2], [0.6, 0.05], [0.3, 0.01]])
+    fits = np.array([[True, False], [True, False], [False, False]])
+    best = choose(sweep(scores, fits))
+    assert best["BA"] == 1.0 and 0.3 < best["threshold"] <= 0.6
+
+
+def test_served_scores_are_judged_on_validation_splits_only(model: BuiltinModel) -> None:
+    scores, fits, has_fit = served_hits(model, HELD_OUT_SEED_BASE - 1, 12, 4, 4, top_k=3)
+    assert scores.shape == fits.shape == (8, 3) and has_fit.shape == (8,)
+    assert fits[:4].any(axis=1).all()  # a full caption's own image is in the pool
+    assert np.all(np.diff(scores, axis=1) <= 0)  # best first, as served
+    i_scores, i_fits = served_caption_hits(model, HELD_OUT_SEED_BASE - 1, 6, top_k=3)
+    assert i_scores.shape == i_fits.shape == (6, 3)
+    with pytest.raises(ValueError, match="test split"):
+        served_hits(model, HELD_OUT_SEED_BASE + 2026, 12, 4, 4)
+
+
+def test_the_threshold_is_documented_as_it_is_in_the_code() -> None:
+    found = re.search(r"match threshold[^.]*?\*\*([0-9.]+)\*\*", API_DOC)
+    assert found is not None, "docs/api.md states the match threshold in bold"
+    assert float(found.group(1)) == MATCH_THRESHOLD
+
+
+# -- row 4: a cached answer's time ----------------------------------------------------------
+def test_a_cached_answer_says_how_long_it_took(service: Service) -> None:
+    query = {"query": "two green squares", "top_k": 3}
+    with service.client() as c:
+        first = c.post("/search/text", json=query).json()
+        second = c.post("/search/text", json=query).json()
+    assert first["cached"] is False and second["cached"] is True
+    assert 0 < second["timings_ms"]["total"] < first["timings_ms"]["total"]
+    assert second["hits"] == first["hits"]
+
+
+# -- row 6: the body's content type ---------------------------------------------------------
+def test_json_without_its_content_type_is_415_naming_the_header(service: Service) -> None:
+    body = b'{"query": "a red circle"}'
+    with service.client() as c:
+        for headers in (
+            {"content-type": "application/x-www-form-urlencoded"},  # what curl -d sends
+            {"content-type": "text/plain"},
+            {},
+        ):
+            r = c.post("/search/text", content=body, headers=headers)
+            assert r.status_code == 415, (headers, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "unsupported_media_type"
+            assert "content-type: application/json" in err["message"]
+    assert "415" in API_DOC and "content-type: application/json" in API_DOC
+
+
+@pytest.mark.parametrize(
+    "ctype",
+    ["Application/JSON", "application/json; charset=utf-8", "APPLICATION/JSON;charset=UTF-8"],
+)
+def test_json_content_type_in_any_case_with_parameters(
+    service: Service, corpus: Path, ctype: str
+) -> None:
+    png = (corpus.parent / "images" / "0003.png").read_bytes()
+    image = json.dumps({"image_b64": base64.b64encode(png).decode(), "top_k": 2}).encode()
+    with service.client() as c:
+        r = c.post(
+            "/search/text",
+            content=b'{"query": "a red circle", "top_k": 2}',
+            headers={"content-type": ctype},
+        )
+        assert r.status_code == 200, r.text
+        r = c.post("/search/image", content=image, headers={"content-type": ctype})
+        assert r.status_code == 200, r.text
+
+
+# -- row 9: the icon ---------------------------------------------------------------------------
+def test_favicon_is_served(service: Service) -> None:
+    r = httpx.get(f"{service.url}/favicon.ico", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    assert Image.open(io.BytesIO(r.content)).size == (32, 32)
+    page = httpx.get(f"{service.url}/", timeout=10).text
+    assert 'rel="icon" href="/favicon.ico"' in page
