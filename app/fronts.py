@@ -35,9 +35,10 @@ import logging
 import os
 import pickle
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, cast
 
 import httpx
@@ -139,12 +140,15 @@ class EngineServer:
         """What a front needs to plan, key and check requests as the owner would."""
         p = self.pipeline
         model = p.model
-        joint = getattr(model, "joint", None)
-        tok = getattr(joint, "tokenizer", None)
+        # the encoder's word vocabulary (unknown and content words, token ids), when it has one
+        tok = getattr(getattr(model, "encoder", model), "tokenizer", None)
         return {
             "fingerprint": model.fingerprint,
             "numerics": getattr(model, "numerics", None),
             "vocab": None if tok is None else {"words": tok.itos[3:], "max_len": tok.max_len},
+            # whether the cache keys a text by its words (every model reading it is builtin)
+            "by_words": getattr(model, "joint", None) is not None,
+            "path": str(p.index.path),
             "rerankers": p.rerankers,
             "default_reranker": p.default_reranker,
             "unavailable": p._unavailable,
@@ -154,8 +158,9 @@ class EngineServer:
         }
 
     def _announce(self, version: str) -> None:
+        msg = {"op": "version", "version": version, "path": str(self.pipeline.index.path)}
         for w in list(self._writers):
-            task = asyncio.ensure_future(_send(w, {"op": "version", "version": version}))
+            task = asyncio.ensure_future(_send(w, msg))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -204,6 +209,7 @@ class EngineServer:
                 )
             reply["answer"] = answer
             reply["version"] = version
+            reply["path"] = str(index.path)
         except Exception as exc:
             if not isinstance(exc, DuetError):
                 log.exception("a front's search failed in the owner")
@@ -256,7 +262,7 @@ class RemoteEngine:
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.on_version: Callable[[str], None] = lambda _: None
+        self.on_version: Callable[[str, str], None] = lambda _v, _p: None
 
     async def connect(self, wait_s: float = 600.0) -> None:
         """Connect and say hello, waiting while the owner loads (it opens the socket once
@@ -299,8 +305,8 @@ class RemoteEngine:
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
                 elif msg["op"] == "version":
-                    self.info["version"] = msg["version"]
-                    self.on_version(msg["version"])
+                    self.info["version"], self.info["path"] = msg["version"], msg["path"]
+                    self.on_version(msg["version"], msg["path"])
         except (asyncio.IncompleteReadError, ConnectionError):
             log.warning("the owner process closed its socket; this front stops answering")
         finally:
@@ -344,19 +350,38 @@ class _RemoteModel:
         self.tokenizer = (
             None if vocab is None else WordTokenizer(list(vocab["words"]), int(vocab["max_len"]))
         )
+        self.by_words = bool(info.get("by_words")) and self.tokenizer is not None
 
     def unknown_words(self, text: str) -> list[str]:
         return [] if self.tokenizer is None else self.tokenizer.unknown_words(text)
 
+    def content_words(self, text: str) -> list[str] | None:
+        return None if self.tokenizer is None else self.tokenizer.content_words(text)
+
     def query_identity(self, text: str) -> str:
-        return text if self.tokenizer is None else self.tokenizer.reading(text)
+        if not self.by_words or self.tokenizer is None:
+            return text
+        return self.tokenizer.reading(text)
 
 
 @dataclass
 class _Version:
-    """A front's view of the served index: its version (for cache keys and answers)."""
+    """A front's view of the served index: its version (for cache keys and answers) and its
+    folder (the page's captions read its item store)."""
 
     version: str
+    path: Path
+
+
+class _Indexes:
+    """`ServedIndex.lease` as a front has it: the version the owner last said it serves."""
+
+    def __init__(self, pipeline: FrontPipeline) -> None:
+        self._pipeline = pipeline
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[IndexVersion]:
+        yield self._pipeline.index
 
 
 class FrontPipeline(SearchPipeline):
@@ -376,11 +401,12 @@ class FrontPipeline(SearchPipeline):
         self.rerankers = tuple(info["rerankers"])
         self.default_reranker = info["default_reranker"]
         self._unavailable = dict(info["unavailable"])
-        self._served = _Version(info["version"])
+        self._served = _Version(info["version"], Path(info["path"]))
+        self.indexes = _Indexes(self)  # type: ignore[assignment]
         remote.on_version = self._swapped
 
-    def _swapped(self, version: str) -> None:
-        self._served = _Version(version)
+    def _swapped(self, version: str, path: str) -> None:
+        self._served = _Version(version, Path(path))
 
     @property
     def index(self) -> IndexVersion:
@@ -420,7 +446,7 @@ class FrontPipeline(SearchPipeline):
         if "error" in reply:
             _raise(reply["error"])
         if reply["version"] != self._served.version:
-            self._served = _Version(reply["version"])
+            self._served = _Version(reply["version"], Path(reply["path"]))
         return reply["answer"], reply["version"]
 
     async def start(self) -> None:

