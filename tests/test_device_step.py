@@ -248,3 +248,36 @@ def test_cuda_step_launches_without_a_sync(model: BuiltinModel) -> None:
     np.testing.assert_array_equal(out.rows, want.rows)
     assert out.logits is not None and want.logits is not None
     np.testing.assert_allclose(out.logits, want.logits, rtol=2e-3, atol=5e-2)
+
+
+def test_a_version_resident_on_the_device_releases_it_on_close(
+    index_dir: Path, model: BuiltinModel
+) -> None:
+    """`BatchWorker.prepare` copies a version's vectors and image states to the step's device;
+    closing the version (what a swap does once no request holds it) frees them."""
+    from app.batch import BatchWorker
+    from app.metrics import Metrics
+    from store.indexio import IndexVersion, resolve_current
+
+    version = IndexVersion.open(resolve_current(index_dir))
+    step = DeviceStep(model.model, torch.device("cpu"), "fp32")
+    worker = BatchWorker(
+        model,
+        {},
+        Metrics(),
+        search_knobs=ann.SearchKnobs(),
+        rerank_max_batch=200,
+        cores=1,
+        torch_threads=None,
+        worker_nice=0,
+        step=step,
+    )
+    worker.prepare(version)
+    tables = version.resident
+    assert isinstance(tables, ResidentTables)
+    assert tables.rows == version.image_index.ntotal > 0
+    np.testing.assert_array_equal(
+        tables.tokens.numpy(), np.asarray(version.image_tokens, dtype=np.float32)
+    )
+    version.close()
+    assert version.resident is None and tables.rows == 0 and tables.tokens.numel() == 0

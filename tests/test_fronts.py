@@ -91,10 +91,11 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
             assert f.get("/readyz").status_code == 200
             assert f.get("/healthz").status_code == 200
             assert f.get("/").status_code == 200  # the page, from the owner
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 5  # each front sends its counts a few times a second
             while time.monotonic() < deadline:
                 metrics = f.get("/metrics").text
-                if _count(metrics, 'endpoint="/search/text",status="200"') >= len(QUERIES):
+                text = _count(metrics, 'endpoint="/search/text",status="200"')
+                if text >= len(QUERIES) and _count(metrics, 'endpoint="/search/image"') >= 1:
                     break
                 time.sleep(0.2)
             assert _count(metrics, 'endpoint="/search/text",status="200"') == len(QUERIES)
@@ -123,6 +124,10 @@ def test_fronts_pass_on_overload_and_swaps(index_dir: Path, corpus: Path, tmp_pa
         DUET_WORKERS="1",
         DUET_MAX_QUEUE="1",
         DUET_INDEX_POLL_S="0.3",
+        # the GPU layout on the CPU device: ids made by the fronts, tables per version
+        DUET_LAYOUT="gpu",
+        DUET_MAX_BATCH="8",
+        DUET_RERANK_MAX_BATCH="200",
     )
     try:
         with svc.client() as c:
