@@ -29,7 +29,8 @@ from PIL import Image
 from app.engine import BatchCost, Throughput, Ticket
 from app.metrics import Metrics
 from app.threads import SOLO_TEXTS, solo_threads
-from models.device_step import DeviceStep, ResidentTables
+from models.builtin import pixel_bytes
+from models.device_step import CaptionTables, DeviceStep, ResidentTables
 from models.fusion import Ranked, fused_top_k, sigmoid
 from models.protocols import JointEncoder
 from models.rerankers import REGISTRY, Pairs, Scorer
@@ -273,8 +274,12 @@ class BatchWorker:
         t0 = time.monotonic()
         try:
             index.resident = self.step.tables(vectors, index.image_tokens)
+            index.resident.captions = self._captions(index)
         except (RuntimeError, ValueError) as exc:  # out of device memory, or a bad table
             log.warning("index %s stays on the host path: %s", index.version, exc)
+            if index.resident is not None:
+                index.resident.release()
+                index.resident = None
             return
         log.info(
             "index %s resident on %s: %.1f MB in %.2fs",
@@ -283,6 +288,23 @@ class BatchWorker:
             index.resident.nbytes / 1e6,
             time.monotonic() - t0,
         )
+
+    def _captions(self, index: IndexVersion) -> CaptionTables | None:
+        """The version's captions as the step's image queries read them (a Flat text index and
+        a word tokenizer needed), or None: image queries then take the host path."""
+        assert self.step is not None
+        ids_of = getattr(self.model, "text_ids", None)
+        vectors = ann.flat_vectors(index.text_index)
+        if vectors is None or not callable(ids_of) or not self.step.reranks:
+            return None
+        rows = [ids_of(text) for text in index.store.all_texts()]
+        if any(r is None for r in rows):
+            return None
+        width = max((len(r) for r in rows), default=1)
+        ids = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+        return CaptionTables(vectors, ids, self.step.device)
 
     def warm_step(self, index: IndexVersion, measure: bool, max_batch: int, seconds: float) -> None:
         """With a step and `index` resident: measure the pair budget when `measure` (else
@@ -330,29 +352,31 @@ class BatchWorker:
         return chosen * candidates
 
     def steppable(self, q: Query) -> bool:
-        """Whether the device step serves `q`: a tokenised text query on a resident index,
-        re-ranked by the cross-encoder or not at all."""
-        return (
-            q.kind == "text"
-            and q.ids is not None
-            and isinstance(q.index.resident, ResidentTables)
-            and self.step is not None
-            and (q.plan.reranker == "none" or (q.plan.reranker == "ce" and self.step.reranks))
-        )
+        """Whether the device step serves `q`: a tokenised text query, or an image query, on a
+        resident index (its captions resident for an image query), re-ranked by the
+        cross-encoder or not at all."""
+        tables = q.index.resident
+        if not isinstance(tables, ResidentTables) or self.step is None:
+            return False
+        if q.kind == "text" and q.ids is None:
+            return False
+        if q.kind == "image" and (tables.captions is None or q.image is None):
+            return False
+        return q.plan.reranker == "none" or (q.plan.reranker == "ce" and self.step.reranks)
 
     def step_chunks(self, tickets: Sequence[Ticket[Query, Answer]]) -> list[list[_Work]]:
         """The tickets grouped by (index version, re-ranked or not), each group cut into
         chunks whose padded pairs fit `rerank_max_batch` (a lone query always fits)."""
         assert self.step is not None
-        groups: dict[tuple[int, bool], list[_Work]] = {}
+        groups: dict[tuple[int, bool, str], list[_Work]] = {}
         start = time.monotonic()
         for t in tickets:
             q = t.payload
-            groups.setdefault((id(q.index), q.plan.reranks), []).append(
+            groups.setdefault((id(q.index), q.plan.reranks, q.kind), []).append(
                 _Work(t, {"queue": _ms(start - t.enqueued)})
             )
         chunks: list[list[_Work]] = []
-        for (_, reranks), members in groups.items():
+        for (_, reranks, _), members in groups.items():
             chunk: list[_Work] = []
             for w in members:
                 grown = [*chunk, w]
@@ -379,9 +403,15 @@ class BatchWorker:
         tables = q0.index.resident
         assert isinstance(tables, ResidentTables)
         m = max(w.query.m for w in chunk)
-        ids = [w.query.ids or [] for w in chunk]
         t0 = time.monotonic()
-        out = self.step(tables, ids, m, q0.plan.reranks)
+        if q0.kind == "text":
+            out = self.step(tables, [w.query.ids or [] for w in chunk], m, q0.plan.reranks)
+        else:
+            images = [w.query.image for w in chunk]
+            pixels = pixel_bytes(images, self.step.model.cfg.image_size)  # type: ignore[arg-type]
+            out = self.step.collect(
+                self.step.launch_images(tables, pixels, m, q0.plan.reranks), len(chunk)
+            )
         dt = time.monotonic() - t0
         pairs = sum(w.query.pairs for w in chunk)
         self.batch_cost.observe(len(chunk), pairs, dt)
@@ -392,6 +422,9 @@ class BatchWorker:
             n = w.query.m
             w.timings["device"] = _ms(dt)
             w.cand = Candidates.of(out.dots[i, :n], out.rows[i, :n])
+            if w.query.kind == "image":  # the hits' captions, as the host path reads them
+                with _clock([w], "lookup"):
+                    w.texts = w.query.index.store.texts([int(r) for r in w.cand.rows])
             # what the `ce` scorer answers: the logit's sigmoid (`models.rerankers._ce`)
             scores = (
                 None

@@ -144,6 +144,10 @@ class BuiltinModel:
         )
         return cls(model, tok, f"{NAME}:{digest}", dev, prec)
 
+    def text_ids(self, text: str) -> list[int]:
+        """The text's token ids (what the device step reads; `models.device_step`)."""
+        return self.tokenizer.ids(text)
+
     def unknown_words(self, text: str) -> list[str]:
         """The words of `text` outside the vocabulary (each read as [UNK])."""
         return self.tokenizer.unknown_words(text)

@@ -1,4 +1,4 @@
-"""A batch of text queries as one device step: token ids in, candidates and their scores out.
+"""A batch of queries as one device step: token ids (or pixels) in, candidates and scores out.
 
 The GPU layout's hot path (`DUET_LAYOUT=gpu`, the default on a CUDA host). Everything a
 re-ranked text search computes runs on the model's device between one host-to-device copy
@@ -20,8 +20,11 @@ products and cross-encoder logits), with no synchronisation in between:
 
 Fusion and top-k run on the host from the copied-out (queries x candidates) arrays: the same
 function (`models.fusion.fused_top_k`) as every other path, over 50 numbers a query.
-Not covered here (the host path serves them): image queries, re-rankers other than the
-cross-encoder, and indexes that are not Flat (IVF / HNSW search stays in FAISS).
+Image queries take the same step the other way round (`launch_images`): the image tower,
+search over the captions' vectors, the candidate captions' token ids gathered from a table
+resident with the version, the text tower and the cross-encoder over them. Not covered here
+(the host path serves them): re-rankers other than the cross-encoder, and indexes that are
+not Flat (IVF / HNSW search stays in FAISS).
 """
 
 from __future__ import annotations
@@ -103,14 +106,41 @@ class ResidentTables:
                 f"index has {self.rows} vectors but {self.tokens.shape[0]} image-state rows"
             )
 
+        self.captions: CaptionTables | None = None  # the caption side, for image queries
+
     @property
     def nbytes(self) -> int:
-        return sum(t.element_size() * t.nelement() for t in (self.vectors, self.tokens))
+        own = sum(t.element_size() * t.nelement() for t in (self.vectors, self.tokens))
+        return own + (0 if self.captions is None else self.captions.nbytes)
 
     def release(self) -> None:
         """Free the device memory now (a swapped-out version's tables)."""
         self.vectors = self.vectors.new_zeros((0, self.vectors.shape[1]))
         self.tokens = self.tokens.new_zeros((0, *self.tokens.shape[1:]))
+        self.rows = 0
+        if self.captions is not None:
+            self.captions.release()
+
+
+class CaptionTables:
+    """One index version's captions on the device, for image queries: their vectors (float32,
+    for search) and token ids (int32, zero-padded to the longest caption)."""
+
+    def __init__(self, vectors: np.ndarray, ids: np.ndarray, device: torch.device) -> None:
+        self.vectors = torch.from_numpy(np.ascontiguousarray(vectors, np.float32)).to(device)
+        self.ids = torch.from_numpy(np.ascontiguousarray(ids, np.int32)).to(device)
+        self.rows = int(self.vectors.shape[0])
+        self.width = int(ids.shape[1])
+        if self.ids.shape[0] != self.rows:
+            raise ValueError(f"{self.rows} caption vectors but {self.ids.shape[0]} id rows")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.element_size() * t.nelement() for t in (self.vectors, self.ids))
+
+    def release(self) -> None:
+        self.vectors = self.vectors.new_zeros((0, self.vectors.shape[1]))
+        self.ids = self.ids.new_zeros((0, self.width))
         self.rows = 0
 
 
@@ -332,6 +362,52 @@ class DeviceStep:
             logits = self.cross.logits(states, keep, owner, img)
         return rows, dots, logits.view(b, m)
 
+    @torch.inference_mode()
+    def launch_images(
+        self,
+        tables: ResidentTables,
+        pixels: torch.Tensor,
+        candidates: int,
+        rerank: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Queue a batch of image queries (`pixels`: (n, 3, S, S) uint8 on the host) against
+        the captions: (caption rows, dots, logits or None), each (B, m) on the device. The
+        image tower once per query; its states (rounded to float16, as the host path's are)
+        read with each candidate caption, whose ids are gathered from the caption table and
+        run through the text tower at the table's fixed width."""
+        caps = tables.captions
+        assert caps is not None, "the version's captions are not resident"
+        b = _bucket(self.shapes.queries, pixels.shape[0])
+        m = min(_bucket(self.shapes.candidates, candidates), caps.rows)
+        host = torch.zeros((b, *pixels.shape[1:]), dtype=torch.uint8)
+        host[: pixels.shape[0]] = pixels
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        x = host.to(self.device, non_blocking=True).float() / 255.0
+        net = self.model
+        toks = net.image_tokens(x)
+        vec = F.normalize(net.embed_images(toks).float(), dim=-1)
+        top = (vec @ caps.vectors.T).topk(m, dim=1)
+        dots, rows = top.values, top.indices
+        if not rerank or m == 0:
+            return rows, dots, None
+        ids = caps.ids[rows.reshape(-1)].long()  # (P, width)
+        pad = ids == 0
+        states = net.text_tokens(ids, pad)
+        keep = ~pad
+        length = _bucket(self.text_buckets, caps.width)
+        if states.shape[1] < length:
+            grow = length - states.shape[1]
+            states = F.pad(states, (0, 0, 0, grow))
+            keep = F.pad(keep, (0, grow), value=False)
+        pairs = ids.shape[0]
+        query = torch.arange(b, device=x.device)[:, None].expand(b, m).reshape(-1)
+        img = toks.half()[query]  # the query's states, as stored states are: float16
+        owner = torch.arange(pairs, device=x.device)
+        with self._kernels():
+            logits = self.cross.logits(states, keep, owner, img)
+        return rows, dots, logits.view(b, m)
+
     def collect(
         self,
         launched: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
@@ -407,4 +483,11 @@ class DeviceStep:
             ids = [[2] + [3] * (min(length, self.max_len) - 1)] * b
             self.collect(self.launch(tables, ids, min(m, tables.rows), rerank), b)
             done += 1
+        if tables.captions is not None:  # image queries: no text length to vary
+            size = self.model.cfg.image_size
+            for b, m, rerank in sorted({(b, m, r) for b, _, m, r in shapes}):
+                if time.monotonic() - t0 > seconds:
+                    break
+                pixels = torch.zeros((b, 3, size, size), dtype=torch.uint8)
+                self.collect(self.launch_images(tables, pixels, m, rerank), b)
         return done

@@ -16,7 +16,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,6 +142,21 @@ class ItemStore:
             "SELECT row, id, text, image_id, meta FROM texts WHERE row IN ({marks})", rows
         )
         return [TextRow(got[r][0], got[r][1], got[r][2], json.loads(got[r][3])) for r in rows]
+
+    def all_texts(self, batch: int = 65536) -> Iterator[str]:
+        """Every text's caption in row order, read in batches (the device step's caption
+        table is made from them)."""
+        last = -1
+        while True:
+            with self._lock:
+                got = self._con.execute(
+                    "SELECT row, text FROM texts WHERE row > ? ORDER BY row LIMIT ?", (last, batch)
+                ).fetchall()
+            if not got:
+                return
+            for _, text in got:
+                yield str(text)
+            last = int(got[-1][0])
 
     def check(self, images: int, texts: int) -> None:
         """IndexLoadError unless SQLite finds the file sound and each table holds exactly rows

@@ -15,7 +15,7 @@ import torch
 
 from app.engine import BatchCost, Engine, Ticket
 from models.builtin import BuiltinModel
-from models.device_step import DeviceStep, MaskedCrossEncoder, ResidentTables
+from models.device_step import CaptionTables, DeviceStep, MaskedCrossEncoder, ResidentTables
 from store import ann
 from tests.conftest import start_service, stop_service
 
@@ -209,6 +209,14 @@ def test_service_gpu_layout_on_cpu_answers_as_cpu_layout(index_dir: Path, tmp_pa
                     assert x["score"] == pytest.approx(y["score"], abs=1e-4)
                     assert x["retrieval_score"] == pytest.approx(y["retrieval_score"], abs=1e-5)
                 assert "device" in a["timings_ms"] and "device" not in b["timings_ms"]
+            upload = _corpus_image(index_dir)
+            a = g.post("/search/image", files={"image": ("q.png", upload)}, data={"top_k": "4"})
+            b = c.post("/search/image", files={"image": ("q.png", upload)}, data={"top_k": "4"})
+            assert a.status_code == 200, a.text
+            assert [h["id"] for h in a.json()["hits"]] == [h["id"] for h in b.json()["hits"]]
+            for x, y in zip(a.json()["hits"], b.json()["hits"], strict=True):
+                assert x["score"] == pytest.approx(y["score"], abs=1e-4)
+            assert "device" in a.json()["timings_ms"]  # image queries take the step too
             late = g.post("/search/text", json={"query": TEXTS[3], "reranker": "late"})
             assert late.status_code == 200 and "device" not in late.json()["timings_ms"]
             metrics = g.get("/metrics").text
@@ -237,11 +245,22 @@ def test_cuda_step_launches_without_a_sync(model: BuiltinModel) -> None:
     ids = [gpu.tokenizer.ids(t) for t in TEXTS]
     step(tables, ids, 50, True)  # first call: kernels load, allocator grows
     torch.cuda.synchronize()
+    # image queries too: captions of the test texts' ids over random caption vectors
+    cap_ids = np.zeros((len(vecs), 16), np.int32)
+    for i in range(len(vecs)):
+        row = ids[i % len(ids)][:16]
+        cap_ids[i, : len(row)] = row
+    tables.captions = CaptionTables(vecs, cap_ids, torch.device("cuda"))
+    pixels = torch.randint(0, 255, (3, 3, 64, 64), dtype=torch.uint8)
+    step.collect(step.launch_images(tables, pixels, 50, True), 3)
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         launched = step.launch(tables, ids, 50, True)
+        launched_images = step.launch_images(tables, pixels, 50, True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert step.collect(launched_images, 3).logits is not None
     out = step.collect(launched, len(ids))
     cpu = DeviceStep(model.model, torch.device("cpu"), "fp32")
     want = cpu(cpu.tables(vecs, toks), ids, 50, True)
@@ -281,3 +300,55 @@ def test_a_version_resident_on_the_device_releases_it_on_close(
     )
     version.close()
     assert version.resident is None and tables.rows == 0 and tables.tokens.numel() == 0
+
+
+def _corpus_image(index_dir: Path) -> bytes:
+    import json
+
+    current = (index_dir / "current").resolve()
+    corpus = Path(json.loads((current / "manifest.json").read_text())["corpus"]).parent
+    return next((corpus / "images").glob("*.png")).read_bytes()
+
+
+def test_image_queries_step_equals_host_path(index_dir: Path, model: BuiltinModel) -> None:
+    """An image query on the step: its caption candidates are FAISS's over the host path's
+    image vector, and each caption's logit is the serving runtime's with the query's states
+    rounded to float16 (as the host path reads them)."""
+    import io
+
+    from PIL import Image
+
+    from app.batch import BatchWorker
+    from app.metrics import Metrics
+    from models.builtin import pixel_bytes
+    from store.indexio import IndexVersion, resolve_current
+
+    version = IndexVersion.open(resolve_current(index_dir))
+    step = DeviceStep(model.model, torch.device("cpu"), "fp32")
+    worker = BatchWorker(
+        model,
+        {},
+        Metrics(),
+        search_knobs=ann.SearchKnobs(),
+        rerank_max_batch=200,
+        cores=1,
+        torch_threads=None,
+        worker_nice=0,
+        step=step,
+    )
+    worker.prepare(version)
+    tables = version.resident
+    assert isinstance(tables, ResidentTables) and tables.captions is not None
+    assert tables.captions.rows == version.text_index.ntotal
+    image = Image.open(io.BytesIO(_corpus_image(index_dir)))
+    pixels = pixel_bytes([image, image.rotate(90)], model.model.cfg.image_size)
+    out = step.collect(step.launch_images(tables, pixels, 20, True), 2)
+    vecs, toks = model.encode_images([image, image.rotate(90)])
+    _, rows = ann.search(version.text_index, vecs, 20)
+    assert out.logits is not None
+    for i in range(2):
+        np.testing.assert_array_equal(out.rows[i], rows[i])
+        texts = [t.text for t in version.store.texts([int(r) for r in rows[i]])]
+        want = model.score_pairs(texts, np.repeat(toks[i][None], 20, axis=0))
+        np.testing.assert_allclose(out.logits[i], want, atol=1e-4)
+    version.close()
