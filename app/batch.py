@@ -317,6 +317,7 @@ class BatchWorker:
         shapes = self.step.shapes_within(self.rerank_max_batch, max_batch)
         t0 = time.monotonic()
         built = self.step.warm_up(tables, shapes, seconds)
+        self._seed_cost(tables, max_batch)
         log.info(
             "device step: %d of %d shapes built in %.1fs; pair budget %d",
             built,
@@ -324,6 +325,19 @@ class BatchWorker:
             time.monotonic() - t0,
             self.rerank_max_batch,
         )
+
+    def _seed_cost(self, tables: ResidentTables, max_batch: int) -> None:
+        """The batch cost model's first observations, from batches as requests make them: a
+        lone query re-ranked and not, and a full batch (the shapes are built by now)."""
+        assert self.step is not None
+        full = max(1, min(max_batch, self.rerank_max_batch // 50))
+        for b, m, rerank in ((1, 50, True), (1, 10, False), (full, 50, True), (full, 10, False)):
+            if rerank and not self.step.reranks:
+                continue
+            for _ in range(2):
+                t0 = time.perf_counter()
+                self.step(tables, [[2, 3, 4, 5, 6, 7]] * b, m, rerank)
+                self.batch_cost.observe(b, b * m if rerank else 0, time.perf_counter() - t0)
 
     def measure_budget(self, tables: ResidentTables, candidates: int = 50, cap: int = 16384) -> int:
         """The pairs per batch past which the device gains under 10 % more pairs/s: batches
