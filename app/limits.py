@@ -111,14 +111,20 @@ async def _busy(scope: Scope, receive: Receive, send: Send) -> None:
     await send(body)
 
 
+def _uncounted() -> None:
+    """What a 429 at the in-flight cap calls when nothing counts it."""
+
+
 @dataclass(frozen=True)
 class HttpLimits:
-    """What `GuardedHttpToolsProtocol` enforces (the DUET_HTTP_* settings)."""
+    """What `GuardedHttpToolsProtocol` enforces (the DUET_HTTP_* settings); `on_shed` is
+    called for every request answered 429 at the in-flight cap."""
 
     header_timeout_s: float
     body_timeout_s: float
     max_header_bytes: int
     max_inflight: int
+    on_shed: Callable[[], None] = _uncounted
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -205,6 +211,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._arm(self.limits.body_timeout_s, "body")
         if len(self.tasks) >= self.limits.max_inflight and not self.url.startswith(_ALWAYS):
+            self.limits.on_shed()
             app, self.app = self.app, _busy
             try:
                 super().on_headers_complete()
@@ -224,25 +231,35 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def guarded_protocol(
-    header_timeout_s: float, body_timeout_s: float, max_header_bytes: int, max_inflight: int
+    header_timeout_s: float,
+    body_timeout_s: float,
+    max_header_bytes: int,
+    max_inflight: int,
+    on_shed: Callable[[], None] = _uncounted,
 ) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with a header deadline, a body deadline, a header cap and
-    a cap on requests in flight (429 before the app; health, readiness and metrics exempt)."""
+    a cap on requests in flight (429 before the app, each one counted by `on_shed`; health,
+    readiness and metrics exempt)."""
 
     class Guarded(GuardedHttpToolsProtocol):
-        limits = HttpLimits(header_timeout_s, body_timeout_s, max_header_bytes, max_inflight)
+        limits = HttpLimits(
+            header_timeout_s, body_timeout_s, max_header_bytes, max_inflight, on_shed
+        )
 
     return Guarded
 
 
-def uvicorn_options(settings: Any) -> dict[str, Any]:
-    """The uvicorn.run keywords that carry duet's HTTP limits."""
+def uvicorn_options(settings: Any, metrics: Any = None) -> dict[str, Any]:
+    """The uvicorn.run keywords that carry duet's HTTP limits; with the app's `metrics`, the
+    in-flight cap's 429s count as `duet_shed_requests_total{reason="inflight"}`."""
+    shed = _uncounted if metrics is None else metrics.shed.labels(reason="inflight").inc
     return {
         "http": guarded_protocol(
             settings.http_header_timeout_s,
             settings.http_body_timeout_s,
             settings.http_max_header_bytes,
             settings.http_max_inflight,
+            shed,
         ),
         "timeout_keep_alive": settings.http_keep_alive_s,
         "backlog": settings.http_backlog,
