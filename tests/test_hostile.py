@@ -1,21 +1,31 @@
 """What a hostile client can still try (issue 36), against a real `duet serve` over real
-sockets: uploads in formats duet does not read, decoder errors, HEAD probes, the in-flight cap."""
+sockets: uploads in formats duet does not read, decoder errors, a 500 on a keep-alive
+connection."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
+import socket
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI
 from PIL import Image
 
-from tests.conftest import Service, start_service, stop_service
+from app.config import Settings
+from app.errors import install_handlers
+from app.limits import uvicorn_options
+from tests.conftest import Service, free_port, start_service, stop_service
 
 EPS_LOOP = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 64 64\n{ } loop\n"
 
@@ -79,3 +89,71 @@ def test_decoder_errors_are_400(hostile: Hostile) -> None:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "invalid_image"
         assert "PNG, JPEG, WebP, GIF, TIFF or BMP" in r.json()["error"]["message"]
+
+
+@pytest.fixture
+def failing_server() -> Iterator[tuple[str, int]]:
+    """duet's error handlers and HTTP protocol (`uvicorn_options`) on real uvicorn in a
+    thread, with a route that fails the way a bug would."""
+    app = FastAPI()
+    install_handlers(app)
+
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    async def ok() -> dict[str, str]:
+        return {"status": "ok"}
+
+    app.add_api_route("/boom", boom)
+    app.add_api_route("/ok", ok)
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="critical", **uvicorn_options(Settings())
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield "127.0.0.1", port
+    server.should_exit = True
+    thread.join(10)
+
+
+def _response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """(head, body) of one response read off `sock` (Content-Length framed)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(h for h in head.lower().split(b"\r\n") if h.startswith(b"content-length:"))[15:]
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.lower(), body
+
+
+def test_a_500_leaves_no_dead_keep_alive_connection(failing_server: tuple[str, int]) -> None:
+    """Row 10: a 500 went out as keep-alive, then uvicorn closed the socket, so the client's
+    next request on it failed. Now the 500 says `Connection: close` (and the socket closes),
+    or the connection serves the next request."""
+    with socket.create_connection(failing_server, timeout=10) as sock:
+        sock.sendall(b"GET /boom HTTP/1.1\r\nhost: x\r\n\r\n")
+        head, body = _response(sock)
+        assert head.startswith(b"http/1.1 500")
+        assert json.loads(body)["error"]["code"] == "internal_error"
+        if b"\r\nconnection: close" in head:
+            assert sock.recv(1) == b""  # and the server closed it
+        else:
+            sock.sendall(b"GET /ok HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert _response(sock)[0].startswith(b"http/1.1 200")
+    # a client that reuses connections never meets a dead one
+    with httpx.Client(base_url=f"http://{failing_server[0]}:{failing_server[1]}") as c:
+        for _ in range(20):
+            assert c.get("/boom").status_code == 500
+            assert c.get("/ok").status_code == 200
