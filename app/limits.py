@@ -161,12 +161,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int, code: str, message: str) -> None:
         body = json.dumps(error_body(code, message)).encode()
-        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        reason = {
+            400: b"Bad Request",
+            408: b"Request Timeout",
+            431: b"Request Header Fields Too Large",
+        }[status]
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (status, reason, len(body)) + body
         )
         self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP/1.1, as the documented JSON error."""
+        self._disarm()
+        self._refuse(
+            400,
+            "bad_request",
+            f"{msg.rstrip('.')}: the request is not valid HTTP/1.1; send a request line, "
+            "headers and a body framed by Content-Length or chunked encoding",
+        )
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

@@ -157,3 +157,51 @@ def test_a_500_leaves_no_dead_keep_alive_connection(failing_server: tuple[str, i
         for _ in range(20):
             assert c.get("/boom").status_code == 500
             assert c.get("/ok").status_code == 200
+
+
+def test_head_healthz_is_200(hostile: Hostile) -> None:
+    """A probe that sends HEAD got 405."""
+    with hostile.service.client() as c:
+        r = c.head("/healthz")
+        assert r.status_code == 200 and r.content == b""
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET / HTTP/1.1\r\nbad header line\r\n\r\n",
+        b"GET /\x00 HTTP/1.1\r\n\r\n",
+    ],
+)
+def test_malformed_http_gets_the_json_error(hostile: Hostile, raw: bytes) -> None:
+    """uvicorn's own 400 for bytes that are not HTTP was plain text."""
+    host, port = hostile.service.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(raw)
+        head, body = _response(sock)
+        assert sock.recv(1) == b""  # closed after the answer
+    assert head.startswith(b"http/1.1 400") and b"content-type: application/json" in head
+    err = json.loads(body)["error"]
+    assert err["code"] == "bad_request" and "not valid HTTP/1.1" in err["message"]
+
+
+def test_form_fields_have_the_json_bounds(hostile: Hostile) -> None:
+    """The multipart form's top_k and candidates had no bounds in the OpenAPI document."""
+    with hostile.service.client() as c:
+        doc = c.get("/openapi.json").json()
+    body = doc["paths"]["/search/image"]["post"]["requestBody"]["content"]
+    form = body["multipart/form-data"]["schema"]["properties"]
+    json_props = body["application/json"]["schema"]["properties"]
+    for name in ("top_k", "candidates"):
+        assert form[name]["minimum"] == json_props[name]["minimum"] == 1
+        assert form[name]["maximum"] == json_props[name]["maximum"]
+    with hostile.service.client() as c:
+        png = io.BytesIO()
+        Image.new("RGB", (32, 32)).save(png, format="PNG")
+        r = c.post(
+            "/search/image",
+            files={"image": ("x.png", png.getvalue(), "image/png")},
+            data={"candidates": "1001"},
+        )
+        assert r.status_code == 422 and "candidates" in r.json()["error"]["message"]

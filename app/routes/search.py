@@ -41,6 +41,10 @@ log = logging.getLogger("duet.app")
 
 
 def _image_body() -> dict[str, Any]:
+    bounds = {  # the form's numbers have the JSON body's bounds (SearchOptions)
+        name: {k: v for k, v in prop.items() if k in ("minimum", "maximum")}
+        for name, prop in SearchOptions.model_json_schema()["properties"].items()
+    }
     return {
         "required": True,
         "content": {
@@ -50,8 +54,12 @@ def _image_body() -> dict[str, Any]:
                     "required": ["image"],
                     "properties": {
                         "image": {"type": "string", "format": "binary"},
-                        "top_k": {"type": "integer", "default": 10},
-                        "candidates": {"type": "integer", "default": 50},
+                        "top_k": {"type": "integer", "default": 10, **bounds["top_k"]},
+                        "candidates": {
+                            "type": "integer",
+                            "default": 50,
+                            **bounds["candidates"],
+                        },
                         "rerank": {"type": "boolean", "default": True},
                         "reranker": {"type": "string", "enum": list(rerankers.names())},
                         "fusion": {"type": "string", "enum": list(FUSIONS)},
