@@ -26,6 +26,10 @@ from app.errors import PayloadTooLarge, error_body
 
 # answered even when the in-flight cap is reached: probes and scrapes must see a busy server
 _ALWAYS = (b"/healthz", b"/readyz", b"/metrics")
+# requests of one connection parsed and queued behind the one being answered (HTTP/1.1
+# pipelining); beyond them the connection's bytes wait unparsed and the socket is not read
+MAX_PIPELINED = 16
+PARSE_SLICE = 4096  # bytes parsed at a time, so the queue overshoots by a slice at most
 
 
 class _TooLarge(Exception):
@@ -134,6 +138,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits: ClassVar[HttpLimits]
     _timer: asyncio.TimerHandle | None = None
     _header_bytes = 0
+    _held = b""  # received, not parsed yet: waits while MAX_PIPELINED requests are queued
 
     def _arm(self, seconds: float, why: str) -> None:
         self._disarm()
@@ -191,8 +196,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self.transport.is_closing():  # refused: the rest is not parsed
-            super().data_received(data)
+        """Parse what arrived a slice at a time, holding the rest (and reading no more) while
+        `MAX_PIPELINED` requests of this connection wait for the one being answered.
+
+        uvicorn parses every request in a read at once and queues each (a read of 256 KB
+        holds thousands of `GET /healthz`), and reads again whenever an answer is done: a
+        client that pipelines and never reads grew the server by a gigabyte in 30 s."""
+        if self.transport.is_closing():  # refused: the rest is not parsed
+            return
+        self._held += data
+        self._feed()
+
+    def _feed(self) -> None:
+        while self._held and len(self.pipeline) < MAX_PIPELINED:
+            if self.transport.is_closing():
+                self._held = b""
+                return
+            chunk, self._held = self._held[:PARSE_SLICE], self._held[PARSE_SLICE:]
+            super().data_received(chunk)
+        if self._held:
+            self.flow.pause_reading()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # starts the next queued request, resumes reading
+        if self._held and not self.transport.is_closing():
+            self._feed()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

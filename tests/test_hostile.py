@@ -7,8 +7,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,8 +28,17 @@ from PIL import Image
 from app.config import Settings
 from app.errors import install_handlers
 from app.limits import uvicorn_options
-from tests.conftest import Service, free_port, start_service, stop_service
+from duet.commands.serve import ONEDNN_CACHE_DEFAULT, ONEDNN_CACHE_ENV
+from tests.conftest import (
+    CHILD_PYTHONPATH,
+    REPO,
+    Service,
+    free_port,
+    start_service,
+    stop_service,
+)
 
+DOCKERFILE = REPO / "Dockerfile"
 EPS_LOOP = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 64 64\n{ } loop\n"
 
 
@@ -205,3 +217,69 @@ def test_form_fields_have_the_json_bounds(hostile: Hostile) -> None:
             data={"candidates": "1001"},
         )
         assert r.status_code == 422 and "candidates" in r.json()["error"]["message"]
+
+
+def test_onednn_cache_setting_reaches_the_serving_process(hostile: Hostile) -> None:
+    """Row 4: oneDNN's per-shape primitive cache grew a replica by gigabytes over a mix of
+    search sizes. `duet serve` sets ONEDNN_PRIMITIVE_CACHE_CAPACITY (unless the operator
+    did) before torch is imported, which is when it must be set; the Docker image too."""
+    want = os.environ.get(ONEDNN_CACHE_ENV, ONEDNN_CACHE_DEFAULT)
+    assert f"{ONEDNN_CACHE_ENV}={want}" in hostile.service.log.read_text()
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
+    probe = "import sys, duet.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr  # the entry point imports no torch
+    docker_env = re.search(rf"^\s+{ONEDNN_CACHE_ENV}=(\S+)", DOCKERFILE.read_text(), re.M)
+    assert docker_env is not None and docker_env.group(1) == ONEDNN_CACHE_DEFAULT
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_pipelining_clients_that_never_read_stay_bounded(hostile: Hostile) -> None:
+    """Row 3: 20 connections that each send `GET /healthz` 500 times a burst and never read
+    grew the server by a gigabyte in 30 s, and /healthz timed out for everyone else. Now each
+    connection has at most MAX_PIPELINED requests queued and is not read beyond them."""
+    host, port = hostile.service.url.removeprefix("http://").split(":")
+    burst = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n" * 500
+    pid = hostile.service.proc.pid
+    before = _rss_mb(pid)
+    stop = threading.Event()
+    socks = [socket.create_connection((host, int(port)), timeout=5) for _ in range(20)]
+
+    def flood(sock: socket.socket) -> None:
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                sock.sendall(burst)
+            except TimeoutError:
+                continue  # the server stopped reading: what it should do
+            except OSError:
+                return
+
+    threads = [threading.Thread(target=flood, args=(s,), daemon=True) for s in socks]
+    for t in threads:
+        t.start()
+    waits: list[float] = []
+    peak = before
+    try:
+        with httpx.Client(base_url=hostile.service.url, timeout=10) as c:
+            for _ in range(24):  # 12 s of probes, one each half second
+                t0 = time.monotonic()
+                assert c.get("/healthz").status_code == 200
+                waits.append(time.monotonic() - t0)
+                peak = max(peak, _rss_mb(pid))
+                time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        for s in socks:
+            s.close()
+    print(f"\nRSS {before:.0f} -> peak {peak:.0f} MB; /healthz max {max(waits) * 1000:.0f} ms")
+    assert peak - before < 100, f"grew {peak - before:.0f} MB"
+    assert max(waits) < 1.0, waits
