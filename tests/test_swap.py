@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import faiss
 import httpx
 import numpy as np
 import pytest
@@ -37,6 +36,7 @@ from store.indexio import (
     resolve_current,
 )
 from tests.conftest import Service, start_service, stop_service
+from tests.index_damage import break_meta, faiss_vectors, list_file, random_faiss
 from tests.test_e2e import _metric
 
 pytestmark = pytest.mark.slow
@@ -230,48 +230,6 @@ def _nan_tokens(d: Path) -> None:
     np.save(d / IMAGE_TOKENS, tokens)
 
 
-def _random_faiss(d: Path) -> None:
-    """image.faiss replaced by a random index of the same size and dimension (unit vectors,
-    so nothing but the file list can tell), and left out of the manifest's `files`."""
-    old = faiss.read_index(str(d / IMAGE_INDEX))
-    vecs = np.random.default_rng(0).standard_normal((old.ntotal, old.d)).astype(np.float32)
-    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
-    index = faiss.IndexFlatIP(old.d)
-    index.add(vecs)
-    faiss.write_index(index, str(d / IMAGE_INDEX))
-    manifest = json.loads((d / MANIFEST).read_text())
-    del manifest["files"][IMAGE_INDEX]
-    (d / MANIFEST).write_text(json.dumps(manifest))
-
-
-def _faiss_vectors(value: float) -> Callable[[Path], None]:
-    def edit(d: Path) -> None:
-        index = faiss.read_index(str(d / IMAGE_INDEX))
-        vecs = index.reconstruct_n(0, index.ntotal)
-        vecs[3] = value
-        fresh = faiss.IndexFlatIP(index.d)
-        fresh.add(vecs)
-        faiss.write_index(fresh, str(d / IMAGE_INDEX))
-
-    return edit
-
-
-def _break_meta(d: Path) -> None:
-    con = sqlite3.connect(d / ITEMS)
-    con.execute("UPDATE images SET meta = '{\"image\": ' WHERE row = 7")
-    con.commit()
-    con.close()
-
-
-def _list_file(name: str) -> Callable[[Path], None]:
-    def edit(d: Path) -> None:
-        manifest = json.loads((d / MANIFEST).read_text())
-        manifest["files"][name] = "0" * 64
-        (d / MANIFEST).write_text(json.dumps(manifest))
-
-    return edit
-
-
 def _flip_a_byte(d: Path) -> None:
     data = bytearray((d / IMAGE_TOKENS).read_bytes())
     data[-1] ^= 0xFF
@@ -292,17 +250,17 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
     ("zeroed-pages", _rehashed(_zero_pages, ITEMS), "items.sqlite is"),
     ("nan-tokens", _rehashed(_nan_tokens, IMAGE_TOKENS), "NaN"),
     # issue 36 rows 5 to 8: each was accepted (row 8's first hung the reloader for good)
-    ("unlisted-faiss", _random_faiss, "image.faiss not listed in manifest.json's files"),
+    ("unlisted-faiss", random_faiss, "image.faiss not listed in manifest.json's files"),
     ("no-files", _edit_manifest(files={}), "not listed in manifest.json's files"),
-    ("nan-faiss", _rehashed(_faiss_vectors(np.nan), IMAGE_INDEX), "NaN or infinite values"),
+    ("nan-faiss", _rehashed(faiss_vectors(np.nan), IMAGE_INDEX), "NaN or infinite values"),
     (
         "huge-faiss",
-        _rehashed(_faiss_vectors(3e38), IMAGE_INDEX),
+        _rehashed(faiss_vectors(3e38), IMAGE_INDEX),
         "at row 3; the model's vectors have norm 1",
     ),
-    ("broken-meta", _rehashed(_break_meta, ITEMS), "table images row 7 has unreadable meta"),
-    ("dev-zero", _list_file("../" * 16 + "dev/zero"), "not a plain file name"),
-    ("passwd", _list_file("../" * 16 + "etc/passwd"), "not a plain file name"),
+    ("broken-meta", _rehashed(break_meta, ITEMS), "table images row 7 has unreadable meta"),
+    ("dev-zero", list_file("../" * 16 + "dev/zero"), "not a plain file name"),
+    ("passwd", list_file("../" * 16 + "etc/passwd"), "not a plain file name"),
 ]
 
 
