@@ -138,7 +138,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits: ClassVar[HttpLimits]
     _timer: asyncio.TimerHandle | None = None
     _header_bytes = 0
-    _held = b""  # received, not parsed yet: waits while MAX_PIPELINED requests are queued
+    _held = b""  # received; from `_at` on not parsed yet, while MAX_PIPELINED are queued
+    _at = 0
 
     def _arm(self, seconds: float, why: str) -> None:
         self._disarm()
@@ -204,17 +205,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         client that pipelines and never reads grew the server by a gigabyte in 30 s."""
         if self.transport.is_closing():  # refused: the rest is not parsed
             return
-        self._held += data
+        self._held = self._held[self._at :] + data if self._held else data
+        self._at = 0
         self._feed()
 
     def _feed(self) -> None:
-        while self._held and len(self.pipeline) < MAX_PIPELINED:
+        held = memoryview(self._held)  # slices of it are not copies
+        while self._at < len(held) and len(self.pipeline) < MAX_PIPELINED:
             if self.transport.is_closing():
-                self._held = b""
-                return
-            chunk, self._held = self._held[:PARSE_SLICE], self._held[PARSE_SLICE:]
-            super().data_received(chunk)
-        if self._held:
+                break
+            super().data_received(held[self._at : self._at + PARSE_SLICE])  # type: ignore[arg-type]
+            self._at += PARSE_SLICE
+        if self._at >= len(held) or self.transport.is_closing():
+            self._held, self._at = b"", 0
+        else:
             self.flow.pause_reading()
 
     def on_response_complete(self) -> None:
