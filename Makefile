@@ -37,7 +37,7 @@ serve: demo-index
 	@echo "  curl -s -X POST http://$(HOST):$(PORT)/search/text -H 'content-type: application/json' -d '{\"query\": \"a small red diamond left of a small yellow triangle\", \"top_k\": 5}'"
 	@echo "  curl -s -X POST http://$(HOST):$(PORT)/search/image -F image=@$(DEMO)/images/0007.png -F top_k=5"
 	@echo ""
-	DUET_INDEX_DIR=$(INDEXES) DUET_HOST=$(HOST) DUET_PORT=$(PORT) $(BIN)/duet serve
+	DUET_INDEX_DIR=$(INDEXES) DUET_IMAGES_DIR=$(DEMO) DUET_HOST=$(HOST) DUET_PORT=$(PORT) $(BIN)/duet serve
 
 # installs the system tools pip cannot (apt-get, where it may), or says what will be skipped
 test: $(STAMP)

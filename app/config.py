@@ -27,6 +27,11 @@ class Settings(BaseSettings):
     )
 
     index_dir: Path = Field(Path("indexes"), description="serves INDEX_DIR/current")
+    images_dir: Path | None = Field(
+        None,
+        description="GET /images/{id} serves files only from under this folder (or the "
+        "index version's own), whatever a manifest's corpus path says; empty = DUET_INDEX_DIR",
+    )
     index_poll_s: float = Field(
         5.0, ge=0, description="how often to look for a new INDEX_DIR/current; 0 = never"
     )

@@ -213,6 +213,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
+        # Starlette re-raises the error after this answer and uvicorn then closes the socket:
+        # saying so keeps a client from sending its next request down a dead connection
         return JSONResponse(
-            error_body("internal_error", "internal error; see the service log"), status_code=500
+            error_body("internal_error", "internal error; see the service log"),
+            status_code=500,
+            headers={"Connection": "close"},
         )

@@ -1,5 +1,6 @@
-"""Decoding uploaded images safely: byte and pixel limits, truncation, decompression bombs,
-EXIF orientation, and a bound on the memory that decoding takes across requests."""
+"""Decoding uploaded images safely: an allow-list of formats, byte and pixel limits,
+truncation, decompression bombs, EXIF orientation, and a bound on the memory that decoding
+takes across requests."""
 
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from app.errors import ImageTooLarge, InvalidImage
+from app.errors import DuetError, ImageTooLarge, InvalidImage
 
 # Decoded images are kept at most this many pixels on a side (an integer box reduction, so a
 # 5000x5000 upload waits for its model call as 1250x1250): every model duet serves resizes to
 # 384 pixels or fewer, and a queued 25 MP RGB image would otherwise hold 75 MB.
 KEEP_SIDE = 1024
+
+# The only formats an upload is opened as. Pillow would otherwise try every plugin it has:
+# EPS then runs the host's Ghostscript on the upload (a PostScript `{ } loop` never ends), and
+# the rarer decoders (AVIF, ICNS, SPIDER, ...) raise exceptions nobody lists. A JPEG that
+# carries several pictures is read by the JPEG plugin as MPO (its first picture is used).
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "TIFF", "BMP")
 
 
 def decode_image(data: bytes, max_bytes: int, max_pixels: int) -> Image.Image:
@@ -31,7 +38,7 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int) -> Image.Image:
         with warnings.catch_warnings():
             # Pillow's decompression-bomb guard: its warning becomes an error here
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = Image.open(io.BytesIO(data), formats=FORMATS)
             w, h = img.size
             if w * h > max_pixels:
                 raise ImageTooLarge(
@@ -49,10 +56,16 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int) -> Image.Image:
         raise ImageTooLarge(f"image rejected as a decompression bomb: {exc}") from exc
     except UnidentifiedImageError as exc:
         raise InvalidImage(
-            "the upload is not an image Pillow can read (PNG, JPEG, WebP, ...)"
+            "the upload is not an image in a format duet reads; send PNG, JPEG, WebP, GIF, "
+            "TIFF or BMP"
         ) from exc
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise InvalidImage(f"the image is corrupt or truncated: {exc}") from exc
+    except DuetError:
+        raise
+    except Exception as exc:  # whatever a decoder raises, the upload is at fault
+        raise InvalidImage(
+            f"the image is corrupt or truncated ({type(exc).__name__}: {exc}); send a whole "
+            "PNG, JPEG, WebP, GIF, TIFF or BMP file"
+        ) from exc
 
 
 class ImageDecoder:

@@ -26,6 +26,10 @@ from app.errors import PayloadTooLarge, error_body
 
 # answered even when the in-flight cap is reached: probes and scrapes must see a busy server
 _ALWAYS = (b"/healthz", b"/readyz", b"/metrics")
+# requests of one connection parsed and queued behind the one being answered (HTTP/1.1
+# pipelining); beyond them the connection's bytes wait unparsed and the socket is not read
+MAX_PIPELINED = 16
+PARSE_SLICE = 4096  # bytes parsed at a time, so the queue overshoots by a slice at most
 
 
 class _TooLarge(Exception):
@@ -111,14 +115,20 @@ async def _busy(scope: Scope, receive: Receive, send: Send) -> None:
     await send(body)
 
 
+def _uncounted() -> None:
+    """What a 429 at the in-flight cap calls when nothing counts it."""
+
+
 @dataclass(frozen=True)
 class HttpLimits:
-    """What `GuardedHttpToolsProtocol` enforces (the DUET_HTTP_* settings)."""
+    """What `GuardedHttpToolsProtocol` enforces (the DUET_HTTP_* settings); `on_shed` is
+    called for every request answered 429 at the in-flight cap."""
 
     header_timeout_s: float
     body_timeout_s: float
     max_header_bytes: int
     max_inflight: int
+    on_shed: Callable[[], None] = _uncounted
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -128,6 +138,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits: ClassVar[HttpLimits]
     _timer: asyncio.TimerHandle | None = None
     _header_bytes = 0
+    _held = b""  # received; from `_at` on not parsed yet, while MAX_PIPELINED are queued
+    _at = 0
 
     def _arm(self, seconds: float, why: str) -> None:
         self._disarm()
@@ -155,12 +167,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int, code: str, message: str) -> None:
         body = json.dumps(error_body(code, message)).encode()
-        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        reason = {
+            400: b"Bad Request",
+            408: b"Request Timeout",
+            431: b"Request Header Fields Too Large",
+        }[status]
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (status, reason, len(body)) + body
         )
         self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP/1.1, as the documented JSON error."""
+        self._disarm()
+        self._refuse(
+            400,
+            "bad_request",
+            f"{msg.rstrip('.')}: the request is not valid HTTP/1.1; send a request line, "
+            "headers and a body framed by Content-Length or chunked encoding",
+        )
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -171,8 +197,34 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self.transport.is_closing():  # refused: the rest is not parsed
-            super().data_received(data)
+        """Parse what arrived a slice at a time, holding the rest (and reading no more) while
+        `MAX_PIPELINED` requests of this connection wait for the one being answered.
+
+        uvicorn parses every request in a read at once and queues each (a read of 256 KB
+        holds thousands of `GET /healthz`), and reads again whenever an answer is done: a
+        client that pipelines and never reads grew the server by a gigabyte in 30 s."""
+        if self.transport.is_closing():  # refused: the rest is not parsed
+            return
+        self._held = self._held[self._at :] + data if self._held else data
+        self._at = 0
+        self._feed()
+
+    def _feed(self) -> None:
+        held = memoryview(self._held)  # slices of it are not copies
+        while self._at < len(held) and len(self.pipeline) < MAX_PIPELINED:
+            if self.transport.is_closing():
+                break
+            super().data_received(held[self._at : self._at + PARSE_SLICE])  # type: ignore[arg-type]
+            self._at += PARSE_SLICE
+        if self._at >= len(held) or self.transport.is_closing():
+            self._held, self._at = b"", 0
+        else:
+            self.flow.pause_reading()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # starts the next queued request, resumes reading
+        if self._held and not self.transport.is_closing():
+            self._feed()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -205,6 +257,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._arm(self.limits.body_timeout_s, "body")
         if len(self.tasks) >= self.limits.max_inflight and not self.url.startswith(_ALWAYS):
+            self.limits.on_shed()
             app, self.app = self.app, _busy
             try:
                 super().on_headers_complete()
@@ -224,25 +277,35 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def guarded_protocol(
-    header_timeout_s: float, body_timeout_s: float, max_header_bytes: int, max_inflight: int
+    header_timeout_s: float,
+    body_timeout_s: float,
+    max_header_bytes: int,
+    max_inflight: int,
+    on_shed: Callable[[], None] = _uncounted,
 ) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with a header deadline, a body deadline, a header cap and
-    a cap on requests in flight (429 before the app; health, readiness and metrics exempt)."""
+    a cap on requests in flight (429 before the app, each one counted by `on_shed`; health,
+    readiness and metrics exempt)."""
 
     class Guarded(GuardedHttpToolsProtocol):
-        limits = HttpLimits(header_timeout_s, body_timeout_s, max_header_bytes, max_inflight)
+        limits = HttpLimits(
+            header_timeout_s, body_timeout_s, max_header_bytes, max_inflight, on_shed
+        )
 
     return Guarded
 
 
-def uvicorn_options(settings: Any) -> dict[str, Any]:
-    """The uvicorn.run keywords that carry duet's HTTP limits."""
+def uvicorn_options(settings: Any, metrics: Any = None) -> dict[str, Any]:
+    """The uvicorn.run keywords that carry duet's HTTP limits; with the app's `metrics`, the
+    in-flight cap's 429s count as `duet_shed_requests_total{reason="inflight"}`."""
+    shed = _uncounted if metrics is None else metrics.shed.labels(reason="inflight").inc
     return {
         "http": guarded_protocol(
             settings.http_header_timeout_s,
             settings.http_body_timeout_s,
             settings.http_max_header_bytes,
             settings.http_max_inflight,
+            shed,
         ),
         "timeout_keep_alive": settings.http_keep_alive_s,
         "backlog": settings.http_backlog,

@@ -211,6 +211,10 @@ class TorchFlat:
         self.ntotal, self.d = self.vectors.shape
         self.metric_type = faiss.METRIC_INNER_PRODUCT
 
+    def reconstruct_n(self, start: int, n: int) -> np.ndarray:
+        """Stored vectors start .. start + n - 1, as FAISS's method of that name gives them."""
+        return np.asarray(self.vectors[start : start + n].cpu().numpy())
+
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         torch = self._torch
         n = len(queries)

@@ -13,6 +13,7 @@ DIR/current -> <version>      symlink, replaced atomically
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -24,7 +25,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from store import ann
+from store import ann, integrity
 
 # re-exported (`X as X`): the builder, the service and the tests reach them through indexio
 from store.errors import IndexLoadError as IndexLoadError
@@ -42,6 +43,12 @@ ITEMS = "items.sqlite"
 IMAGE_VECTORS = "image_vectors.npy"
 TEXT_VECTORS = "text_vectors.npy"
 CURRENT = "current"
+# what the service reads of a version (each must be listed in manifest.json's `files`); the
+# vectors kept for --append / --delete are checked too when the version has them
+SERVED_FILES = (IMAGE_INDEX, TEXT_INDEX, IMAGE_TOKENS, ITEMS)
+VECTOR_FILES = (IMAGE_VECTORS, TEXT_VECTORS)
+
+log = logging.getLogger("duet.index")
 
 
 def resolve_current(index_dir: Path) -> Path:
@@ -125,9 +132,20 @@ class ItemStore:
             cur = self._con.execute(sql.format(marks=marks), [int(r) for r in rows])
             return {r[0]: r[1:] for r in cur.fetchall()}
 
+    @staticmethod
+    def _meta(item_id: object, text: object) -> dict[str, Any]:
+        """The item's meta; {} (and a warning) if it is unreadable. `check_rows` refuses such
+        a version before it serves: this answers a file damaged in place afterwards per item,
+        not with a 500 for every search that meets it."""
+        try:
+            return integrity.decode_meta(text)
+        except ValueError as exc:
+            log.warning("item %r: unreadable meta (%s); answered without it", item_id, exc)
+            return {}
+
     def images(self, rows: Sequence[int]) -> list[ImageRow]:
         got = self._rows("SELECT row, id, path, meta FROM images WHERE row IN ({marks})", rows)
-        return [ImageRow(got[r][0], got[r][1], json.loads(got[r][2])) for r in rows]
+        return [ImageRow(got[r][0], got[r][1], self._meta(got[r][0], got[r][2])) for r in rows]
 
     def image_by_id(self, item_id: str) -> ImageRow | None:
         """The image row named `item_id`, or None."""
@@ -135,13 +153,15 @@ class ItemStore:
             row = self._con.execute(
                 "SELECT id, path, meta FROM images WHERE id = ?", (item_id,)
             ).fetchone()
-        return None if row is None else ImageRow(row[0], row[1], json.loads(row[2]))
+        return None if row is None else ImageRow(row[0], row[1], self._meta(row[0], row[2]))
 
     def texts(self, rows: Sequence[int]) -> list[TextRow]:
         got = self._rows(
             "SELECT row, id, text, image_id, meta FROM texts WHERE row IN ({marks})", rows
         )
-        return [TextRow(got[r][0], got[r][1], got[r][2], json.loads(got[r][3])) for r in rows]
+        return [
+            TextRow(got[r][0], got[r][1], got[r][2], self._meta(got[r][0], got[r][3])) for r in rows
+        ]
 
     def all_texts(self, batch: int = 65536) -> Iterator[str]:
         """Every text's caption in row order, read in batches (the device step's caption
@@ -180,6 +200,12 @@ class ItemStore:
                     f"{ITEMS}: table {table} has {count} rows ({lo}..{hi}); "
                     f"the index has {n} (rows 0..{n - 1})"
                 )
+
+    def check_rows(self) -> None:
+        """IndexLoadError unless every row of both tables reads as a response needs it
+        (`integrity.check_rows`: value types, meta a JSON object of finite numbers)."""
+        with self._lock:
+            integrity.check_rows(ITEMS, self._con.execute)
 
     def close(self) -> None:
         self._con.close()
@@ -236,8 +262,12 @@ class IndexVersion:
 
     def verify(self) -> None:
         """Prove the version whole before it serves, or raise IndexLoadError saying what is
-        wrong: every file's sha256 against the manifest's `files`, the item store sound with
-        one row per FAISS row, and the stored vectors and tokens finite."""
+        wrong: every file it reads listed in the manifest's `files` by a plain name inside the
+        version folder (checked before anything is read), each file's sha256, the item store
+        sound with one row per FAISS row and every row readable, and the stored vectors finite
+        and of unit norm (tokens finite)."""
+        vectors = [name for name in VECTOR_FILES if (self.path / name).exists()]
+        integrity.check_listing(self.path, self.manifest.files, [*SERVED_FILES, *vectors])
         for name, digest in self.manifest.files.items():
             try:
                 actual = file_sha256(self.path / name)
@@ -250,19 +280,14 @@ class IndexVersion:
                     f"{digest[:12]}...); rebuild or restore it"
                 )
         self.store.check(self.image_index.ntotal, self.text_index.ntotal)
-        arrays = [(IMAGE_TOKENS, self.image_tokens)]
-        arrays += [
-            (name, np.load(self.path / name, mmap_mode="r"))
-            for name in (IMAGE_VECTORS, TEXT_VECTORS)
-            if (self.path / name).is_file()
-        ]
-        for name, arr in arrays:
-            for start in range(0, len(arr), 4096):
-                if not np.isfinite(arr[start : start + 4096]).all():
-                    raise IndexLoadError(
-                        f"index {self.path}: {name} holds NaN or infinite "
-                        f"values (from row {start}); rebuild the version"
-                    )
+        self.store.check_rows()
+        where = f"index {self.path}:"
+        integrity.check_array(f"{where} {IMAGE_TOKENS}", self.image_tokens, None)
+        for name in vectors:
+            arr = np.load(self.path / name, mmap_mode="r")
+            integrity.check_array(f"{where} {name}", arr, integrity.MAX_NORM)
+        for name, index in ((IMAGE_INDEX, self.image_index), (TEXT_INDEX, self.text_index)):
+            integrity.check_index_vectors(f"{where} {name}", index)
 
     @classmethod
     def open(

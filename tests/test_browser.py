@@ -36,8 +36,14 @@ def _tools() -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    svc = start_service(index_dir, tmp_path_factory.mktemp("browser") / "serve.log")
+def service(
+    index_dir: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
+    svc = start_service(
+        index_dir,
+        tmp_path_factory.mktemp("browser") / "serve.log",
+        DUET_IMAGES_DIR=str(corpus.parent),  # the thumbnails
+    )
     yield svc
     stop_service(svc)
 

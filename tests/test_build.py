@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -133,3 +135,44 @@ def test_every_command_has_help(cmd: str) -> None:
         [*DUET, cmd, "--help"], capture_output=True, text=True, env=env, timeout=60
     )
     assert proc.returncode == 0 and "usage: duet " + cmd in proc.stdout
+
+
+def test_a_killed_builds_folder_is_removed_by_the_next_build(
+    corpus: Path, model: BuiltinModel, tmp_path: Path
+) -> None:
+    """Issue 36: a build SIGKILLed while writing left `.building-<version>/` for good. The
+    next build removes every such folder whose lock no live build holds, and leaves a
+    build in progress alone."""
+    out = tmp_path / "idx"
+    out.mkdir()
+    killed = subprocess.Popen(  # a build that took the lock as a build does, then died
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from index_builder.publish import _building\n"
+            "with _building(Path(sys.argv[1]), 'v-killed') as tmp:\n"
+            "    (tmp / 'image.faiss').write_bytes(bytes(1000))\n"
+            "    print('writing', flush=True); sys.stdin.read()\n",
+            str(out),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH},
+    )
+    assert killed.stdout is not None and killed.stdout.readline() == b"writing\n"
+    killed.kill()
+    killed.wait()
+    older = out / ".building-v-older"  # left by a build from before the lock files
+    older.mkdir()
+    (older / "items.sqlite").write_bytes(b"half")
+    busy = out / ".building-v-busy"  # a build in progress: its lock is held
+    busy.mkdir()
+    held = os.open(out / ".building-v-busy.lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        assert (out / ".building-v-killed").is_dir()
+        build(_copy_corpus(corpus, tmp_path / "c", 6), out, model, progress=False)
+        left = sorted(p.name for p in out.iterdir() if p.name.startswith(".building-"))
+        assert left == [".building-v-busy", ".building-v-busy.lock"]
+    finally:
+        os.close(held)

@@ -16,8 +16,14 @@ from tests.conftest import Service, free_port, start_service, stop_service
 
 
 @pytest.fixture(scope="module")
-def service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    svc = start_service(index_dir, tmp_path_factory.mktemp("client") / "serve.log")
+def service(
+    index_dir: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
+    svc = start_service(
+        index_dir,
+        tmp_path_factory.mktemp("client") / "serve.log",
+        DUET_IMAGES_DIR=str(corpus.parent),
+    )
     yield svc
     stop_service(svc)
 

@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import Service, start_service, stop_service
+from tests.test_e2e import _metric
 
 INFLIGHT = 24
 
@@ -193,6 +194,9 @@ def test_huge_header_gets_431(service: Service) -> None:
 
 
 def test_inflight_cap_answers_429_and_health_passes(service: Service) -> None:
+    """... and each such 429 is counted on /metrics (issue 36 row 11: none were)."""
+    with service.client() as c:
+        before = _metric(c.get("/metrics").text, "duet_shed_requests_total", reason="inflight")
     held = []
     for _ in range(INFLIGHT):  # requests whose bodies never finish keep a task each in flight
         s = _connect(service)
@@ -207,8 +211,12 @@ def test_inflight_cap_answers_429_and_health_passes(service: Service) -> None:
             r = c.post("/search/text", json={"query": "a red circle"})
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "overloaded"
+            assert c.post("/search/text", json={"query": "a blue square"}).status_code == 429
             assert c.get("/healthz").status_code == 200
-            assert c.get("/metrics").status_code == 200
+            metrics = c.get("/metrics")
+            assert metrics.status_code == 200
+            shed = _metric(metrics.text, "duet_shed_requests_total", reason="inflight")
+            assert shed == before + 2
     finally:
         for s in held:
             s.close()

@@ -53,7 +53,8 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Pa
         cwd=REPO,
         capture_output=True,
     )
-    svc = start_service(indexes, root / "serve.log")
+    # as `make serve` does: GET /images serves the demo corpus from DUET_IMAGES_DIR
+    svc = start_service(indexes, root / "serve.log", DUET_IMAGES_DIR=str(corpus))
     yield svc, root
     stop_service(svc)
 

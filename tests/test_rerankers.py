@@ -49,10 +49,12 @@ def toys() -> Iterator[None]:
 
 
 @pytest.fixture
-def served(toys: None, index_dir: Path) -> Iterator[str]:
+def served(toys: None, index_dir: Path, corpus: Path) -> Iterator[str]:
     """The app with the toys registered, on real uvicorn in a thread."""
     port = free_port()
-    app = create_app(Settings(index_dir=index_dir, index_poll_s=0, redis_url=""))
+    app = create_app(
+        Settings(index_dir=index_dir, index_poll_s=0, redis_url="", images_dir=corpus.parent)
+    )
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

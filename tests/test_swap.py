@@ -26,13 +26,23 @@ from index_builder.build import build
 from models.builtin import BuiltinModel
 from models.trainconfig import HELD_OUT_SEED_BASE
 from models.world import write_corpus
-from store.indexio import IMAGE_TOKENS, ITEMS, MANIFEST, file_sha256, point_current, resolve_current
+from store.indexio import (
+    IMAGE_INDEX,
+    IMAGE_TOKENS,
+    ITEMS,
+    MANIFEST,
+    file_sha256,
+    point_current,
+    resolve_current,
+)
 from tests.conftest import Service, start_service, stop_service
+from tests.index_damage import break_meta, faiss_vectors, list_file, random_faiss
 from tests.test_e2e import _metric
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "swap-test-token"
+PASSWD_SHA256 = file_sha256(Path("/etc/passwd"))
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
@@ -239,6 +249,18 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
     ("half-the-rows", _rehashed(_delete_half_the_image_rows, ITEMS), "table images has 20 rows"),
     ("zeroed-pages", _rehashed(_zero_pages, ITEMS), "items.sqlite is"),
     ("nan-tokens", _rehashed(_nan_tokens, IMAGE_TOKENS), "NaN"),
+    # issue 36 rows 5 to 8: each was accepted (row 8's first hung the reloader for good)
+    ("unlisted-faiss", random_faiss, "image.faiss not listed in manifest.json's files"),
+    ("no-files", _edit_manifest(files={}), "not listed in manifest.json's files"),
+    ("nan-faiss", _rehashed(faiss_vectors(np.nan), IMAGE_INDEX), "NaN or infinite values"),
+    (
+        "huge-faiss",
+        _rehashed(faiss_vectors(3e38), IMAGE_INDEX),
+        "at row 3; the model's vectors have norm 1",
+    ),
+    ("broken-meta", _rehashed(break_meta, ITEMS), "table images row 7 has unreadable meta"),
+    ("dev-zero", list_file("../" * 16 + "dev/zero"), "not a plain file name"),
+    ("passwd", list_file("../" * 16 + "etc/passwd"), "not a plain file name"),
 ]
 
 
@@ -274,8 +296,10 @@ def _refuse_broken(
     assert r.status_code == 200 and r.json()["index_version"] == version
     last = c.get("/readyz").json()["reload"]["last_refused"]
     assert reason in last["reason"] and last["at"], last
-    # /readyz is unauthenticated: no host paths (/admin/reload has them)
+    # /readyz is unauthenticated: no host paths (/admin/reload has them), no digest of a file
+    # outside the version
     assert "path" not in last and str(tmp_path) not in last["reason"], last
+    assert PASSWD_SHA256[:12] not in last["reason"], last
     r = c.post("/admin/reload", headers=AUTH)  # an explicit reload retries
     refused += 1
     assert r.status_code == 409, r.text

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import json
+import shutil
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,12 +14,17 @@ import pytest
 from PIL import Image
 
 from app.routes.ui import inside
+from store.indexio import ITEMS, MANIFEST, file_sha256, point_current, resolve_current
 from tests.conftest import Service, start_service, stop_service
 
 
 @pytest.fixture(scope="module")
-def service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    svc = start_service(index_dir, tmp_path_factory.mktemp("ui") / "serve.log")
+def service(
+    index_dir: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
+    svc = start_service(
+        index_dir, tmp_path_factory.mktemp("ui") / "serve.log", DUET_IMAGES_DIR=str(corpus.parent)
+    )
     yield svc
     stop_service(svc)
 
@@ -74,3 +82,33 @@ def test_no_path_leaves_the_corpus_folder(tmp_path: Path) -> None:
         "images",
     ):
         assert inside(root, rel) is None, rel
+
+
+def test_images_only_from_the_configured_folder(
+    index_dir: Path, corpus: Path, tmp_path: Path
+) -> None:
+    """Issue 36 row 9: a version whose manifest names `/manifest.jsonl` as its corpus and an
+    item path of `etc/passwd` (hashes made to match) served /etc/passwd as an image. Files
+    are served only from under DUET_IMAGES_DIR (or the version folder)."""
+    good = resolve_current(index_dir)
+    version = tmp_path / "idx" / "tampered"
+    shutil.copytree(good, version)
+    con = sqlite3.connect(version / ITEMS)
+    victim = con.execute("SELECT id FROM images WHERE row = 7").fetchone()[0]
+    con.execute("UPDATE images SET path = 'etc/passwd' WHERE row = 7")
+    con.commit()
+    con.close()
+    manifest = json.loads((version / MANIFEST).read_text())
+    manifest["corpus"] = "/manifest.jsonl"
+    manifest["files"][ITEMS] = file_sha256(version / ITEMS)
+    (version / MANIFEST).write_text(json.dumps(manifest))
+    point_current(tmp_path / "idx", "tampered")
+    svc = start_service(
+        tmp_path / "idx", tmp_path / "serve.log", DUET_IMAGES_DIR=str(corpus.parent)
+    )
+    try:
+        r = httpx.get(f"{svc.url}/images/{victim}", timeout=10)
+        assert r.status_code == 404, r.text[:200]
+        assert "DUET_IMAGES_DIR" in r.json()["error"]["message"]
+    finally:
+        stop_service(svc)

@@ -17,6 +17,12 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.head("/healthz", include_in_schema=False)
+async def healthz_head() -> Response:
+    """HEAD: what a probe that sends HEAD needs (200, no body), not a 405."""
+    return Response(status_code=200)
+
+
 @router.get("/readyz", responses=documented(503))
 async def readyz(request: Request) -> JSONResponse:
     """Model and index are loaded and search can be served."""

@@ -6,6 +6,8 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import logging
+import math
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -27,6 +29,7 @@ from app.errors import (
 from app.pipeline import SearchPipeline
 from app.schemas import (
     FUSIONS,
+    Hit,
     ImageSearchJSON,
     SearchOptions,
     SearchResponse,
@@ -36,9 +39,14 @@ from models import rerankers
 
 router = APIRouter(tags=["search"])
 T = TypeVar("T")
+log = logging.getLogger("duet.app")
 
 
 def _image_body() -> dict[str, Any]:
+    bounds = {  # the form's numbers have the JSON body's bounds (SearchOptions)
+        name: {k: v for k, v in prop.items() if k in ("minimum", "maximum")}
+        for name, prop in SearchOptions.model_json_schema()["properties"].items()
+    }
     return {
         "required": True,
         "content": {
@@ -48,8 +56,12 @@ def _image_body() -> dict[str, Any]:
                     "required": ["image"],
                     "properties": {
                         "image": {"type": "string", "format": "binary"},
-                        "top_k": {"type": "integer", "default": 10},
-                        "candidates": {"type": "integer", "default": 50},
+                        "top_k": {"type": "integer", "default": 10, **bounds["top_k"]},
+                        "candidates": {
+                            "type": "integer",
+                            "default": 50,
+                            **bounds["candidates"],
+                        },
                         "rerank": {"type": "boolean", "default": True},
                         "reranker": {"type": "string", "enum": list(rerankers.names())},
                         "fusion": {"type": "string", "enum": list(FUSIONS)},
@@ -94,10 +106,25 @@ async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
     return task.result()
 
 
+def _finite(hit: Hit) -> bool:
+    scores = (hit.score, hit.retrieval_score, hit.rerank_score)
+    return all(s is None or math.isfinite(s) for s in scores)
+
+
 def _json(resp: SearchResponse) -> JSONResponse:
     """The response as JSON, once: the pipeline built it as a `SearchResponse` already, so
     FastAPI's dump-validate-serialise of `response_model` (kept for the OpenAPI document)
-    would only repeat the work."""
+    would only repeat the work. A hit whose score JSON cannot carry (NaN, infinite: a model
+    or index fault that verification did not catch) is left out and logged, not a 500."""
+    if not all(_finite(h) for h in resp.hits):
+        kept = [h for h in resp.hits if _finite(h)]
+        log.error(
+            "left out %d hits with non-finite scores (index %s)",
+            len(resp.hits) - len(kept),
+            resp.index_version,
+        )
+        hits = [h.model_copy(update={"rank": i}) for i, h in enumerate(kept, 1)]
+        resp = resp.model_copy(update={"hits": hits})
     return JSONResponse(resp.model_dump(mode="json"))
 
 

@@ -38,10 +38,16 @@ async def favicon() -> FileResponse:
     )
 
 
+def allowed(path: Path, roots: list[Path]) -> bool:
+    """Whether `path` (resolved) lies under one of `roots`."""
+    return any(path.is_relative_to(root.resolve()) for root in roots)
+
+
 @router.get("/images/{item_id}", response_class=FileResponse, responses=documented(404, 503))
 async def image(item_id: str, request: Request) -> FileResponse:
     """An indexed image, by its item id: only files the served index names, under its
-    corpus's images folder (no path leaves it)."""
+    corpus's images folder (no path leaves it), and only under DUET_IMAGES_DIR or the
+    version's own folder: a manifest's corpus path is not trusted to point anywhere else."""
     pipeline = getattr(request.app.state, "pipeline", None)
     if pipeline is None:
         raise NotReady("model and index are loading")
@@ -50,10 +56,16 @@ async def image(item_id: str, request: Request) -> FileResponse:
         root = index.images_root
     if row is None or not row.path or root is None:
         raise ImageNotFound(f"no image {item_id!r} in index {index.version}")
+    settings = request.app.state.settings
     path = inside(root, row.path)
     if path is None:
         raise ImageNotFound(
             f"image {item_id!r} is not readable here (its corpus folder {root.name}/ is not "
             "mounted on this host, or the file moved)"
+        )
+    if not allowed(path, [settings.images_dir or settings.index_dir, index.path]):
+        raise ImageNotFound(
+            f"image {item_id!r} is outside the folder images are served from; set "
+            "DUET_IMAGES_DIR to the folder that holds the corpus"
         )
     return FileResponse(path, headers={"Cache-Control": "public, max-age=3600"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,14 @@ from duet.commands.common import (
     log,
     setup_logging,
 )
+
+# oneDNN (torch's CPU kernels) caches a primitive per input shape, up to 1,024 of them, each
+# with its scratch memory; a search's shapes follow its candidates and caption lengths, so a
+# mix of requests grew a replica from 0.8 to 3.4 GB (issue 36 row 4). It reads this variable
+# once, before its first primitive: `duet serve` sets it before torch is imported (and the
+# Dockerfile sets it too); an operator's own value wins.
+ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+ONEDNN_CACHE_DEFAULT = "0"
 
 
 def add(sub: Any) -> None:
@@ -59,6 +68,7 @@ def add(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    os.environ.setdefault(ONEDNN_CACHE_ENV, ONEDNN_CACHE_DEFAULT)
     import uvicorn
 
     from app.limits import uvicorn_options
@@ -69,11 +79,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     resources = load_resources(settings)
     app = create_app(settings, resources)
     log.info(
-        "serving on http://%s:%d (index %s, model on %s)",
+        "serving on http://%s:%d (index %s, model on %s, %s=%s)",
         settings.host,
         settings.port,
         resources.index.version,
         getattr(resources.model, "device", "cpu"),
+        ONEDNN_CACHE_ENV,
+        os.environ[ONEDNN_CACHE_ENV],
     )
     if settings.frontends:
         _serve_with_fronts(settings, app)
@@ -84,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.access_log,
-        **uvicorn_options(settings),
+        **uvicorn_options(settings, app.state.metrics),
     )
     return 0
 

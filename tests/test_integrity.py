@@ -1,0 +1,209 @@
+"""What verification proves of a version before it serves (issue 36 rows 5 to 8), in
+process on real files and real FAISS indexes; `test_swap.py` has the same damage refused by
+a running service."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.routes.search import _json
+from app.schemas import Hit, SearchResponse
+from store import ann, integrity
+from store.indexio import (
+    IMAGE_VECTORS,
+    ITEMS,
+    MANIFEST,
+    IndexLoadError,
+    IndexVersion,
+    ItemStore,
+    file_sha256,
+    resolve_current,
+)
+
+
+def _unit(n: int, d: int = 16, seed: int = 0) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+    return np.asarray(x / np.linalg.norm(x, axis=1, keepdims=True))
+
+
+@pytest.mark.parametrize(
+    ("name", "plain"),
+    [
+        ("image.faiss", True),
+        ("..", False),
+        (".", False),
+        ("", False),
+        ("../../etc/passwd", False),
+        ("/dev/zero", False),
+        ("a\\b", False),
+        ("a\0b", False),
+        (3, False),
+    ],
+)
+def test_plain_names(name: object, plain: bool) -> None:
+    assert integrity.plain_name(name) is plain
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF8,Flat", "IVF8,PQ4", "HNSW8", "IVF8,SQ8"])
+def test_unit_vectors_pass_in_every_index_type(factory: str) -> None:
+    index = ann.build_index(factory, _unit(2000))
+    integrity.check_index_vectors("x", index)
+    index.search(_unit(2), 3)  # still searchable: the IVF scan's direct map is gone again
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF8,Flat", "HNSW8"])
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [(np.nan, "NaN or infinite values at row 123"), (3e38, "norm 1.2e\\+39 at row 123")],
+)
+def test_bad_vectors_are_found_in_every_index_type(factory: str, value: float, says: str) -> None:
+    vecs = _unit(500)
+    vecs[123] = value
+    index = ann.make_index(factory, vecs.shape[1])
+    index.train(_unit(500, seed=1))
+    index.add(vecs)
+    # an IVF index leaves a NaN vector out of its lists (and says so)
+    says = "but its inverted lists hold 499" if "IVF" in factory and value != value else says
+    with pytest.raises(IndexLoadError, match=says):
+        integrity.check_index_vectors("x", index)
+
+
+def test_torch_flat_vectors_are_checked() -> None:
+    vecs = _unit(10)
+    vecs[4] *= 2
+    with pytest.raises(IndexLoadError, match="norm 2 at row 4"):
+        integrity.check_index_vectors("x", ann.TorchFlat(vecs, "cpu"))
+
+
+@pytest.mark.parametrize(
+    "meta",
+    ['{"a": NaN}', '{"a": 1e999}', '{"a": -Infinity}', "[1]", '{"a": ', "[" * 50_000, None, 7],
+)
+def test_meta_that_a_response_cannot_carry_is_refused(meta: object) -> None:
+    with pytest.raises(ValueError):
+        integrity.decode_meta(meta)
+
+
+def _version(index_dir: Path, tmp_path: Path, damage: Callable[[Path], None]) -> IndexVersion:
+    path = tmp_path / "v"
+    shutil.copytree(resolve_current(index_dir), path)
+    damage(path)
+    return IndexVersion.open(path)
+
+
+def _rehash(path: Path, name: str) -> None:
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"][name] = file_sha256(path / name)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _sql(sql: str) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        con = sqlite3.connect(path / ITEMS)
+        con.execute(sql)
+        con.commit()
+        con.close()
+        _rehash(path, ITEMS)
+
+    return damage
+
+
+def _huge_npy(path: Path) -> None:
+    vecs = np.load(path / IMAGE_VECTORS)
+    vecs[2] = 1e30
+    np.save(path / IMAGE_VECTORS, vecs)
+    _rehash(path, IMAGE_VECTORS)
+
+
+def _link_out(path: Path) -> None:
+    """items.sqlite made a link to a file outside the version (same bytes, same hash)."""
+    outside = path.parent / "elsewhere.sqlite"
+    shutil.copy(path / ITEMS, outside)
+    (path / ITEMS).unlink()
+    (path / ITEMS).symlink_to(outside)
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (_sql("UPDATE images SET meta = '{\"x\": NaN}' WHERE row = 5"), "images row 5 has unre"),
+        (_sql("UPDATE texts SET meta = '[]' WHERE row = 9"), "texts row 9 has unreadable meta"),
+        (_sql("UPDATE images SET id = x'3132' WHERE row = 3"), "images row 3 has a value of"),
+        (_sql("UPDATE texts SET text = x'00' WHERE row = 1"), "texts row 1 has a value of the"),
+        (_huge_npy, "image_vectors.npy holds a vector of norm 1.13e\\+31 at row 2"),
+        (_link_out, "items.sqlite is not a regular file inside the version folder"),
+    ],
+)
+def test_damage_with_matching_hashes_is_refused(
+    index_dir: Path, tmp_path: Path, damage: Callable[[Path], None], says: str
+) -> None:
+    version = _version(index_dir, tmp_path, damage)
+    try:
+        with pytest.raises(IndexLoadError, match=says):
+            version.verify()
+    finally:
+        version.close()
+
+
+def test_names_are_refused_before_anything_is_hashed(
+    index_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def edit(path: Path) -> None:
+        manifest = json.loads((path / MANIFEST).read_text())
+        manifest["files"] = {"../" * 16 + "dev/zero": "0" * 64, **manifest["files"]}
+        (path / MANIFEST).write_text(json.dumps(manifest))
+
+    version = _version(index_dir, tmp_path, edit)
+    hashed: list[Path] = []
+
+    def record(path: Path) -> str:
+        hashed.append(path)
+        return ""
+
+    monkeypatch.setattr("store.indexio.file_sha256", record)
+    try:
+        with pytest.raises(IndexLoadError, match="not a plain file name"):
+            version.verify()
+    finally:
+        version.close()
+    assert hashed == []
+
+
+def test_meta_damaged_after_verification_is_answered_per_item(
+    index_dir: Path, tmp_path: Path
+) -> None:
+    """A row damaged in place while the version serves: that item comes back without its
+    meta, the others whole, nothing raises."""
+    path = tmp_path / "v"
+    shutil.copytree(resolve_current(index_dir), path)
+    store = ItemStore(path / ITEMS)
+    con = sqlite3.connect(path / ITEMS)
+    con.execute("UPDATE images SET meta = '{broken' WHERE row = 1")
+    con.commit()
+    con.close()
+    rows = store.images([0, 1, 2])
+    assert rows[1].meta == {} and rows[0].meta and rows[2].meta
+    found = store.image_by_id(rows[1].id)
+    assert found is not None and found.meta == {}
+    store.close()
+
+
+def test_hits_with_scores_json_cannot_carry_are_left_out() -> None:
+    def hit(i: int, score: float) -> Hit:
+        return Hit(id=f"i{i}", score=score, retrieval_score=0.5, rerank_score=None, rank=i, meta={})
+
+    resp = SearchResponse(
+        hits=[hit(1, 0.9), hit(2, float("inf")), hit(3, float("nan")), hit(4, 0.1)],
+        timings_ms={},
+        index_version="v",
+        cached=False,
+    )
+    body = json.loads(bytes(_json(resp).body))
+    assert [(h["id"], h["rank"]) for h in body["hits"]] == [("i1", 1), ("i4", 2)]
