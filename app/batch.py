@@ -17,21 +17,19 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from app.engine import BatchCost, Throughput, Ticket
 from app.metrics import Metrics
+from app.stepping import DeviceStepping
 from app.threads import SOLO_TEXTS, solo_threads
-from models.builtin import pixel_bytes
-from models.device_step import CaptionTables, DeviceStep, ResidentTables
-from models.fusion import Ranked, fused_top_k, sigmoid
+from app.work import Answer, Candidates, Query, RerankPlan, Work, clock, ms
+from models.device_step import DeviceStep
+from models.fusion import fused_top_k
 from models.protocols import JointEncoder
 from models.rerankers import REGISTRY, Pairs, Scorer
 from store import ann
@@ -39,84 +37,10 @@ from store.indexio import IndexVersion
 
 log = logging.getLogger("duet.pipeline")
 
-Meta = tuple[str, dict[str, Any]]  # a hit's id and meta
+__all__ = ["Answer", "BatchWorker", "Query", "RerankPlan", "pair_kind"]
 
 
-@dataclass(frozen=True)
-class RerankPlan:
-    """A request's re-ranking options with the service defaults filled in: what runs, and
-    (with the query and the top_k / candidates) everything that decides the result."""
-
-    reranker: str  # a `models.rerankers` name, or none
-    fusion: str  # none | add | norm_add; none when reranker is none
-    lam: float | None  # with fusion add / norm_add
-    theta: float | None  # with a re-ranker that reads theta (late)
-
-    @property
-    def reranks(self) -> bool:
-        return self.reranker != "none"
-
-
-@dataclass
-class Candidates:
-    rows: np.ndarray  # FAISS rows, best first
-    dots: np.ndarray  # their dot products
-
-    @classmethod
-    def of(cls, dots: np.ndarray, rows: np.ndarray) -> Candidates:
-        """One query's FAISS result row, without the -1 padding past the index's end."""
-        keep = rows >= 0
-        return cls(rows[keep], dots[keep])
-
-
-@dataclass
-class Query:
-    """One request's model work, as the engine's workers see it."""
-
-    kind: Literal["text", "image"]  # a sentence finds images, an image finds captions
-    text: str | None
-    image: Image.Image | None
-    index: IndexVersion
-    plan: RerankPlan
-    m: int  # candidates to retrieve (top_k when not re-ranking)
-    top_k: int
-    ids: list[int] | None = None  # the text's token ids, for the device step (GPU layout)
-
-    @property
-    def pairs(self) -> int:
-        """Pairs this query re-ranks (what the batch budget counts)."""
-        return self.m if self.plan.reranks else 0
-
-
-@dataclass
-class Answer:
-    """What a worker hands back for one query."""
-
-    ranked: list[Ranked]  # row, dot, re-ranker score, score; best first
-    meta: list[Meta]
-    timings: dict[str, float]
-    reranked: int | None  # candidates actually re-ranked; None when the plan does not re-rank
-    degraded: bool  # fewer than asked, because the deadline could not fit them
-
-
-@dataclass
-class _Work:
-    """A query between the batched stages and its own re-rank / look-up."""
-
-    ticket: Ticket[Query, Answer]
-    timings: dict[str, float]
-    cand: Candidates = field(
-        default_factory=lambda: Candidates(np.zeros(0, np.int64), np.zeros(0, np.float32))
-    )
-    image_tokens: np.ndarray | None = None  # an image query's own states
-    texts: list[Any] | None = None  # an image query's candidate caption rows
-
-    @property
-    def query(self) -> Query:
-        return self.ticket.payload
-
-
-class BatchWorker:
+class BatchWorker(DeviceStepping):
     """What the engine's workers run: the model, the re-rankers' scorers, the cost model
     they keep measuring, and each worker thread's niceness and torch threads."""
 
@@ -210,11 +134,11 @@ class BatchWorker:
         """Encode and search every query of the batch together, then re-rank and answer
         each; one query's failure fails that query alone."""
         start = time.monotonic()
-        work = [_Work(t, {"queue": _ms(start - t.enqueued)}) for t in tickets]
+        work = [Work(t, {"queue": ms(start - t.enqueued)}) for t in tickets]
         try:
-            with _clock(work, "encode"):
+            with clock(work, "encode"):
                 vecs = self._encode(work)
-            with _clock(work, "search"):
+            with clock(work, "search"):
                 self._search_all(work, vecs)
         except Exception:
             if len(tickets) == 1:
@@ -231,7 +155,7 @@ class BatchWorker:
         self.throughput.observe("query", len(work), time.monotonic() - start)
         # a batched re-ranker (the cross-encoder) scores several queries' pairs per call, in
         # chunks of up to rerank_max_batch pairs of one re-ranker and one query kind
-        chunk: list[_Work] = []
+        chunk: list[Work] = []
         for w in work:
             plan = w.query.plan
             if plan.reranks and REGISTRY[plan.reranker].batched and len(w.cand.rows):
@@ -250,208 +174,7 @@ class BatchWorker:
         if chunk:
             self._answer(chunk, self._score_batched)
 
-    # -- the device step (GPU layout) ---------------------------------------------------
-    def prepare(self, index: IndexVersion) -> None:
-        """Copy `index`'s search vectors and image states to the step's device (its resident
-        tables, released with the version), when there is a step and the index is Flat and
-        fits; otherwise its queries take the host path."""
-        if self.step is None or index.resident is not None:
-            return
-        vectors = ann.flat_vectors(index.image_index)
-        if vectors is None:
-            log.info("index %s is not Flat: text queries take the host path", index.version)
-            return
-        need = vectors.nbytes + index.image_tokens.size * self.step.dtype.itemsize
-        free = self.step.free_bytes()
-        if free is not None and need > 0.8 * free:
-            log.warning(
-                "index %s's tables need %.1f GB of the device's %.1f GB free: host path",
-                index.version,
-                need / 1e9,
-                free / 1e9,
-            )
-            return
-        t0 = time.monotonic()
-        try:
-            index.resident = self.step.tables(vectors, index.image_tokens)
-            index.resident.captions = self._captions(index)
-        except (RuntimeError, ValueError) as exc:  # out of device memory, or a bad table
-            log.warning("index %s stays on the host path: %s", index.version, exc)
-            if index.resident is not None:
-                index.resident.release()
-                index.resident = None
-            return
-        log.info(
-            "index %s resident on %s: %.1f MB in %.2fs",
-            index.version,
-            self.step.device,
-            index.resident.nbytes / 1e6,
-            time.monotonic() - t0,
-        )
-
-    def _captions(self, index: IndexVersion) -> CaptionTables | None:
-        """The version's captions as the step's image queries read them (a Flat text index and
-        a word tokenizer needed), or None: image queries then take the host path."""
-        assert self.step is not None
-        ids_of = getattr(self.model, "text_ids", None)
-        vectors = ann.flat_vectors(index.text_index)
-        if vectors is None or not callable(ids_of) or not self.step.reranks:
-            return None
-        rows = [ids_of(text) for text in index.store.all_texts()]
-        if any(r is None for r in rows):
-            return None
-        width = max((len(r) for r in rows), default=1)
-        ids = np.zeros((len(rows), width), np.int32)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = r
-        return CaptionTables(vectors, ids, self.step.device)
-
-    def warm_step(self, index: IndexVersion, measure: bool, max_batch: int, seconds: float) -> None:
-        """With a step and `index` resident: measure the pair budget when `measure` (else
-        keep `rerank_max_batch`), then build every shape a batch within it can run at."""
-        tables = index.resident
-        if self.step is None or not isinstance(tables, ResidentTables) or not tables.rows:
-            return
-        if measure and self.step.reranks:
-            self.rerank_max_batch = self.measure_budget(tables)
-        shapes = self.step.shapes_within(self.rerank_max_batch, max_batch)
-        t0 = time.monotonic()
-        built = self.step.warm_up(tables, shapes, seconds)
-        self._seed_cost(tables, max_batch)
-        log.info(
-            "device step: %d of %d shapes built in %.1fs; pair budget %d",
-            built,
-            len(shapes),
-            time.monotonic() - t0,
-            self.rerank_max_batch,
-        )
-
-    def _seed_cost(self, tables: ResidentTables, max_batch: int) -> None:
-        """The batch cost model's first observations, from batches as requests make them: a
-        lone query re-ranked and not, and a full batch (the shapes are built by now)."""
-        assert self.step is not None
-        full = max(1, min(max_batch, self.rerank_max_batch // 50))
-        for b, m, rerank in ((1, 50, True), (1, 10, False), (full, 50, True), (full, 10, False)):
-            if rerank and not self.step.reranks:
-                continue
-            for _ in range(2):
-                t0 = time.perf_counter()
-                self.step(tables, [[2, 3, 4, 5, 6, 7]] * b, m, rerank)
-                self.batch_cost.observe(b, b * m if rerank else 0, time.perf_counter() - t0)
-
-    def measure_budget(self, tables: ResidentTables, candidates: int = 50, cap: int = 16384) -> int:
-        """The pairs per batch past which the device gains under 10 % more pairs/s: batches
-        of 1, 2, 4, ... queries of `candidates` each, timed (the batch cost model's first
-        observations too). A bigger batch would only add waiting."""
-        assert self.step is not None
-        rates: dict[int, float] = {}
-        for b in self.step.shapes.queries:
-            if b * candidates > cap:
-                break
-            ids = [[2, 3, 4, 5, 6, 7]] * b
-            self.step(tables, ids, candidates, True)  # builds the shape
-            t0 = time.perf_counter()
-            for _ in range(3):
-                self.step(tables, ids, candidates, True)
-            dt = (time.perf_counter() - t0) / 3
-            rates[b] = b * candidates / dt
-            self.batch_cost.observe(b, b * candidates, dt)
-        best = max(rates.values())
-        chosen = min(b for b, r in rates.items() if r >= 0.9 * best)
-        log.info(
-            "pair budget: %s pairs/s by queries per batch; %d pairs chosen",
-            {b: round(r) for b, r in rates.items()},
-            chosen * candidates,
-        )
-        return chosen * candidates
-
-    def steppable(self, q: Query) -> bool:
-        """Whether the device step serves `q`: a tokenised text query, or an image query, on a
-        resident index (its captions resident for an image query), re-ranked by the
-        cross-encoder or not at all."""
-        tables = q.index.resident
-        if not isinstance(tables, ResidentTables) or self.step is None:
-            return False
-        if q.kind == "text" and q.ids is None:
-            return False
-        if q.kind == "image" and (tables.captions is None or q.image is None):
-            return False
-        return q.plan.reranker == "none" or (q.plan.reranker == "ce" and self.step.reranks)
-
-    def step_chunks(self, tickets: Sequence[Ticket[Query, Answer]]) -> list[list[_Work]]:
-        """The tickets grouped by (index version, re-ranked or not), each group cut into
-        chunks whose padded pairs fit `rerank_max_batch` (a lone query always fits)."""
-        assert self.step is not None
-        groups: dict[tuple[int, bool, str], list[_Work]] = {}
-        start = time.monotonic()
-        for t in tickets:
-            q = t.payload
-            groups.setdefault((id(q.index), q.plan.reranks, q.kind), []).append(
-                _Work(t, {"queue": _ms(start - t.enqueued)})
-            )
-        chunks: list[list[_Work]] = []
-        for (_, reranks, _), members in groups.items():
-            chunk: list[_Work] = []
-            for w in members:
-                grown = [*chunk, w]
-                b, _, m = self.step.padded(len(grown), 1, max(x.query.m for x in grown))
-                if chunk and reranks and b * m > self.rerank_max_batch:
-                    chunks.append(chunk)
-                    grown = [w]
-                chunk = grown
-            chunks.append(chunk)
-        return chunks
-
-    def _run_steps(self, tickets: Sequence[Ticket[Query, Answer]]) -> None:
-        for chunk in self.step_chunks(tickets):
-            try:
-                self._step_chunk(chunk)
-            except Exception:
-                # the host path computes the same answers: a failed step costs time only
-                log.exception("the device step failed for %d queries; host path", len(chunk))
-                self.run_host([w.ticket for w in chunk if w.ticket.alive])
-
-    def _step_chunk(self, chunk: list[_Work]) -> None:
-        assert self.step is not None
-        q0 = chunk[0].query
-        tables = q0.index.resident
-        assert isinstance(tables, ResidentTables)
-        m = max(w.query.m for w in chunk)
-        t0 = time.monotonic()
-        if q0.kind == "text":
-            out = self.step(tables, [w.query.ids or [] for w in chunk], m, q0.plan.reranks)
-        else:
-            images = [w.query.image for w in chunk]
-            pixels = pixel_bytes(images, self.step.model.cfg.image_size)  # type: ignore[arg-type]
-            out = self.step.collect(
-                self.step.launch_images(tables, pixels, m, q0.plan.reranks), len(chunk)
-            )
-        dt = time.monotonic() - t0
-        pairs = sum(w.query.pairs for w in chunk)
-        self.batch_cost.observe(len(chunk), pairs, dt)
-        self.metrics.device_seconds.observe(dt)
-        if q0.plan.reranks:
-            self.metrics.rerank_batch_size.observe(pairs)
-        for i, w in enumerate(chunk):
-            n = w.query.m
-            w.timings["device"] = _ms(dt)
-            w.cand = Candidates.of(out.dots[i, :n], out.rows[i, :n])
-            if w.query.kind == "image":  # the hits' captions, as the host path reads them
-                with _clock([w], "lookup"):
-                    w.texts = w.query.index.store.texts([int(r) for r in w.cand.rows])
-            # what the `ce` scorer answers: the logit's sigmoid (`models.rerankers._ce`)
-            scores = (
-                None
-                if out.logits is None
-                else np.asarray(sigmoid(out.logits[i, : len(w.cand.rows)]), np.float32)
-            )
-            try:
-                w.ticket.resolve(self._ranked(w, scores))
-            except Exception as exc:
-                log.exception("answering a query failed")
-                w.ticket.fail(exc)
-
-    def _encode(self, work: list[_Work]) -> dict[int, np.ndarray]:
+    def _encode(self, work: list[Work]) -> dict[int, np.ndarray]:
         """Query vectors by position in `work`: the sentences in one call, the images in one."""
         vecs: dict[int, np.ndarray] = {}
         texts = [i for i, w in enumerate(work) if w.query.kind == "text"]
@@ -467,7 +190,7 @@ class BatchWorker:
                 work[i].image_tokens = tk[None]
         return vecs
 
-    def _search_all(self, work: list[_Work], vecs: dict[int, np.ndarray]) -> None:
+    def _search_all(self, work: list[Work], vecs: dict[int, np.ndarray]) -> None:
         """One FAISS call per (index version, modality) for all the batch's queries."""
         groups: dict[tuple[int, str], list[int]] = {}
         for i, w in enumerate(work):
@@ -483,7 +206,7 @@ class BatchWorker:
                 m_i = work[i].query.m
                 work[i].cand = Candidates.of(dots[j][:m_i], rows[j][:m_i])
 
-    def _affordable(self, chunk: list[_Work]) -> float:
+    def _affordable(self, chunk: list[Work]) -> float:
         """The share (0..1) of the chunk's candidates that can be re-ranked before the
         earliest deadline in it, at the measured seconds per pair of its re-ranker."""
         pairs = sum(len(w.cand.rows) for w in chunk)
@@ -494,7 +217,7 @@ class BatchWorker:
         budget = min(w.ticket.remaining(now) for w in chunk) - self.throughput.seconds("query")
         return max(0.0, min(1.0, budget / (per_pair * pairs)))
 
-    def _score_batched(self, chunk: list[_Work]) -> list[np.ndarray]:
+    def _score_batched(self, chunk: list[Work]) -> list[np.ndarray]:
         """One call of a batched re-ranker for the pairs of every query in `chunk` (as many
         of each query's candidates as fit the earliest deadline among them)."""
         share = self._affordable(chunk)
@@ -525,14 +248,14 @@ class BatchWorker:
         bounds = np.cumsum([0, *sizes])
         return [scores[a:b] for a, b in itertools.pairwise(bounds)]
 
-    def _pairs(self, w: _Work, n: int) -> tuple[list[str], np.ndarray]:
+    def _pairs(self, w: Work, n: int) -> tuple[list[str], np.ndarray]:
         """The first `n` candidates as (texts, image states) pairs for a pair re-ranker."""
         if w.query.kind == "text":
             return [str(w.query.text)] * n, np.asarray(w.query.index.image_tokens[w.cand.rows[:n]])
         assert w.image_tokens is not None and w.texts is not None
         return [r.text for r in w.texts[:n]], np.repeat(w.image_tokens, n, axis=0)
 
-    def _rerank_one(self, w: _Work) -> np.ndarray | None:
+    def _rerank_one(self, w: Work) -> np.ndarray | None:
         """An unbatched re-ranker's scores for the candidates that fit the deadline; None
         for plan none."""
         plan = w.query.plan
@@ -546,12 +269,12 @@ class BatchWorker:
         return self._scorers[plan.reranker](pairs)
 
     def _answer(
-        self, chunk: list[_Work], score: Callable[[list[_Work]], Sequence[np.ndarray | None]]
+        self, chunk: list[Work], score: Callable[[list[Work]], Sequence[np.ndarray | None]]
     ) -> None:
         """Look up what re-ranking needs, score the chunk (`score(chunk)` -> one array or
         None per query), order, look up the hits and answer each query."""
         try:
-            with _clock(chunk, "lookup"):
+            with clock(chunk, "lookup"):
                 for w in chunk:
                     if w.query.kind == "image":  # the re-ranker reads the candidates' captions
                         w.texts = w.query.index.store.texts([int(r) for r in w.cand.rows])
@@ -562,7 +285,7 @@ class BatchWorker:
             self.throughput.observe(pair_kind(chunk[0].query.plan), pairs, dt)
             for w, s in zip(chunk, scores, strict=True):
                 if s is not None:
-                    w.timings["rerank"] = _ms(dt)
+                    w.timings["rerank"] = ms(dt)
         except Exception as exc:
             log.exception("re-ranking %d queries failed", len(chunk))
             for w in chunk:
@@ -575,11 +298,11 @@ class BatchWorker:
                 log.exception("answering a query failed")
                 w.ticket.fail(exc)
 
-    def _ranked(self, w: _Work, scores: np.ndarray | None) -> Answer:
+    def _ranked(self, w: Work, scores: np.ndarray | None) -> Answer:
         q = w.query
         plan = q.plan
         ranked = fused_top_k(w.cand.rows, w.cand.dots, scores, plan.fusion, plan.lam, q.top_k)
-        with _clock([w], "lookup"):
+        with clock([w], "lookup"):
             if q.kind == "text":
                 rows = q.index.store.images([r for r, _, _, _ in ranked])
                 meta = [(r.id, {**r.meta, "image": r.path}) for r in rows]
@@ -602,19 +325,3 @@ class BatchWorker:
 def pair_kind(plan: RerankPlan) -> str:
     """The cost-model kind of one re-ranked candidate: each re-ranker has its own price."""
     return REGISTRY[plan.reranker].cost_kind if plan.reranks else "pair/none"
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000, 3)
-
-
-@contextmanager
-def _clock(work: list[_Work], stage: str) -> Iterator[None]:
-    """Add the block's wall time to `stage` of every query in `work` (they shared it)."""
-    t0 = time.monotonic()
-    try:
-        yield
-    finally:
-        dt = _ms(time.monotonic() - t0)
-        for w in work:
-            w.timings[stage] = round(w.timings.get(stage, 0.0) + dt, 3)

@@ -7,7 +7,8 @@ HTTP parsing, validation, JSON and cache look-ups, while a GPU running the devic
 
 * the **owner** (the `duet serve` process itself): loads the model and the index and runs the
   inference engine, exactly as a single-process service does, on a loopback port of its own,
-  plus a Unix socket (`EngineServer`) over which fronts hand it their searches' model work;
+  plus a Unix socket (`app.owner.EngineServer`) over which fronts hand it their searches'
+  model work;
 * **N fronts** (`duet serve-front`), sharing the public listening socket (the kernel spreads
   the connections among them). A front validates each search, decodes and checks an
   uploaded image, tokenises, reads and writes the cache and writes the JSON; only the model
@@ -33,7 +34,6 @@ import hashlib
 import itertools
 import logging
 import os
-import pickle
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -47,10 +47,10 @@ from fastapi.responses import Response
 from PIL import Image
 from starlette.routing import Route
 
-from app import errors
 from app.batch import Answer, RerankPlan
-from app.errors import DuetError, NotReady, ShuttingDown
+from app.errors import NotReady, ShuttingDown
 from app.metrics import Metrics
+from app.owner import FORWARDED, raise_error, recv, send
 from app.pipeline import SearchPipeline
 from models.tokenizer import WordTokenizer
 from store.indexio import IndexVersion
@@ -60,173 +60,9 @@ log = logging.getLogger("duet.fronts")
 SOCKET_ENV = "DUET_FRONT_SOCKET"  # the owner's Unix socket, for a front
 OWNER_ENV = "DUET_FRONT_OWNER"  # the owner's loopback URL, for a front
 FD_ENV = "DUET_FRONT_FD"  # the shared public listening socket, inherited by a front
-FORWARDED = ("request_seconds", "cache_requests", "stage_seconds", "degraded")
 FLUSH_S = 0.25  # how often a front sends its metric observations to the owner
 # the upload a front's image search is answering (the owner decodes it for the model)
 _UPLOAD: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("upload", default=None)
-
-
-async def _send(writer: asyncio.StreamWriter, msg: object) -> None:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(len(data).to_bytes(4, "little") + data)
-    await writer.drain()
-
-
-async def _recv(reader: asyncio.StreamReader) -> Any:
-    size = int.from_bytes(await reader.readexactly(4), "little")
-    return pickle.loads(await reader.readexactly(size))
-
-
-def _error_of(exc: BaseException) -> dict[str, object]:
-    """A DuetError as data (its class by name: every one lives in `app.errors`)."""
-    if isinstance(exc, DuetError):
-        return {
-            "type": type(exc).__name__,
-            "message": exc.message,
-            "retry_after": exc.retry_after,
-            "extra": exc.extra,
-        }
-    return {"type": "RuntimeError", "message": f"{type(exc).__name__}: {exc}"}
-
-
-def _raise(err: dict[str, Any]) -> None:
-    cls = getattr(errors, str(err["type"]), None)
-    if isinstance(cls, type) and issubclass(cls, DuetError):
-        raise cls(err["message"], retry_after=err.get("retry_after"), **err.get("extra", {}))
-    raise RuntimeError(err["message"])
-
-
-# -- the owner's side ---------------------------------------------------------------------
-class EngineServer:
-    """The owner's Unix socket: fronts say hello, send searches and metric observations; the
-    owner answers each search and tells every front of each index swap."""
-
-    def __init__(self, app: FastAPI, path: str) -> None:
-        self.app = app
-        self.path = path
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def pipeline(self) -> SearchPipeline:
-        p = self.app.state.pipeline
-        if p is None:
-            raise NotReady("the model and index are still loading; retry in a moment")
-        return cast(SearchPipeline, p)
-
-    async def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        self._server = await asyncio.start_unix_server(self._serve, self.path)
-        os.chmod(self.path, 0o600)
-        loop = asyncio.get_running_loop()
-
-        def swapped(version: str) -> None:  # called where the swap runs
-            loop.call_soon_threadsafe(self._announce, version)
-
-        self.pipeline.swap_listeners.append(swapped)
-        log.info("engine socket %s open for the fronts", self.path)
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for w in list(self._writers):
-            w.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-    def info(self) -> dict[str, object]:
-        """What a front needs to plan, key and check requests as the owner would."""
-        p = self.pipeline
-        model = p.model
-        # the encoder's word vocabulary (unknown and content words, token ids), when it has one
-        tok = getattr(getattr(model, "encoder", model), "tokenizer", None)
-        return {
-            "fingerprint": model.fingerprint,
-            "numerics": getattr(model, "numerics", None),
-            "vocab": None if tok is None else {"words": tok.itos[3:], "max_len": tok.max_len},
-            # whether the cache keys a text by its words (every model reading it is builtin)
-            "by_words": getattr(model, "joint", None) is not None,
-            "path": str(p.index.path),
-            "rerankers": p.rerankers,
-            "default_reranker": p.default_reranker,
-            "unavailable": p._unavailable,
-            "fusion_lambda": p.fusion_lambda,
-            "theta": p.theta,
-            "version": p.index.version,
-        }
-
-    def _announce(self, version: str) -> None:
-        msg = {"op": "version", "version": version, "path": str(self.pipeline.index.path)}
-        for w in list(self._writers):
-            task = asyncio.ensure_future(_send(w, msg))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        lock = asyncio.Lock()
-        try:
-            while True:
-                try:
-                    msg = await _recv(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                op = msg.get("op")
-                if op == "search":
-                    task = asyncio.ensure_future(self._search(msg, writer, lock))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
-                elif op == "observe":
-                    self._observe(msg["items"])
-                elif op == "hello":
-                    async with lock:
-                        await _send(writer, {"op": "hello", "info": self.info()})
-        finally:
-            self._writers.discard(writer)
-            writer.close()
-
-    async def _search(
-        self, msg: dict[str, Any], writer: asyncio.StreamWriter, lock: asyncio.Lock
-    ) -> None:
-        reply: dict[str, object] = {"op": "answer", "id": msg["id"]}
-        try:
-            p = self.pipeline
-            image = None
-            if msg["kind"] == "image":
-                image = await self.app.state.decoder.decode(msg["image"])
-            with p.indexes.lease() as index:
-                answer, version = await p.run(
-                    index,
-                    msg["kind"],
-                    msg["text"],
-                    image,
-                    msg["plan"],
-                    msg["m"],
-                    msg["top_k"],
-                    ids=msg.get("ids"),
-                )
-            reply["answer"] = answer
-            reply["version"] = version
-            reply["path"] = str(index.path)
-        except Exception as exc:
-            if not isinstance(exc, DuetError):
-                log.exception("a front's search failed in the owner")
-            reply["error"] = _error_of(exc)
-        with contextlib.suppress(ConnectionError):
-            async with lock:
-                await _send(writer, reply)
-
-    def _observe(self, items: list[tuple[str, tuple[tuple[str, str], ...], str, float]]) -> None:
-        metrics = self.app.state.metrics
-        for family, labels, method, value in items:
-            if family not in FORWARDED:
-                continue
-            target = getattr(metrics, family)
-            if labels:
-                target = target.labels(**dict(labels))
-            getattr(target, method)(value)
 
 
 # -- the front's side -----------------------------------------------------------------------
@@ -277,8 +113,8 @@ class RemoteEngine:
                     raise
                 await asyncio.sleep(0.1)
         reader, writer = self._io
-        await _send(writer, {"op": "hello"})
-        self.info = (await _recv(reader))["info"]
+        await send(writer, {"op": "hello"})
+        self.info = (await recv(reader))["info"]
         self._tasks = [
             asyncio.create_task(self._read(), name="front-reader"),
             asyncio.create_task(self._flush(), name="front-metrics"),
@@ -299,7 +135,7 @@ class RemoteEngine:
         reader = self._io[0]
         try:
             while True:
-                msg = await _recv(reader)
+                msg = await recv(reader)
                 if msg["op"] == "answer":
                     fut = self._pending.pop(msg["id"], None)
                     if fut is not None and not fut.done():
@@ -325,7 +161,7 @@ class RemoteEngine:
                 items = list(self.observed)  # the list itself stays: the metrics append to it
                 self.observed.clear()
                 with contextlib.suppress(ConnectionError):
-                    await _send(self._io[1], {"op": "observe", "items": items})
+                    await send(self._io[1], {"op": "observe", "items": items})
 
     async def search(self, **msg: object) -> dict[str, Any]:
         if self._io is None:
@@ -334,7 +170,7 @@ class RemoteEngine:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
-            await _send(self._io[1], {"op": "search", "id": rid, **msg})
+            await send(self._io[1], {"op": "search", "id": rid, **msg})
             return await fut
         finally:
             self._pending.pop(rid, None)
@@ -444,7 +280,7 @@ class FrontPipeline(SearchPipeline):
             top_k=top_k,
         )
         if "error" in reply:
-            _raise(reply["error"])
+            raise_error(reply["error"])
         if reply["version"] != self._served.version:
             self._served = _Version(reply["version"], Path(reply["path"]))
         return reply["answer"], reply["version"]

@@ -23,6 +23,7 @@ from app.metrics import Metrics
 from app.pipeline import SearchPipeline
 from app.reload import IndexReloader, load_checked
 from app.routes import admin, health, search, ui
+from models.device_step import step_for
 from models.loading import load_models
 from models.protocols import JointEncoder
 from store.indexio import IndexVersion, resolve_current
@@ -75,8 +76,7 @@ def _pipeline(
     """The search pipeline over the loaded model and index, sized for where the model runs."""
     on_gpu = str(getattr(res.model, "device", "cpu")).startswith("cuda")
     gpu_layout = settings.layout == "gpu" or (settings.layout == "auto" and on_gpu)
-    make_step = getattr(res.model, "device_step", None)
-    step = make_step() if gpu_layout and callable(make_step) else None
+    step = step_for(res.model) if gpu_layout else None
     if gpu_layout and step is None:
         log.warning("DUET_LAYOUT=gpu needs the builtin model as encoder: host path only")
     # the GPU layout: two workers (one prepares and looks up while the other waits on the
@@ -132,7 +132,7 @@ def _lifespan(
         app.state.reloader = reloader
         engine_server = None
         if (path := getattr(app.state, "engine_socket", None)) is not None:
-            from app.fronts import EngineServer  # the process layout's owner
+            from app.owner import EngineServer  # the process layout's owner
 
             engine_server = EngineServer(app, path)
             await engine_server.start()

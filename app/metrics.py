@@ -32,25 +32,7 @@ class Metrics:
         self.cache_requests = Counter(
             "duet_cache_requests", "Cache look-ups by result", ["result"], registry=r
         )
-        self.rerank_batch_size = Histogram(
-            "duet_rerank_batch_size",
-            "Pairs per cross-encoder forward pass",
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        )
-        self.engine_batch_size = Histogram(
-            "duet_engine_batch_size",
-            "Requests per inference-engine batch",
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        )
-        self.device_seconds = Histogram(
-            "duet_device_step_seconds",
-            "Wall time of one device step (GPU layout): a batch's text tower, search, "
-            "cross-encoder and the copy back, from launch to the answer on the host",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
-            registry=r,
-        )
+        self._engine_metrics(r)
         self.shed = Counter(
             "duet_shed_requests",
             "Requests dropped before model work, by reason "
@@ -97,3 +79,25 @@ class Metrics:
             self.shed.labels(reason=reason)
         for stage in ("cache", "queue", "encode", "search", "rerank", "lookup"):
             self.stage_seconds.labels(stage=stage)
+
+    def _engine_metrics(self, r: CollectorRegistry) -> None:
+        """The batches the engine forms and the device steps it runs."""
+        self.rerank_batch_size = Histogram(
+            "duet_rerank_batch_size",
+            "Pairs per cross-encoder forward pass",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.engine_batch_size = Histogram(
+            "duet_engine_batch_size",
+            "Requests per inference-engine batch",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.device_seconds = Histogram(
+            "duet_device_step_seconds",
+            "Wall time of one device step (GPU layout): a batch's text tower, search, "
+            "cross-encoder and the copy back, from launch to the answer on the host",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )

@@ -29,7 +29,7 @@ from app.metrics import Metrics
 from app.schemas import Hit, SearchOptions, SearchResponse, image_url
 from app.versions import ServedIndex
 from models import rerankers
-from models.device_step import DeviceStep
+from models.device_step import DeviceStep, text_ids_of
 from models.late import DEFAULT_THETA
 from models.protocols import JointEncoder
 from models.rerankers import REGISTRY
@@ -171,8 +171,8 @@ class SearchPipeline:
         the event loop, so the thread feeding the device does not)."""
         if text is None or self.worker.step is None:
             return None
-        ids = getattr(self.model, "text_ids", None)
-        return ids(text) if callable(ids) else None
+        ids = text_ids_of(self.model)
+        return None if ids is None else ids(text)
 
     def _unknown(self, text: str | None) -> list[str]:
         """The query's words outside the model's vocabulary (none for an image query)."""

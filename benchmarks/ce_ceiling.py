@@ -76,7 +76,8 @@ class _Bench:
         import torch
 
         from models.builtin import BuiltinModel
-        from models.device_step import DTYPES, DeviceStep
+        from models.device_step import DeviceStep
+        from models.masked_cross import DTYPES
 
         self.torch = torch
         self.model = BuiltinModel.load(device=device, precision=prec)  # type: ignore[arg-type]

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -40,7 +38,7 @@ CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTH
 sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 
 from benchmarks.load_client import Cell, LoadPool, Queries, closed_loop, overload  # noqa: E402
-from models.fusion import DEFAULT_FUSION_LAMBDA  # noqa: E402
+from benchmarks.serve_report import write_report  # noqa: E402
 
 
 def _free_port() -> int:
@@ -123,53 +121,6 @@ def pairs_per_second(
     return out
 
 
-def _device_name(device: str) -> str:
-    """The device as a report names it: the GPU's model on a CUDA host."""
-    if not device.startswith("cuda"):
-        return device
-    import torch
-
-    return f"{device} ({torch.cuda.get_device_name(0)})"
-
-
-def _shown(path: Path) -> str:
-    """`path` as the report names it: relative to the repository when it lies inside it, so a
-    report does not carry one machine's absolute paths."""
-    try:
-        return str(path.resolve().relative_to(REPO))
-    except ValueError:
-        return str(path)
-
-
-def plot(results: dict[str, Cell], levels: list[int], path: Path) -> None:
-    """Throughput and p50/p99 latency against concurrency, duet against the script."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for col, mode in enumerate(("re-ranked", "dot only")):
-        for srv, style in (("duet", "o-"), ("baseline", "s--")):
-            cells = [results[f"{srv}|{mode}|{c}"] for c in levels]
-            axes[0][col].plot(levels, [c.throughput for c in cells], style, label=srv)
-            axes[1][col].plot(levels, [c.q(50) for c in cells], style, label=f"{srv} p50")
-            axes[1][col].plot(
-                levels, [c.q(99) for c in cells], style, alpha=0.5, label=f"{srv} p99"
-            )
-        axes[0][col].set_title(f"{mode}: throughput (full answers/s)")
-        axes[1][col].set_title(f"{mode}: latency (ms)")
-        axes[1][col].set_yscale("log")
-        for ax in (axes[0][col], axes[1][col]):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(levels, [str(c) for c in levels])
-            ax.set_xlabel("concurrent clients")
-            ax.legend(fontsize=8)
-            ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def run_grid(
     urls: dict[str, str],
     args: argparse.Namespace,
@@ -228,8 +179,7 @@ def run_open_loop(
     return out
 
 
-def main() -> None:
-    """Measure the compute bound, run the grid and the overload, write the report."""
+def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--index-dir",
@@ -276,20 +226,13 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=REPO / "docs" / "performance.md")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
-    args = p.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",")]
-    current = (args.index_dir / "current").resolve()
-    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    return p.parse_args()
 
-    bound: dict[str, float] = {}
-    if not args.skip_bound and args.reranker is None:  # the builtin cross-encoder's figure
-        print("cross-encoder alone ...", flush=True)
-        bound = pairs_per_second(
-            args.index_dir, args.device, args.candidates, min(3.0, args.seconds)
-        )
-    queries = Queries(seed=2_000_000)
-    results: dict[str, Cell] = {}
-    duet_port, base_port = _free_port(), _free_port()
+
+def _commands(
+    args: argparse.Namespace, duet_port: int, base_port: int
+) -> tuple[list[str], dict[str, str], list[str]]:
+    """duet's command and settings, and the plain script's command."""
     duet_cmd = [sys.executable, "-m", "duet.cli", "serve"]
     duet_env = {
         "DUET_INDEX_DIR": str(args.index_dir),
@@ -305,13 +248,32 @@ def main() -> None:
         sys.executable,
         str(REPO / "benchmarks" / "baseline_server.py"),
         "--index",
-        str(current),
+        str((args.index_dir / "current").resolve()),
         "--port",
         str(base_port),
         "--device",
         args.device,
         *(["--reranker", str(args.reranker)] if args.reranker else []),
     ]
+    return duet_cmd, duet_env, base_cmd
+
+
+def main() -> None:
+    """Measure the compute bound, run the grid and the overload, write the report."""
+    args = _args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+
+    bound: dict[str, float] = {}
+    if not args.skip_bound and args.reranker is None:  # the builtin cross-encoder's figure
+        print("cross-encoder alone ...", flush=True)
+        bound = pairs_per_second(
+            args.index_dir, args.device, args.candidates, min(3.0, args.seconds)
+        )
+    queries = Queries(seed=2_000_000)
+    results: dict[str, Cell] = {}
+    duet_port, base_port = _free_port(), _free_port()
+    duet_cmd, duet_env, base_cmd = _commands(args, duet_port, base_port)
     with (
         server(duet_cmd, duet_env, duet_port, logs / "duet-serve-load.log") as duet_url,
         server(base_cmd, {}, base_port, logs / "baseline-serve-load.log") as base_url,
@@ -332,98 +294,6 @@ def main() -> None:
             )
     write_report(args, levels, results, bound, over, offered)
     print(args.out.read_text())
-
-
-def write_report(
-    args: argparse.Namespace,
-    levels: list[int],
-    results: dict[str, Cell],
-    bound: dict[str, float],
-    over: dict[str, object] | None,
-    offered: dict[str, Cell] | None = None,
-) -> None:
-    """The markdown report (and its plot) at --out, and the raw figures at --json."""
-    png = args.out.with_suffix(".png")
-    plot(results, levels, png)
-    lines = [
-        "# Serving performance: duet against the plain script",
-        "",
-        f"Written by `python benchmarks/serve_load.py --device {args.device}` "
-        f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
-        f"device {_device_name(args.device)}, duet's cross-encoder in "
-        f"DUET_PRECISION={PRECISION}{', ' + args.duet_env if args.duet_env else ''}"
-        f"{'; re-ranker ' + args.reranker.name + ' (BLIP ITM) on both' if args.reranker else ''}; "
-        f"{args.procs} load process(es)). "
-        f"Index: `{_shown(args.index_dir)}/current`; "
-        f"{args.candidates} candidates, top 10; closed-loop clients, {args.seconds:g} s per cell "
-        f"x {args.rounds} interleaved rounds; every query a different caption (no cache hits).",
-        "The baseline (`benchmarks/baseline_server.py`) is the script a user would write: a sync "
-        "FastAPI endpoint running encode -> FAISS -> the model's PyTorch cross-encoder forward "
-        f"-> ADD_{DEFAULT_FUSION_LAMBDA} per request, torch's default threads, no cache, no "
-        "batching. Throughput counts full answers only (degraded and refused ones are counted "
-        "apart).",
-        "",
-        f"![throughput and latency against concurrency]({png.name})",
-        "",
-        "| mode | clients | duet req/s | script req/s | duet / script | duet p50 ms | "
-        "script p50 ms | duet p99 ms | script p99 ms | duet degraded / 429 | script errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for mode in ("re-ranked", "dot only"):
-        for c in levels:
-            d, b = results[f"duet|{mode}|{c}"], results[f"baseline|{mode}|{c}"]
-            ratio = d.throughput / b.throughput if b.throughput else float("nan")
-            lines.append(
-                f"| {mode} | {c} | {d.throughput:.1f} | {b.throughput:.1f} | {ratio:.2f}x | "
-                f"{d.q(50):.1f} | {b.q(50):.1f} | {d.q(99):.1f} | {b.q(99):.1f} | "
-                f"{d.degraded} / {d.refused} | {b.errors + b.refused} |"
-            )
-    lines += [
-        "",
-        "Cross-encoder alone, one request's "
-        f"{args.candidates} pairs per call, in the same run (the compute bound):",
-        "",
-    ]
-    lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
-    if offered:
-        lines += [
-            "",
-            f"Offered load (open loop, re-ranked, {args.seconds:g} s; latency from when each "
-            "request was due):",
-            "",
-            "| server | offered req/s | answered req/s | p50 ms | p99 ms | 429 | errors |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for key, oc in offered.items():
-            srv, rate = key.split("|")
-            lines.append(
-                f"| {srv} | {rate} | {oc.throughput:.1f} | {oc.q(50):.1f} | {oc.q(99):.1f} | "
-                f"{oc.refused} | {oc.errors} |"
-            )
-    if over is not None:
-        lines += [
-            "",
-            f"Overload: {over['clients']} clients against duet for "
-            f"{3 * args.seconds:g} s (a refused client waits out Retry-After, at most 1 s):",
-            "",
-            "```json",
-            json.dumps(over, indent=1),
-            "```",
-        ]
-    args.out.write_text("\n".join(lines) + "\n")
-    if args.json:
-        raw = {
-            k: {
-                "throughput": v.throughput,
-                "p50_ms": v.q(50),
-                "p99_ms": v.q(99),
-                "degraded": v.degraded,
-                "refused": v.refused,
-                "errors": v.errors,
-            }
-            for k, v in results.items()
-        }
-        args.json.write_text(json.dumps({"cells": raw, "bound": bound, "overload": over}, indent=1))
 
 
 if __name__ == "__main__":

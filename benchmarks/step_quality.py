@@ -12,6 +12,8 @@ top 10. Prints R@1 per path and how many first hits differ from the host path's.
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -46,7 +48,6 @@ def main() -> None:
 
 
 def run(work: Path, args: argparse.Namespace, precisions: list[str]) -> str:
-    from index_builder.build import build
     from models.builtin import BuiltinModel
     from models.device_step import DeviceStep
     from models.fusion import DEFAULT_FUSION_LAMBDA, fused_top_k, sigmoid
@@ -56,7 +57,24 @@ def run(work: Path, args: argparse.Namespace, precisions: list[str]) -> str:
 
     host = BuiltinModel.load(device=args.device, precision="fp32")
     corpus = write_corpus(work / "corpus", args.images, args.seed, progress=False)
-    build(corpus, work / "index", BuiltinModel.load(), progress=False)
+    subprocess.run(  # `duet build` on the CPU, as a user's index is made
+        [
+            sys.executable,
+            "-m",
+            "duet.cli",
+            "build",
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(work / "index"),
+            "--device",
+            "cpu",
+            "--no-progress",
+        ],
+        check=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     index = IndexVersion.open(resolve_current(work / "index"))
     n_img, n_txt = index.image_index.ntotal, index.text_index.ntotal
     image_row = {r.id: i for i, r in enumerate(index.store.images(list(range(n_img))))}

@@ -28,7 +28,6 @@ from PIL import Image
 
 from models import hf
 from models.builtin import BuiltinModel, ModelLoadError
-from models.device_step import DeviceStep, StepShapes
 from models.han import HANReranker
 from models.inference import PrecisionChoice
 from models.protocols import BiEncoder, PairReranker, TokenEncoder
@@ -182,19 +181,6 @@ class Models:
         if self.cross is None:
             raise RuntimeError("no cross-encoder is configured (DUET_RERANKER=none)")
         return self.cross.score_pairs(texts, image_tokens)
-
-    def device_step(self, shapes: StepShapes | None = None) -> DeviceStep | None:
-        """The GPU layout's device step (`models.device_step`) over the builtin model when it
-        is the encoder (re-ranking there too when it is also the cross-encoder); None for any
-        other configuration."""
-        j = self.joint
-        if j is None or self.encoder is not j:
-            return None
-        return DeviceStep(j.model, j.device, j.cross.precision, shapes, rerank=self.cross is j)
-
-    def text_ids(self, text: str) -> list[int] | None:
-        """The builtin model's token ids of a text (what the device step reads), else None."""
-        return None if self.joint is None else self.joint.tokenizer.ids(text)
 
     def text_token_features(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         if self._late is None:

@@ -15,7 +15,8 @@ import torch
 
 from app.engine import BatchCost, Engine, Ticket
 from models.builtin import BuiltinModel
-from models.device_step import CaptionTables, DeviceStep, MaskedCrossEncoder, ResidentTables
+from models.device_step import CaptionTables, DeviceStep, ResidentTables
+from models.masked_cross import MaskedCrossEncoder
 from store import ann
 from tests.conftest import start_service, stop_service
 

@@ -1,0 +1,240 @@
+"""The device step's side of the engine's workers (the GPU layout, `models.device_step`):
+each index version's resident tables, the warm-up and pair budget, and batches of queries
+run as one device step each. `app.batch.BatchWorker` is a `DeviceStepping`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from app.engine import BatchCost, Ticket
+from app.metrics import Metrics
+from app.work import Answer, Candidates, Query, Work, clock, ms
+from models.builtin import pixel_bytes
+from models.device_step import CaptionTables, DeviceStep, ResidentTables, text_ids_of
+from models.fusion import sigmoid
+from models.protocols import JointEncoder
+from store import ann
+from store.indexio import IndexVersion
+
+log = logging.getLogger("duet.pipeline")
+
+
+class DeviceStepping:
+    """The device-step methods of the engine's workers; what they read of the worker is
+    declared here."""
+
+    step: DeviceStep | None
+    model: JointEncoder
+    metrics: Metrics
+    batch_cost: BatchCost
+    rerank_max_batch: int
+
+    def _ranked(self, w: Work, scores: np.ndarray | None) -> Answer:
+        raise NotImplementedError
+
+    def run_host(self, tickets: Sequence[Ticket[Query, Answer]]) -> None:
+        raise NotImplementedError
+
+    def prepare(self, index: IndexVersion) -> None:
+        """Copy `index`'s search vectors and image states to the step's device (its resident
+        tables, released with the version), when there is a step and the index is Flat and
+        fits; otherwise its queries take the host path."""
+        if self.step is None or index.resident is not None:
+            return
+        vectors = ann.flat_vectors(index.image_index)
+        if vectors is None:
+            log.info("index %s is not Flat: text queries take the host path", index.version)
+            return
+        need = vectors.nbytes + index.image_tokens.size * self.step.dtype.itemsize
+        free = self.step.free_bytes()
+        if free is not None and need > 0.8 * free:
+            log.warning(
+                "index %s's tables need %.1f GB of the device's %.1f GB free: host path",
+                index.version,
+                need / 1e9,
+                free / 1e9,
+            )
+            return
+        t0 = time.monotonic()
+        try:
+            index.resident = self.step.tables(vectors, index.image_tokens)
+            index.resident.captions = self._captions(index)
+        except (RuntimeError, ValueError) as exc:  # out of device memory, or a bad table
+            log.warning("index %s stays on the host path: %s", index.version, exc)
+            if index.resident is not None:
+                index.resident.release()
+                index.resident = None
+            return
+        log.info(
+            "index %s resident on %s: %.1f MB in %.2fs",
+            index.version,
+            self.step.device,
+            index.resident.nbytes / 1e6,
+            time.monotonic() - t0,
+        )
+
+    def _captions(self, index: IndexVersion) -> CaptionTables | None:
+        """The version's captions as the step's image queries read them (a Flat text index and
+        a word tokenizer needed), or None: image queries then take the host path."""
+        assert self.step is not None
+        ids_of = text_ids_of(self.model)
+        vectors = ann.flat_vectors(index.text_index)
+        if vectors is None or ids_of is None or not self.step.reranks:
+            return None
+        rows = [ids_of(text) for text in index.store.all_texts()]
+        if any(r is None for r in rows):
+            return None
+        width = max((len(r) for r in rows), default=1)
+        ids = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+        return CaptionTables(vectors, ids, self.step.device)
+
+    def warm_step(self, index: IndexVersion, measure: bool, max_batch: int, seconds: float) -> None:
+        """With a step and `index` resident: measure the pair budget when `measure` (else
+        keep `rerank_max_batch`), then build every shape a batch within it can run at."""
+        tables = index.resident
+        if self.step is None or not isinstance(tables, ResidentTables) or not tables.rows:
+            return
+        if measure and self.step.reranks:
+            self.rerank_max_batch = self.measure_budget(tables)
+        shapes = self.step.shapes_within(self.rerank_max_batch, max_batch)
+        t0 = time.monotonic()
+        built = self.step.warm_up(tables, shapes, seconds)
+        self._seed_cost(tables, max_batch)
+        log.info(
+            "device step: %d of %d shapes built in %.1fs; pair budget %d",
+            built,
+            len(shapes),
+            time.monotonic() - t0,
+            self.rerank_max_batch,
+        )
+
+    def _seed_cost(self, tables: ResidentTables, max_batch: int) -> None:
+        """The batch cost model's first observations, from batches as requests make them: a
+        lone query re-ranked and not, and a full batch (the shapes are built by now)."""
+        assert self.step is not None
+        full = max(1, min(max_batch, self.rerank_max_batch // 50))
+        for b, m, rerank in ((1, 50, True), (1, 10, False), (full, 50, True), (full, 10, False)):
+            if rerank and not self.step.reranks:
+                continue
+            for _ in range(2):
+                t0 = time.perf_counter()
+                self.step(tables, [[2, 3, 4, 5, 6, 7]] * b, m, rerank)
+                self.batch_cost.observe(b, b * m if rerank else 0, time.perf_counter() - t0)
+
+    def measure_budget(self, tables: ResidentTables, candidates: int = 50, cap: int = 16384) -> int:
+        """The pairs per batch past which the device gains under 10 % more pairs/s: batches
+        of 1, 2, 4, ... queries of `candidates` each, timed (the batch cost model's first
+        observations too). A bigger batch would only add waiting."""
+        assert self.step is not None
+        rates: dict[int, float] = {}
+        for b in self.step.shapes.queries:
+            if b * candidates > cap:
+                break
+            ids = [[2, 3, 4, 5, 6, 7]] * b
+            self.step(tables, ids, candidates, True)  # builds the shape
+            t0 = time.perf_counter()
+            for _ in range(3):
+                self.step(tables, ids, candidates, True)
+            dt = (time.perf_counter() - t0) / 3
+            rates[b] = b * candidates / dt
+            self.batch_cost.observe(b, b * candidates, dt)
+        best = max(rates.values())
+        chosen = min(b for b, r in rates.items() if r >= 0.9 * best)
+        log.info(
+            "pair budget: %s pairs/s by queries per batch; %d pairs chosen",
+            {b: round(r) for b, r in rates.items()},
+            chosen * candidates,
+        )
+        return chosen * candidates
+
+    def steppable(self, q: Query) -> bool:
+        """Whether the device step serves `q`: a tokenised text query, or an image query, on a
+        resident index (its captions resident for an image query), re-ranked by the
+        cross-encoder or not at all."""
+        tables = q.index.resident
+        if not isinstance(tables, ResidentTables) or self.step is None:
+            return False
+        if q.kind == "text" and q.ids is None:
+            return False
+        if q.kind == "image" and (tables.captions is None or q.image is None):
+            return False
+        return q.plan.reranker == "none" or (q.plan.reranker == "ce" and self.step.reranks)
+
+    def step_chunks(self, tickets: Sequence[Ticket[Query, Answer]]) -> list[list[Work]]:
+        """The tickets grouped by (index version, re-ranked or not), each group cut into
+        chunks whose padded pairs fit `rerank_max_batch` (a lone query always fits)."""
+        assert self.step is not None
+        groups: dict[tuple[int, bool, str], list[Work]] = {}
+        start = time.monotonic()
+        for t in tickets:
+            q = t.payload
+            groups.setdefault((id(q.index), q.plan.reranks, q.kind), []).append(
+                Work(t, {"queue": ms(start - t.enqueued)})
+            )
+        chunks: list[list[Work]] = []
+        for (_, reranks, _), members in groups.items():
+            chunk: list[Work] = []
+            for w in members:
+                grown = [*chunk, w]
+                b, _, m = self.step.padded(len(grown), 1, max(x.query.m for x in grown))
+                if chunk and reranks and b * m > self.rerank_max_batch:
+                    chunks.append(chunk)
+                    grown = [w]
+                chunk = grown
+            chunks.append(chunk)
+        return chunks
+
+    def _run_steps(self, tickets: Sequence[Ticket[Query, Answer]]) -> None:
+        for chunk in self.step_chunks(tickets):
+            try:
+                self._step_chunk(chunk)
+            except Exception:
+                # the host path computes the same answers: a failed step costs time only
+                log.exception("the device step failed for %d queries; host path", len(chunk))
+                self.run_host([w.ticket for w in chunk if w.ticket.alive])
+
+    def _step_chunk(self, chunk: list[Work]) -> None:
+        assert self.step is not None
+        q0 = chunk[0].query
+        tables = q0.index.resident
+        assert isinstance(tables, ResidentTables)
+        m = max(w.query.m for w in chunk)
+        t0 = time.monotonic()
+        if q0.kind == "text":
+            out = self.step(tables, [w.query.ids or [] for w in chunk], m, q0.plan.reranks)
+        else:
+            images = [w.query.image for w in chunk]
+            pixels = pixel_bytes(images, self.step.model.cfg.image_size)  # type: ignore[arg-type]
+            out = self.step.collect(
+                self.step.launch_images(tables, pixels, m, q0.plan.reranks), len(chunk)
+            )
+        dt = time.monotonic() - t0
+        pairs = sum(w.query.pairs for w in chunk)
+        self.batch_cost.observe(len(chunk), pairs, dt)
+        self.metrics.device_seconds.observe(dt)
+        if q0.plan.reranks:
+            self.metrics.rerank_batch_size.observe(pairs)
+        for i, w in enumerate(chunk):
+            n = w.query.m
+            w.timings["device"] = ms(dt)
+            w.cand = Candidates.of(out.dots[i, :n], out.rows[i, :n])
+            if w.query.kind == "image":  # the hits' captions, as the host path reads them
+                with clock([w], "lookup"):
+                    w.texts = w.query.index.store.texts([int(r) for r in w.cand.rows])
+            # what the `ce` scorer answers: the logit's sigmoid (`models.rerankers._ce`)
+            scores = (
+                None
+                if out.logits is None
+                else np.asarray(sigmoid(out.logits[i, : len(w.cand.rows)]), np.float32)
+            )
+            try:
+                w.ticket.resolve(self._ranked(w, scores))
+            except Exception as exc:
+                log.exception("answering a query failed")
+                w.ticket.fail(exc)

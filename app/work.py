@@ -1,0 +1,109 @@
+"""What a search is while the engine works on it: its plan, query, candidates and answer
+(shared by the host path, `app.batch`, and the device step's, `app.stepping`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image
+
+from app.engine import Ticket
+from models.fusion import Ranked
+from store.indexio import IndexVersion
+
+Meta = tuple[str, dict[str, Any]]  # a hit's id and meta
+
+
+@dataclass(frozen=True)
+class RerankPlan:
+    """A request's re-ranking options with the service defaults filled in: what runs, and
+    (with the query and the top_k / candidates) everything that decides the result."""
+
+    reranker: str  # a `models.rerankers` name, or none
+    fusion: str  # none | add | norm_add; none when reranker is none
+    lam: float | None  # with fusion add / norm_add
+    theta: float | None  # with a re-ranker that reads theta (late)
+
+    @property
+    def reranks(self) -> bool:
+        return self.reranker != "none"
+
+
+@dataclass
+class Candidates:
+    rows: np.ndarray  # FAISS rows, best first
+    dots: np.ndarray  # their dot products
+
+    @classmethod
+    def of(cls, dots: np.ndarray, rows: np.ndarray) -> Candidates:
+        """One query's FAISS result row, without the -1 padding past the index's end."""
+        keep = rows >= 0
+        return cls(rows[keep], dots[keep])
+
+
+@dataclass
+class Query:
+    """One request's model work, as the engine's workers see it."""
+
+    kind: Literal["text", "image"]  # a sentence finds images, an image finds captions
+    text: str | None
+    image: Image.Image | None
+    index: IndexVersion
+    plan: RerankPlan
+    m: int  # candidates to retrieve (top_k when not re-ranking)
+    top_k: int
+    ids: list[int] | None = None  # the text's token ids, for the device step (GPU layout)
+
+    @property
+    def pairs(self) -> int:
+        """Pairs this query re-ranks (what the batch budget counts)."""
+        return self.m if self.plan.reranks else 0
+
+
+@dataclass
+class Answer:
+    """What a worker hands back for one query."""
+
+    ranked: list[Ranked]  # row, dot, re-ranker score, score; best first
+    meta: list[Meta]
+    timings: dict[str, float]
+    reranked: int | None  # candidates actually re-ranked; None when the plan does not re-rank
+    degraded: bool  # fewer than asked, because the deadline could not fit them
+
+
+@dataclass
+class Work:
+    """A query between the batched stages and its own re-rank / look-up."""
+
+    ticket: Ticket[Query, Answer]
+    timings: dict[str, float]
+    cand: Candidates = field(
+        default_factory=lambda: Candidates(np.zeros(0, np.int64), np.zeros(0, np.float32))
+    )
+    image_tokens: np.ndarray | None = None  # an image query's own states
+    texts: list[Any] | None = None  # an image query's candidate caption rows
+
+    @property
+    def query(self) -> Query:
+        return self.ticket.payload
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+@contextmanager
+def clock(work: list[Work], stage: str) -> Iterator[None]:
+    """Add the block's wall time to `stage` of every query in `work` (they shared it)."""
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        dt = ms(time.monotonic() - t0)
+        for w in work:
+            w.timings[stage] = round(w.timings.get(stage, 0.0) + dt, 3)

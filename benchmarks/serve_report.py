@@ -1,0 +1,168 @@
+"""benchmarks/serve_load.py's report: the markdown table, its plot and the raw figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from benchmarks.load_client import Cell
+from models.fusion import DEFAULT_FUSION_LAMBDA
+
+REPO = Path(__file__).resolve().parent.parent
+PRECISION = os.environ.get("DUET_PRECISION") or "auto"
+
+
+def _device_name(device: str) -> str:
+    """The device as a report names it: the GPU's model on a CUDA host."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(0)})"
+
+
+def _shown(path: Path) -> str:
+    """`path` as the report names it: relative to the repository when it lies inside it, so a
+    report does not carry one machine's absolute paths."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def plot(results: dict[str, Cell], levels: list[int], path: Path) -> None:
+    """Throughput and p50/p99 latency against concurrency, duet against the script."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for col, mode in enumerate(("re-ranked", "dot only")):
+        for srv, style in (("duet", "o-"), ("baseline", "s--")):
+            cells = [results[f"{srv}|{mode}|{c}"] for c in levels]
+            axes[0][col].plot(levels, [c.throughput for c in cells], style, label=srv)
+            axes[1][col].plot(levels, [c.q(50) for c in cells], style, label=f"{srv} p50")
+            axes[1][col].plot(
+                levels, [c.q(99) for c in cells], style, alpha=0.5, label=f"{srv} p99"
+            )
+        axes[0][col].set_title(f"{mode}: throughput (full answers/s)")
+        axes[1][col].set_title(f"{mode}: latency (ms)")
+        axes[1][col].set_yscale("log")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(levels, [str(c) for c in levels])
+            ax.set_xlabel("concurrent clients")
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_report(
+    args: argparse.Namespace,
+    levels: list[int],
+    results: dict[str, Cell],
+    bound: dict[str, float],
+    over: dict[str, object] | None,
+    offered: dict[str, Cell] | None = None,
+) -> None:
+    """The markdown report (and its plot) at --out, and the raw figures at --json."""
+    png = args.out.with_suffix(".png")
+    plot(results, levels, png)
+    lines = [
+        "# Serving performance: duet against the plain script",
+        "",
+        f"Written by `python benchmarks/serve_load.py --device {args.device}` "
+        f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
+        f"device {_device_name(args.device)}, duet's cross-encoder in "
+        f"DUET_PRECISION={PRECISION}{', ' + args.duet_env if args.duet_env else ''}"
+        f"{'; re-ranker ' + args.reranker.name + ' (BLIP ITM) on both' if args.reranker else ''}; "
+        f"{args.procs} load process(es)). "
+        f"Index: `{_shown(args.index_dir)}/current`; "
+        f"{args.candidates} candidates, top 10; closed-loop clients, {args.seconds:g} s per cell "
+        f"x {args.rounds} interleaved rounds; every query a different caption (no cache hits).",
+        "The baseline (`benchmarks/baseline_server.py`) is the script a user would write: a sync "
+        "FastAPI endpoint running encode -> FAISS -> the model's PyTorch cross-encoder forward "
+        f"-> ADD_{DEFAULT_FUSION_LAMBDA} per request, torch's default threads, no cache, no "
+        "batching. Throughput counts full answers only (degraded and refused ones are counted "
+        "apart).",
+        "",
+        f"![throughput and latency against concurrency]({png.name})",
+        "",
+        "| mode | clients | duet req/s | script req/s | duet / script | duet p50 ms | "
+        "script p50 ms | duet p99 ms | script p99 ms | duet degraded / 429 | script errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in ("re-ranked", "dot only"):
+        for c in levels:
+            d, b = results[f"duet|{mode}|{c}"], results[f"baseline|{mode}|{c}"]
+            ratio = d.throughput / b.throughput if b.throughput else float("nan")
+            lines.append(
+                f"| {mode} | {c} | {d.throughput:.1f} | {b.throughput:.1f} | {ratio:.2f}x | "
+                f"{d.q(50):.1f} | {b.q(50):.1f} | {d.q(99):.1f} | {b.q(99):.1f} | "
+                f"{d.degraded} / {d.refused} | {b.errors + b.refused} |"
+            )
+    lines += [
+        "",
+        "Cross-encoder alone, one request's "
+        f"{args.candidates} pairs per call, in the same run (the compute bound):",
+        "",
+    ]
+    lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
+    lines += _offered(args, offered or {})
+    if over is not None:
+        lines += [
+            "",
+            f"Overload: {over['clients']} clients against duet for "
+            f"{3 * args.seconds:g} s (a refused client waits out Retry-After, at most 1 s):",
+            "",
+            "```json",
+            json.dumps(over, indent=1),
+            "```",
+        ]
+    args.out.write_text("\n".join(lines) + "\n")
+    if args.json:
+        _write_json(args.json, results, bound, over)
+
+
+def _offered(args: argparse.Namespace, offered: dict[str, Cell]) -> list[str]:
+    """The offered-load table (none without an --open-loop run)."""
+    if not offered:
+        return []
+    lines = [
+        "",
+        f"Offered load (open loop, re-ranked, {args.seconds:g} s; latency from when each "
+        "request was due):",
+        "",
+        "| server | offered req/s | answered req/s | p50 ms | p99 ms | 429 | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, oc in offered.items():
+        srv, rate = key.split("|")
+        lines.append(
+            f"| {srv} | {rate} | {oc.throughput:.1f} | {oc.q(50):.1f} | {oc.q(99):.1f} | "
+            f"{oc.refused} | {oc.errors} |"
+        )
+    return lines
+
+
+def _write_json(
+    path: Path, results: dict[str, Cell], bound: dict[str, float], over: dict[str, object] | None
+) -> None:
+    raw = {
+        k: {
+            "throughput": v.throughput,
+            "p50_ms": v.q(50),
+            "p99_ms": v.q(99),
+            "degraded": v.degraded,
+            "refused": v.refused,
+            "errors": v.errors,
+        }
+        for k, v in results.items()
+    }
+    path.write_text(json.dumps({"cells": raw, "bound": bound, "overload": over}, indent=1))
