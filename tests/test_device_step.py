@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from app.batch import BatchWorker
 from app.engine import BatchCost, Engine, Ticket
+from app.metrics import Metrics
 from models.builtin import BuiltinModel
 from models.device_step import CaptionTables, DeviceStep, ResidentTables
 from models.masked_cross import MaskedCrossEncoder
@@ -275,23 +277,11 @@ def test_a_version_resident_on_the_device_releases_it_on_close(
 ) -> None:
     """`BatchWorker.prepare` copies a version's vectors and image states to the step's device;
     closing the version (what a swap does once no request holds it) frees them."""
-    from app.batch import BatchWorker
-    from app.metrics import Metrics
     from store.indexio import IndexVersion, resolve_current
 
     version = IndexVersion.open(resolve_current(index_dir))
     step = DeviceStep(model.model, torch.device("cpu"), "fp32")
-    worker = BatchWorker(
-        model,
-        {},
-        Metrics(),
-        search_knobs=ann.SearchKnobs(),
-        rerank_max_batch=200,
-        cores=1,
-        torch_threads=None,
-        worker_nice=0,
-        step=step,
-    )
+    worker = _worker(model, step)
     worker.prepare(version)
     tables = version.resident
     assert isinstance(tables, ResidentTables)
@@ -319,24 +309,12 @@ def test_image_queries_step_equals_host_path(index_dir: Path, model: BuiltinMode
 
     from PIL import Image
 
-    from app.batch import BatchWorker
-    from app.metrics import Metrics
     from models.builtin import pixel_bytes
     from store.indexio import IndexVersion, resolve_current
 
     version = IndexVersion.open(resolve_current(index_dir))
     step = DeviceStep(model.model, torch.device("cpu"), "fp32")
-    worker = BatchWorker(
-        model,
-        {},
-        Metrics(),
-        search_knobs=ann.SearchKnobs(),
-        rerank_max_batch=200,
-        cores=1,
-        torch_threads=None,
-        worker_nice=0,
-        step=step,
-    )
+    worker = _worker(model, step)
     worker.prepare(version)
     tables = version.resident
     assert isinstance(tables, ResidentTables) and tables.captions is not None
@@ -353,3 +331,18 @@ def test_image_queries_step_equals_host_path(index_dir: Path, model: BuiltinMode
         want = model.score_pairs(texts, np.repeat(toks[i][None], 20, axis=0))
         np.testing.assert_allclose(out.logits[i], want, atol=1e-4)
     version.close()
+
+
+def _worker(model: BuiltinModel, step: DeviceStep) -> BatchWorker:
+    """An engine worker with the step, as the service makes one (no re-rankers needed)."""
+    return BatchWorker(
+        model,
+        {},
+        Metrics(),
+        search_knobs=ann.SearchKnobs(),
+        rerank_max_batch=200,
+        cores=1,
+        torch_threads=None,
+        worker_nice=0,
+        step=step,
+    )
