@@ -7,7 +7,6 @@ pipeline and its cache stay as they are.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +14,6 @@ from app.errors import ValidationFailed
 from app.schemas import Hit, SearchResponse
 from models.fusion import DEFAULT_FUSION_LAMBDA, MATCH_THRESHOLD
 from models.shipped import caption_words
-from store.indexio import ITEMS, IndexVersion
 
 
 def refuse_if_not_understood(model: Any, query: str) -> None:
@@ -57,30 +55,6 @@ def served_match(plan_reranker: str, fusion: str, lam: float | None, model_name:
     )
 
 
-def image_captions(index: IndexVersion, image_ids: Sequence[str]) -> dict[str, list[str]]:
-    """Each image's captions as the index stores them (items.sqlite, read-only), in order.
-
-    The builder names an image's captions `<image id>#<n>`, so each image is one range of the
-    texts table's unique id index (no scan, whatever the corpus's size)."""
-    if not image_ids:
-        return {}
-    out: dict[str, list[str]] = {}
-    con = sqlite3.connect(f"file:{index.path / ITEMS}?mode=ro", uri=True)
-    try:
-        for image_id in dict.fromkeys(image_ids):
-            rows = con.execute(
-                "SELECT text FROM texts WHERE id >= ? AND id < ? AND image_id = ? ORDER BY row",
-                (f"{image_id}#", f"{image_id}$", image_id),  # "$" sorts right after "#"
-            ).fetchall()
-            if rows:
-                out[image_id] = [str(r[0]) for r in rows]
-    except sqlite3.Error:
-        return {}  # a caption is a courtesy: an unreadable store leaves hits without one
-    finally:
-        con.close()
-    return out
-
-
 def best_caption(query: str, captions: Sequence[str]) -> str | None:
     """The caption that shares most words with the query (the shorter on a tie, then the
     first): the one that shows best why the image came up."""
@@ -95,21 +69,13 @@ def best_caption(query: str, captions: Sequence[str]) -> str | None:
     return max(captions, key=fit)
 
 
-def annotate(
-    resp: SearchResponse,
-    *,
-    query: str | None,
-    captions: dict[str, list[str]],
-    judged: bool,
-) -> SearchResponse:
-    """The answer with each hit's `caption` and `match`, and a `total` timing on a cached
-    answer (the time it took: the cache lookup)."""
+def annotate(resp: SearchResponse, *, judged: bool) -> SearchResponse:
+    """The answer with each hit's `match`, a caption hit's text as its `caption`, and a
+    `total` timing on a cached answer (the time it took: the cache lookup)."""
     hits: list[Hit] = []
     for h in resp.hits:
         text = h.meta.get("text")
-        caption = (
-            text if isinstance(text, str) else best_caption(query or "", captions.get(h.id, []))
-        )
+        caption = text if isinstance(text, str) else h.caption
         match = (h.score >= MATCH_THRESHOLD) if judged else None
         hits.append(h.model_copy(update={"caption": caption, "match": match}))
     timings = dict(resp.timings_ms)

@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -303,9 +304,14 @@ class BatchWorker(DeviceStepping):
         plan = q.plan
         ranked = fused_top_k(w.cand.rows, w.cand.dots, scores, plan.fusion, plan.lam, q.top_k)
         with clock([w], "lookup"):
+            captions: dict[str, list[str]] = {}
             if q.kind == "text":
                 rows = q.index.store.images([r for r, _, _, _ in ranked])
                 meta = [(r.id, {**r.meta, "image": r.path}) for r in rows]
+                try:  # a courtesy: an unreadable caption leaves the hit without one
+                    captions = q.index.store.captions([r.id for r in rows])
+                except sqlite3.Error:
+                    log.warning("captions of index %s unreadable", q.index.version)
             else:
                 assert w.texts is not None
                 by_row = dict(zip(w.cand.rows.tolist(), w.texts, strict=True))
@@ -318,7 +324,12 @@ class BatchWorker(DeviceStepping):
                 ]
         used = None if scores is None else len(scores)
         return Answer(
-            ranked, meta, w.timings, used, degraded=used is not None and used < len(w.cand.rows)
+            ranked,
+            meta,
+            w.timings,
+            used,
+            degraded=used is not None and used < len(w.cand.rows),
+            captions=captions,
         )
 
 

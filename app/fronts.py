@@ -35,7 +35,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,17 +209,6 @@ class _Version:
     path: Path
 
 
-class _Indexes:
-    """`ServedIndex.lease` as a front has it: the version the owner last said it serves."""
-
-    def __init__(self, pipeline: FrontPipeline) -> None:
-        self._pipeline = pipeline
-
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[IndexVersion]:
-        yield self._pipeline.index
-
-
 class FrontPipeline(SearchPipeline):
     """`SearchPipeline` as a front runs it: planning, cache keys, the cache and the response
     are the single-process code; `run` (the model work) goes to the owner."""
@@ -238,7 +227,6 @@ class FrontPipeline(SearchPipeline):
         self.default_reranker = info["default_reranker"]
         self._unavailable = dict(info["unavailable"])
         self._served = _Version(info["version"], Path(info["path"]))
-        self.indexes = _Indexes(self)  # type: ignore[assignment]
         remote.on_version = self._swapped
 
     def _swapped(self, version: str, path: str) -> None:

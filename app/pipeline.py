@@ -21,6 +21,7 @@ from typing import Literal
 
 from PIL import Image
 
+from app.answers import best_caption
 from app.batch import Answer, BatchWorker, Query, RerankPlan, pair_kind
 from app.cache import ResilientCache, cache_key
 from app.engine import Engine
@@ -173,6 +174,11 @@ class SearchPipeline:
             return None
         ids = text_ids_of(self.model)
         return None if ids is None else ids(text)
+
+    def _reading(self, text: str) -> str:
+        """What the model reads of a text (its words, "and" as "with"), else the text."""
+        reading = getattr(self.model, "query_identity", None)
+        return str(reading(text)) if callable(reading) else text
 
     def _unknown(self, text: str | None) -> list[str]:
         """The query's words outside the model's vocabulary (none for an image query)."""
@@ -353,6 +359,7 @@ class SearchPipeline:
             self.metrics.stage_seconds.labels(stage=stage).observe(ms / 1000)
         if answer.degraded:
             self.metrics.degraded.inc()
+        reading = None if text is None else self._reading(text)
         hits = [
             Hit(
                 id=item_id,
@@ -362,6 +369,11 @@ class SearchPipeline:
                 rank=i + 1,
                 meta=meta,
                 image_url=image_url(item_id if kind == "text" else meta.get("image_id")),
+                # a text query's image hit: its caption nearest what the model read of the
+                # query (cached with the answer); a caption hit's text is set by the route
+                caption=best_caption(reading, answer.captions.get(item_id, []))
+                if reading
+                else None,
             )
             for i, ((_, dot, rr, score), (item_id, meta)) in enumerate(
                 zip(answer.ranked, answer.meta, strict=True)

@@ -74,6 +74,8 @@ class Answer:
     timings: dict[str, float]
     reranked: int | None  # candidates actually re-ranked; None when the plan does not re-rank
     degraded: bool  # fewer than asked, because the deadline could not fit them
+    # a text query's hits: each image's captions (the page shows the one nearest the query)
+    captions: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass

@@ -163,6 +163,20 @@ class ItemStore:
             TextRow(got[r][0], got[r][1], got[r][2], self._meta(got[r][0], got[r][3])) for r in rows
         ]
 
+    def captions(self, image_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Each image's captions, in order. The builder names an image's captions
+        `<image id>#<n>`, so each image is one range of the texts' unique id index."""
+        out: dict[str, list[str]] = {}
+        with self._lock:  # one range of the unique id index per image (a scan otherwise)
+            for image_id in dict.fromkeys(image_ids):
+                rows = self._con.execute(
+                    "SELECT text FROM texts WHERE id >= ? AND id < ? AND image_id = ? ORDER BY row",
+                    (f"{image_id}#", f"{image_id}$", image_id),  # "$" sorts right after "#"
+                ).fetchall()
+                if rows:
+                    out[image_id] = [str(r[0]) for r in rows]
+        return out
+
     def all_texts(self, batch: int = 65536) -> Iterator[str]:
         """Every text's caption in row order, read in batches (the device step's caption
         table is made from them)."""

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from app.answers import annotate, image_captions, refuse_if_not_understood, served_match
+from app.answers import annotate, refuse_if_not_understood, served_match
 from app.deps import PipelineDep, SettingsDep
 from app.errors import (
     ClientGone,
@@ -128,24 +128,14 @@ def _json(resp: SearchResponse) -> JSONResponse:
     return JSONResponse(resp.model_dump(mode="json"))
 
 
-async def _for_people(
-    pipeline: SearchPipeline, resp: SearchResponse, opts: SearchOptions, query: str | None
+def _for_people(
+    pipeline: SearchPipeline, resp: SearchResponse, opts: SearchOptions
 ) -> SearchResponse:
-    """The pipeline's answer with each hit's caption and `match` (app.answers)."""
+    """The pipeline's answer with each hit's `match` (app.answers); an image hit's caption
+    came with the answer (chosen by the pipeline, cached with it)."""
     plan = pipeline.plan(opts)
     judged = served_match(plan.reranker, plan.fusion, plan.lam, str(pipeline.model.fingerprint))
-    captions: dict[str, list[str]] = {}
-    if query is not None:  # image hits: their captions, from the version that answered
-        with pipeline.indexes.lease() as index:
-            if index.version == resp.index_version:
-                ids = [h.id for h in resp.hits]
-                captions = await asyncio.to_thread(image_captions, index, ids)
-    # captions are chosen by what the model reads of the query ("and" as "with"), so queries
-    # that share a cache entry share their captions too
-    reading = getattr(pipeline.model, "query_identity", None)
-    if query is not None and callable(reading):
-        query = str(reading(query))
-    return annotate(resp, query=query, captions=captions, judged=judged)
+    return annotate(resp, judged=judged)
 
 
 def _media_type(request: Request) -> str:
@@ -178,7 +168,7 @@ async def search_text(
     refuse_if_not_understood(pipeline.model, body.query)
     opts = body.options()
     resp = await _unless_gone(request, pipeline.search_text(body.query, opts))
-    return _json(await _for_people(pipeline, resp, opts, body.query))
+    return _json(_for_people(pipeline, resp, opts))
 
 
 def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOptions:
@@ -232,4 +222,4 @@ async def search_image(
         )
     image = await request.app.state.decoder.decode(data)
     resp = await _unless_gone(request, pipeline.search_image(data, image, opts))
-    return _json(await _for_people(pipeline, resp, opts, None))
+    return _json(_for_people(pipeline, resp, opts))
