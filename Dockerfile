@@ -60,11 +60,12 @@ RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/due
  && mkdir -p /data/indexes \
  && chown duet:duet /data/indexes
 COPY --from=build /opt/venv /opt/venv
-# ONEDNN_PRIMITIVE_CACHE_CAPACITY=0: torch's CPU kernels keep no primitive per input shape
-# (a mix of search sizes grew a replica by gigabytes; duet/commands/serve.py says more)
+# ONEDNN_PRIMITIVE_CACHE_CAPACITY=8: torch's CPU kernels keep at most 8 primitives, not one
+# per input shape (a mix of search sizes grew a replica by gigabytes; 0 slows every encode;
+# duet/commands/serve.py says more)
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 \
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY=8 \
     DUET_INDEX_DIR=/data/indexes \
     DUET_HOST=0.0.0.0 \
     DUET_PORT=8000
