@@ -117,7 +117,7 @@ async def test_expired_and_abandoned_tickets_are_dropped_before_compute() -> Non
     eng = _engine(fn, timeout_s=0.3, on_shed=shed.append)
     eng.start()
     blocker = asyncio.ensure_future(eng.submit(0, 0.0))
-    await asyncio.sleep(0.05)
+    await _taken(eng)  # the worker holds the blocker at the gate (however loaded the machine)
     expired = asyncio.ensure_future(eng.submit(1, 0.0))
     abandoned = asyncio.ensure_future(eng.submit(2, 0.0))
     await asyncio.sleep(0.01)
@@ -144,7 +144,7 @@ async def test_stop_fails_what_is_queued_with_503_and_refuses_new_work() -> None
     eng = _engine(fn)
     eng.start()
     running = asyncio.ensure_future(eng.submit(0, 0.0))
-    await asyncio.sleep(0.05)
+    await _taken(eng)
     queued = asyncio.ensure_future(eng.submit(1, 0.0))
     await asyncio.sleep(0.01)
     stopper = asyncio.ensure_future(asyncio.to_thread(eng.stop))
@@ -364,3 +364,13 @@ def test_torch_threads_follow_the_busy_workers_per_thread() -> None:
     t.join()
     assert seen == [1]
     assert torch.get_num_threads() == before
+
+
+async def _taken(eng: Engine[int, int], timeout_s: float = 10.0) -> None:
+    """Wait until a worker has taken everything queued (a fixed sleep flakes on a loaded
+    machine)."""
+    deadline = time.monotonic() + timeout_s
+    await asyncio.sleep(0)
+    while eng.depth and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.01)
