@@ -38,7 +38,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, cast
 
 import httpx
@@ -98,7 +97,7 @@ class RemoteEngine:
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.on_version: Callable[[str, str], None] = lambda _v, _p: None
+        self.on_version: Callable[[str], None] = lambda _: None
 
     async def connect(self, wait_s: float = 600.0) -> None:
         """Connect and say hello, waiting while the owner loads (it opens the socket once
@@ -141,8 +140,8 @@ class RemoteEngine:
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
                 elif msg["op"] == "version":
-                    self.info["version"], self.info["path"] = msg["version"], msg["path"]
-                    self.on_version(msg["version"], msg["path"])
+                    self.info["version"] = msg["version"]
+                    self.on_version(msg["version"])
         except (asyncio.IncompleteReadError, ConnectionError):
             log.warning("the owner process closed its socket; this front stops answering")
         finally:
@@ -202,11 +201,9 @@ class _RemoteModel:
 
 @dataclass
 class _Version:
-    """A front's view of the served index: its version (for cache keys and answers) and its
-    folder (the page's captions read its item store)."""
+    """A front's view of the served index: its version (for cache keys and answers)."""
 
     version: str
-    path: Path
 
 
 class FrontPipeline(SearchPipeline):
@@ -226,11 +223,11 @@ class FrontPipeline(SearchPipeline):
         self.rerankers = tuple(info["rerankers"])
         self.default_reranker = info["default_reranker"]
         self._unavailable = dict(info["unavailable"])
-        self._served = _Version(info["version"], Path(info["path"]))
+        self._served = _Version(info["version"])
         remote.on_version = self._swapped
 
-    def _swapped(self, version: str, path: str) -> None:
-        self._served = _Version(version, Path(path))
+    def _swapped(self, version: str) -> None:
+        self._served = _Version(version)
 
     @property
     def index(self) -> IndexVersion:
@@ -270,7 +267,7 @@ class FrontPipeline(SearchPipeline):
         if "error" in reply:
             raise_error(reply["error"])
         if reply["version"] != self._served.version:
-            self._served = _Version(reply["version"], Path(reply["path"]))
+            self._served = _Version(reply["version"])
         return reply["answer"], reply["version"]
 
     async def start(self) -> None:

@@ -105,7 +105,6 @@ class EngineServer:
             "vocab": None if tok is None else {"words": tok.itos[3:], "max_len": tok.max_len},
             # whether the cache keys a text by its words (every model reading it is builtin)
             "by_words": getattr(model, "joint", None) is not None,
-            "path": str(p.index.path),
             "rerankers": p.rerankers,
             "default_reranker": p.default_reranker,
             "unavailable": p._unavailable,
@@ -115,7 +114,7 @@ class EngineServer:
         }
 
     def _announce(self, version: str) -> None:
-        msg = {"op": "version", "version": version, "path": str(self.pipeline.index.path)}
+        msg = {"op": "version", "version": version}
         for w in list(self._writers):
             task = asyncio.ensure_future(send(w, msg))
             self._tasks.add(task)
@@ -166,7 +165,6 @@ class EngineServer:
                 )
             reply["answer"] = answer
             reply["version"] = version
-            reply["path"] = str(index.path)
         except Exception as exc:
             if not isinstance(exc, DuetError):
                 log.exception("a front's search failed in the owner")
