@@ -212,23 +212,25 @@ def _until(start_at: float) -> None:
     time.sleep(max(0.0, start_at - time.time()))
 
 
-def _closed_part(
-    url: str, clients: int, seconds: float, rerank: bool, candidates: int, start_at: float
+def _part(
+    open_rate: float | None,
+    url: str,
+    clients: int,
+    seconds: float,
+    rerank: bool,
+    candidates: int,
+    start_at: float,
 ) -> Cell:
+    """One load process's share from `start_at`: `clients` closed-loop clients, or requests
+    offered at `open_rate` per second when that is given."""
     assert _QUERIES is not None
     cell = Cell()
     _until(start_at)
-    asyncio.run(closed_loop(url, clients, seconds, rerank, candidates, _QUERIES, cell))
-    return cell
-
-
-def _open_part(
-    url: str, rate: float, seconds: float, rerank: bool, candidates: int, start_at: float
-) -> Cell:
-    assert _QUERIES is not None
-    cell = Cell()
-    _until(start_at)
-    asyncio.run(open_loop(url, rate, seconds, rerank, candidates, _QUERIES, cell))
+    if open_rate is None:
+        run = closed_loop(url, clients, seconds, rerank, candidates, _QUERIES, cell)
+    else:
+        run = open_loop(url, open_rate, seconds, rerank, candidates, _QUERIES, cell)
+    asyncio.run(run)
     return cell
 
 
@@ -255,7 +257,7 @@ class LoadPool:
         shares = [clients // self.procs + (i < clients % self.procs) for i in range(self.procs)]
         start = time.time() + 0.5
         futs = [
-            self._pool.submit(_closed_part, url, n, seconds, rerank, candidates, start)
+            self._pool.submit(_part, None, url, n, seconds, rerank, candidates, start)
             for n in shares
             if n
         ]
@@ -266,9 +268,7 @@ class LoadPool:
     ) -> None:
         start = time.time() + 0.5
         futs = [
-            self._pool.submit(
-                _open_part, url, rate / self.procs, seconds, rerank, candidates, start
-            )
+            self._pool.submit(_part, rate / self.procs, url, 0, seconds, rerank, candidates, start)
             for _ in range(self.procs)
         ]
         _merge(cell, [f.result() for f in futs], seconds)
