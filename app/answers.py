@@ -8,6 +8,7 @@ pipeline and its cache stay as they are.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 from app.errors import ValidationFailed
@@ -60,13 +61,22 @@ def best_caption(query: str, captions: Sequence[str]) -> str | None:
     first): the one that shows best why the image came up."""
     if not captions:
         return None
-    asked = set(caption_words(query))
+    asked = _caption_words(query)[0]  # the same query for each of a search's hits
 
     def fit(c: str) -> tuple[int, int]:
-        words = caption_words(c)
-        return (len(asked.intersection(words)), -len(words))
+        words, length = _caption_words(c)
+        return (len(asked.intersection(words)), -length)
 
     return max(captions, key=fit)
+
+
+@lru_cache(maxsize=1 << 16)
+def _caption_words(caption: str) -> tuple[frozenset[str], int]:
+    """A stored caption's distinct words and its length in words, read once: every text
+    search compares its hits' captions (ten hits, five captions each) with the query, and the
+    same images come up again and again. Bounded (a few tens of MB at 65,536 captions)."""
+    words = caption_words(caption)
+    return frozenset(words), len(words)
 
 
 def annotate(resp: SearchResponse, *, judged: bool) -> SearchResponse:

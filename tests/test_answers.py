@@ -203,3 +203,31 @@ def test_favicon_is_served(service: Service) -> None:
     assert Image.open(io.BytesIO(r.content)).size == (32, 32)
     page = httpx.get(f"{service.url}/", timeout=10).text
     assert 'rel="icon" href="/favicon.ico"' in page
+
+
+def test_no_route_dependency_is_a_plain_function() -> None:
+    """FastAPI runs a plain `def` dependency in its thread pool: a thread hop on every
+    request (a plain `_json_body` cost text searches a hop each)."""
+    import inspect
+
+    from fastapi.routing import APIRoute
+
+    from app.routes import admin, health, search, ui
+
+    plain: list[str] = []
+
+    def walk(dep: object, route: str) -> None:
+        call = getattr(dep, "call", None)
+        if call is not None and not inspect.iscoroutinefunction(call):
+            plain.append(f"{route}: {getattr(call, '__qualname__', call)}")
+        for sub in getattr(dep, "dependencies", []):
+            walk(sub, route)
+
+    routes = [
+        r for m in (admin, health, search, ui) for r in m.router.routes if isinstance(r, APIRoute)
+    ]
+    assert any(r.path == "/search/text" for r in routes)
+    for r in routes:
+        for sub in r.dependant.dependencies:
+            walk(sub, r.path)
+    assert plain == []

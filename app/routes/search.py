@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
@@ -111,7 +111,7 @@ def _finite(hit: Hit) -> bool:
     return all(s is None or math.isfinite(s) for s in scores)
 
 
-def _json(resp: SearchResponse) -> JSONResponse:
+def _json(resp: SearchResponse) -> Response:
     """The response as JSON, once: the pipeline built it as a `SearchResponse` already, so
     FastAPI's dump-validate-serialise of `response_model` (kept for the OpenAPI document)
     would only repeat the work. A hit whose score JSON cannot carry (NaN, infinite: a model
@@ -125,7 +125,7 @@ def _json(resp: SearchResponse) -> JSONResponse:
         )
         hits = [h.model_copy(update={"rank": i}) for i, h in enumerate(kept, 1)]
         resp = resp.model_copy(update={"hits": hits})
-    return JSONResponse(resp.model_dump(mode="json"))
+    return Response(resp.model_dump_json(), media_type="application/json")
 
 
 def _for_people(
@@ -144,9 +144,11 @@ def _media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
-def _json_body(request: Request) -> None:
+async def _json_body(request: Request) -> None:
     """415 unless the request says its body is JSON: a body sent as a form (curl -d without
-    -H) would otherwise be read as a string and refused with a message about dictionaries."""
+    -H) would otherwise be read as a string and refused with a message about dictionaries.
+    async though it never awaits: FastAPI runs a plain `def` dependency in its thread pool,
+    a thread hop on every text search (see `app.deps`)."""
     ctype = request.headers.get("content-type", "")
     if _media_type(request) != "application/json":
         raise UnsupportedMediaType(
@@ -161,9 +163,7 @@ def _json_body(request: Request) -> None:
     responses=documented(413, 415, 422, 429, 499, 503),
     dependencies=[Depends(_json_body)],
 )
-async def search_text(
-    body: TextSearchRequest, request: Request, pipeline: PipelineDep
-) -> JSONResponse:
+async def search_text(body: TextSearchRequest, request: Request, pipeline: PipelineDep) -> Response:
     """A sentence finds images (the body as `content-type: application/json`)."""
     refuse_if_not_understood(pipeline.model, body.query)
     opts = body.options()
@@ -184,9 +184,7 @@ def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOption
     openapi_extra=_IMAGE_BODY_DOC,
     responses=documented(400, 413, 415, 422, 429, 499, 503),
 )
-async def search_image(
-    request: Request, pipeline: PipelineDep, settings: SettingsDep
-) -> JSONResponse:
+async def search_image(request: Request, pipeline: PipelineDep, settings: SettingsDep) -> Response:
     """An image finds captions: multipart field `image`, or JSON `image_b64`; same options."""
     max_bytes = settings.max_image_bytes  # the body itself is bounded by app.limits.BodyLimit
     ctype = request.headers.get("content-type", "")
