@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.fastpath import run_layers
+
 
 @dataclass(frozen=True)
 class JointConfig:
@@ -88,7 +90,7 @@ class ImageTower(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (B, 3, H, W) in [0, 1] -> tokens (B, grid*grid, d)."""
         x = self.stem(pixels * 2.0 - 1.0).flatten(2).transpose(1, 2)
-        return self.blocks(self.stem_norm(x) + self.pos)
+        return run_layers(self.blocks, self.stem_norm(x) + self.pos)
 
 
 class TextTower(nn.Module):
@@ -105,7 +107,7 @@ class TextTower(nn.Module):
 
     def forward(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids) + self.pos[:, : ids.shape[1]]
-        return self.blocks(x, src_key_padding_mask=pad)
+        return run_layers(self.blocks, x, pad)
 
 
 CROSS_ENCODER = ("fusion.", "fusion_norm.", "fusion_pos", "itm_token", "itm_head.")
@@ -151,12 +153,12 @@ class JointModel(nn.Module):
     def image_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels -> image states (B, grid*grid, d): the tower's patches through the shared
         transformer. What the index stores and every re-ranker reads."""
-        return self.norm(self.shared(self.image_tower(pixels) + self.type_embed[1]))
+        return self.norm(run_layers(self.shared, self.image_tower(pixels) + self.type_embed[1]))
 
     def text_tokens(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """ids -> text states (B, L, d); padded positions are meaningless (mask with `pad`)."""
         x = self.text_tower(ids, pad) + self.type_embed[0]
-        return self.norm(self.shared(x, src_key_padding_mask=pad))
+        return self.norm(run_layers(self.shared, x, pad))
 
     # -- bi-encoder ---------------------------------------------------------
     def embed_images(self, img_tokens: torch.Tensor) -> torch.Tensor:

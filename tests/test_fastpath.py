@@ -1,0 +1,104 @@
+"""models.fastpath: the text and image towers at inference call the fused layer kernel
+directly, with the modules' own results, and fall back to the modules everywhere else."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import models.fastpath as fp
+from models.builtin import BuiltinModel
+
+
+@pytest.fixture(scope="module")
+def model() -> BuiltinModel:
+    return BuiltinModel.load()
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts the direct kernel calls (the kernel itself still runs)."""
+    calls: list[int] = []
+    kernel = fp._KERNEL
+    assert kernel is not None, "this torch has no fused encoder-layer kernel"
+
+    def wrapped(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args)
+
+    monkeypatch.setattr(fp, "_KERNEL", wrapped)
+    yield calls
+
+
+@contextmanager
+def modules_only() -> Iterator[None]:
+    """torch's own switch for the modules' fused path, off for the block."""
+    was = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(was)
+
+
+TEXTS = [
+    "a red circle",
+    "two small green triangles left of a large red diamond",
+    "one big blue square above a tiny yellow cross",
+]
+
+
+def test_text_and_image_states_equal_the_modules(model: BuiltinModel, counted: list[int]) -> None:
+    net = model.model
+    ids, pad = model._batch(TEXTS)  # padded: the texts differ in length
+    pixels = torch.rand(
+        3, 3, net.cfg.image_size, net.cfg.image_size, generator=torch.Generator().manual_seed(0)
+    )
+    with torch.inference_mode():
+        fast_t = net.text_tokens(ids, pad)
+        fast_i = net.image_tokens(pixels)
+    assert counted, "inference did not take the direct path"
+    with torch.inference_mode(), modules_only():
+        slow_t = net.text_tokens(ids, pad)
+        slow_i = net.image_tokens(pixels)
+    keep = ~pad
+    torch.testing.assert_close(fast_t[keep], slow_t[keep], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_i, slow_i, rtol=1e-5, atol=1e-5)
+
+
+def test_modules_run_where_the_kernel_does_not_apply(
+    model: BuiltinModel, counted: list[int]
+) -> None:
+    net = model.model
+    ids, pad = model._batch(TEXTS)
+    net.text_tokens(ids, pad)  # autograd on: training's path
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        net.text_tokens(ids, pad)
+    with torch.inference_mode(), modules_only():
+        net.text_tokens(ids, pad)
+    net.train()
+    try:
+        with torch.inference_mode():
+            net.text_tokens(ids, pad)
+    finally:
+        net.eval()
+    assert counted == []
+
+
+def test_a_layer_the_kernel_cannot_take_keeps_its_stack_on_the_modules(counted: list[int]) -> None:
+    odd = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(24, 3, 48, dropout=0.0, batch_first=True, norm_first=True),
+        2,
+        enable_nested_tensor=False,
+    ).eval()
+    x = torch.randn(2, 5, 24)
+    with torch.inference_mode():
+        out = fp.run_layers(odd, x)
+        want = odd(x)
+    assert counted == []  # three heads: the modules' fast path refuses odd head counts too
+    torch.testing.assert_close(out, want)
