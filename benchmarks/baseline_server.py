@@ -36,6 +36,7 @@ def make_app(index_dir: Path, device: str = "cpu", reranker: Path | None = None)
     """The script over `index_dir`; `reranker`: a BLIP ITM directory re-ranks instead of the
     builtin cross-encoder (the index must have been built with it: its image states)."""
     model = BuiltinModel.load(device=device)
+    model.model.serve_kernels(False)  # the model's modules as trained, not duet's runtime
     blip = None
     if reranker is not None:
         from models.hf import HFBlipReranker

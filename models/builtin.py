@@ -104,7 +104,7 @@ class BuiltinModel:
         precision: Precision = "fp32",
     ) -> None:
         self.device = device or torch.device("cpu")
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device).eval().serve_kernels()  # models.fastpath
         self.cross = CrossEncoderRuntime(self.model, precision)
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint

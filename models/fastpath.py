@@ -8,6 +8,9 @@ CPU: one sentence through the text tower and the shared layers in 2.18 ms by the
 1.45 ms calling the kernel directly; the same output to the bit). `run_layers` checks once
 per stack that the kernel is what the modules would run, then calls it per layer; anywhere
 else (training, autograd on, autocast, a layer it cannot take) it calls the modules.
+
+The serving runtime switches it on (`JointModel.serve_kernels`, called by `BuiltinModel`); a
+model made for training, and the plain script the benchmarks compare with, run the modules.
 """
 
 from __future__ import annotations
@@ -74,11 +77,16 @@ def direct(stack: nn.TransformerEncoder, x: torch.Tensor) -> bool:
 
 
 def run_layers(
-    stack: nn.TransformerEncoder, x: torch.Tensor, pad: torch.Tensor | None = None
+    stack: nn.TransformerEncoder,
+    x: torch.Tensor,
+    pad: torch.Tensor | None = None,
+    *,
+    kernel: bool = True,
 ) -> torch.Tensor:
     """`stack(x, src_key_padding_mask=pad)`: the same result, the fused kernel called
-    directly at inference. `pad` (B, L) is True at padded positions; no host-device sync."""
-    if not direct(stack, x):
+    directly at inference when `kernel`. `pad` (B, L) is True at padded positions; no
+    host-device sync."""
+    if not (kernel and direct(stack, x)):
         return stack(x, src_key_padding_mask=pad)
     assert _KERNEL is not None
     mask = None

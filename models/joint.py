@@ -83,6 +83,7 @@ class ImageTower(nn.Module):
         self.stem_norm = nn.LayerNorm(d)
         self.pos = nn.Parameter(torch.zeros(1, cfg.grid * cfg.grid, d))
         self.blocks = _encoder(cfg, cfg.tower_layers)
+        self.kernels = False  # models.fastpath at inference (JointModel.serve_kernels)
         # positions on the same scale as the (normalised) patch features: a 0.02-scale
         # position code is drowned out and the model cannot tell left from right
         nn.init.normal_(self.pos, std=1.0)
@@ -90,7 +91,7 @@ class ImageTower(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (B, 3, H, W) in [0, 1] -> tokens (B, grid*grid, d)."""
         x = self.stem(pixels * 2.0 - 1.0).flatten(2).transpose(1, 2)
-        return run_layers(self.blocks, self.stem_norm(x) + self.pos)
+        return run_layers(self.blocks, self.stem_norm(x) + self.pos, kernel=self.kernels)
 
 
 class TextTower(nn.Module):
@@ -101,13 +102,14 @@ class TextTower(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=0)
         self.pos = nn.Parameter(torch.zeros(1, cfg.max_text_len, cfg.d_model))
         self.blocks = _encoder(cfg, cfg.tower_layers)
+        self.kernels = False  # models.fastpath at inference (JointModel.serve_kernels)
         # same scale as the N(0, 1) word embeddings, else word order is lost (measured: with
         # 0.02 the text side was a bag of words, swapped captions at cosine 1.0)
         nn.init.normal_(self.pos, std=1.0)
 
     def forward(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids) + self.pos[:, : ids.shape[1]]
-        return run_layers(self.blocks, x, pad)
+        return run_layers(self.blocks, x, pad, kernel=self.kernels)
 
 
 CROSS_ENCODER = ("fusion.", "fusion_norm.", "fusion_pos", "itm_token", "itm_head.")
@@ -138,6 +140,15 @@ class JointModel(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(2.996))  # log(1 / 0.05)
         nn.init.normal_(self.type_embed, std=1.0)
         nn.init.normal_(self.itm_token, std=0.02)
+        self.kernels = False
+
+    def serve_kernels(self, on: bool = True) -> JointModel:
+        """At inference, run the towers' and the shared layers' transformer stacks through
+        the fused kernel directly (`models.fastpath`): the same states, less Python per call.
+        Off for a model made to train (autograd would skip it anyway)."""
+        for m in (self, self.image_tower, self.text_tower):
+            m.kernels = on
+        return self
 
     def reset_cross_encoder(self) -> None:
         """Fresh fusion layers, [ITM] token and ITM head (what `models.train_ce` trains)."""
@@ -153,12 +164,13 @@ class JointModel(nn.Module):
     def image_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels -> image states (B, grid*grid, d): the tower's patches through the shared
         transformer. What the index stores and every re-ranker reads."""
-        return self.norm(run_layers(self.shared, self.image_tower(pixels) + self.type_embed[1]))
+        x = self.image_tower(pixels) + self.type_embed[1]
+        return self.norm(run_layers(self.shared, x, kernel=self.kernels))
 
     def text_tokens(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """ids -> text states (B, L, d); padded positions are meaningless (mask with `pad`)."""
         x = self.text_tower(ids, pad) + self.type_embed[0]
-        return self.norm(run_layers(self.shared, x, pad))
+        return self.norm(run_layers(self.shared, x, pad, kernel=self.kernels))
 
     # -- bi-encoder ---------------------------------------------------------
     def embed_images(self, img_tokens: torch.Tensor) -> torch.Tensor:

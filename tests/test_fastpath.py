@@ -13,6 +13,7 @@ from torch import nn
 
 import models.fastpath as fp
 from models.builtin import BuiltinModel
+from models.joint import JointModel
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,15 @@ def test_modules_run_where_the_kernel_does_not_apply(
             net.text_tokens(ids, pad)
     finally:
         net.eval()
+    net.serve_kernels(False)  # a model as trained (and the benchmarks' plain script)
+    try:
+        with torch.inference_mode():
+            net.text_tokens(ids, pad)
+            net.image_tokens(torch.rand(1, 3, net.cfg.image_size, net.cfg.image_size))
+    finally:
+        net.serve_kernels()
     assert counted == []
+    assert not JointModel(net.cfg).kernels  # made to train: the modules
 
 
 def test_a_layer_the_kernel_cannot_take_keeps_its_stack_on_the_modules(counted: list[int]) -> None:
