@@ -68,11 +68,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     ONEDNN_PRIMITIVE_CACHE_CAPACITY=8 \
     DUET_INDEX_DIR=/data/indexes \
     DUET_HOST=0.0.0.0 \
-    DUET_PORT=8000
+    DUET_PORT=8000 \
+    DUET_HEALTH_PORT=8001
 USER 10001:10001
 WORKDIR /home/duet
 VOLUME ["/data/indexes"]
-EXPOSE 8000
+# 8001: /healthz alone, answered by a thread while the event loop works through a storm
+EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["duet", "healthcheck"]
 ENTRYPOINT ["duet"]
 CMD ["serve"]

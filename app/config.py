@@ -119,6 +119,20 @@ class Settings(BaseSettings):
         "parsing (health, readiness and metrics exempt)",
     )
     http_backlog: int = Field(2048, ge=1, description="the listening socket's accept backlog")
+    health_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="duet serve: also answer GET /healthz on this port, from a thread of its "
+        "own, so a liveness probe gets its answer at once while the event loop works through "
+        "a connection storm (0 = off; the images and manifests use 8001)",
+    )
+    health_stall_s: float = Field(
+        30.0,
+        gt=0,
+        description="the health port answers 503 when the event loop has not run for this "
+        "long (busy still counts as running; blocked does not)",
+    )
 
     rerank_fusion_lambda: float = Field(
         DEFAULT_FUSION_LAMBDA,

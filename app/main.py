@@ -19,6 +19,7 @@ from app.engine import available_cores
 from app.errors import install_handlers
 from app.imaging import ImageDecoder
 from app.limits import BodyLimit
+from app.liveness import Heartbeat
 from app.metrics import Metrics
 from app.pipeline import SearchPipeline
 from app.reload import IndexReloader, load_checked
@@ -136,6 +137,7 @@ def _lifespan(
 
             engine_server = EngineServer(app, path)
             await engine_server.start()
+        beats = asyncio.create_task(app.state.heartbeat.run(), name="liveness-heartbeat")
         metrics.ready.set(1)
         log.info(
             "duet ready (cache: %s, index poll: %s)",
@@ -154,6 +156,7 @@ def _lifespan(
             app.state.pipeline = None
             app.state.reloader = None
             metrics.ready.set(0)
+            beats.cancel()
             if poller is not None:
                 poller.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -184,6 +187,7 @@ def create_app(
     # base64 and multipart framing add about a third to an image
     image_limit = settings.max_image_bytes * 4 // 3 + 65536
     app.state.metrics = metrics
+    app.state.heartbeat = Heartbeat()  # the loop's beat, read by the health port (app.liveness)
     app.state.pipeline = None
     app.state.reloader = None
     install_handlers(app)

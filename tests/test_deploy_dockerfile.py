@@ -53,7 +53,7 @@ def test_dockerfile_gpu_and_cpu_images_run_the_same_way() -> None:
     assert user.isdigit() and int(user) != 0, "the runtime image must not run as root"
     assert final["HEALTHCHECK"].endswith('CMD ["duet", "healthcheck"]')
     assert final["ENTRYPOINT"] == '["duet"]' and final["CMD"] == '["serve"]'
-    assert final["VOLUME"] == '["/data/indexes"]' and final["EXPOSE"] == "8000"
+    assert final["VOLUME"] == '["/data/indexes"]' and final["EXPOSE"] == "8000 8001"
     assert "DUET_INDEX_DIR=/data/indexes" in final["ENV"]
     # faiss-gpu and a CUDA torch on GPU images, the CPU builds on CPU images
     env = " ".join(a for k, a in ins if k == "ENV")

@@ -64,7 +64,10 @@ def add(sub: Any) -> None:
         "200, else 1. Used by the Docker HEALTHCHECK.",
     )
     h.add_argument(
-        "--url", default=None, help="URL to probe (default: http://127.0.0.1:$DUET_PORT/healthz)"
+        "--url",
+        default=None,
+        help="URL to probe (default: http://127.0.0.1:$DUET_HEALTH_PORT/healthz when "
+        "DUET_HEALTH_PORT is set, else http://127.0.0.1:$DUET_PORT/healthz)",
     )
     h.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
     h.set_defaults(fn=cmd_healthcheck)
@@ -75,12 +78,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.limits import uvicorn_options
+    from app.liveness import Heartbeat, LivenessServer
     from app.main import create_app, load_resources
 
     settings = load_settings(host=args.host, port=args.port, index_dir=args.index_dir)
     setup_logging(settings.log_level)
+    heartbeat = Heartbeat()
+    if settings.health_port:  # up while the model loads: "starting" until the loop beats
+        LivenessServer(
+            settings.host, settings.health_port, heartbeat, settings.health_stall_s
+        ).start()
     resources = load_resources(settings)
     app = create_app(settings, resources)
+    app.state.heartbeat = heartbeat
     log.info(
         "serving on http://%s:%d (index %s, model on %s, %s=%s)",
         settings.host,
@@ -205,7 +215,8 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    url = args.url or f"http://127.0.0.1:{load_settings().port}/healthz"
+    settings = load_settings()
+    url = args.url or f"http://127.0.0.1:{settings.health_port or settings.port}/healthz"
     try:
         with urllib.request.urlopen(url, timeout=args.timeout) as resp:
             ok = resp.status == 200
