@@ -85,7 +85,7 @@ SERVE=(python3 benchmarks/serve_load.py --device cuda --index-dir indexes --roun
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -rfs)
 for s in $STEPS; do
   case $s in
-  sync) step sync 120 30 "${PYTEST[@]}" tests/test_device_step.py ;;
+  sync) step sync 120 30 "${PYTEST[@]}" tests/test_device_step.py tests/test_fastpath.py ;;
   index)
     step index 120 30 python3 -m duet.cli demo-index --out indexes --corpus-out data/demo \
       --images 2000 --seed 7 --no-progress

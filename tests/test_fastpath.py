@@ -111,3 +111,22 @@ def test_a_layer_the_kernel_cannot_take_keeps_its_stack_on_the_modules(counted: 
         want = odd(x)
     assert counted == []  # three heads: the modules' fast path refuses odd head counts too
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_direct_path_equals_the_modules_without_a_sync(counted: list[int]) -> None:
+    gpu = BuiltinModel.load(device="cuda")
+    net = gpu.model
+    ids, pad = gpu._batch(TEXTS)
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fast = net.text_tokens(ids, pad)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        with modules_only():
+            slow = net.text_tokens(ids, pad)
+    assert counted
+    keep = ~pad
+    torch.testing.assert_close(fast[keep], slow[keep], rtol=1e-4, atol=1e-4)
