@@ -42,7 +42,7 @@ serve: demo-index
 # installs the system tools pip cannot (apt-get, where it may), or says what will be skipped
 test: $(STAMP)
 	@bash tests/system-tools.sh
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # the inner loop: everything that needs no real service, index build or training
 test-fast: $(STAMP)
