@@ -158,3 +158,43 @@ def test_heavy_reranker_row_runs_with_a_blip_stand_in(corpus: Path, tmp_path: Pa
             assert r.status_code == 200, r.text
             got.append([(h["id"], round(h["score"], 4)) for h in r.json()["hits"]])
     assert got[0] == got[1]
+
+
+def test_scale_serve_measures_a_row_per_index(index_dir: Path, tmp_path: Path) -> None:
+    """benchmarks/scale_serve.py (issue 38's table): start-up, memory, bytes per image and
+    the three latency cells of one index, as a Markdown row and JSON."""
+    import json
+
+    from store.manifest import MANIFEST
+
+    manifest = json.loads((resolve_current(index_dir) / MANIFEST).read_text())
+    n = int(manifest["counts"]["images"])
+    out = tmp_path / "rows.json"
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "scale_serve.py"),
+            "--index",
+            f"{n}={index_dir}",
+            "--seconds",
+            "0.5",
+            "--clients",
+            "2",
+            "--logs",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"| {n:,} |" in res.stdout
+    (row,) = json.loads(out.read_text())
+    assert row["n"] == n and row["start_s"] > 0 and row["rss_mb"] > 50
+    assert 0 < row["dot_1_p50"] < row["reranked_1"][0]  # re-ranking costs more than a dot
+    assert row["reranked_many"][0] > 0 and row["reranked_1"][1] >= row["reranked_1"][0]
+    tokens = row["bytes_per_image"]["tokens"]  # fp16 states, plus the .npy header per image
+    assert tokens >= 16 * 128 * 2
