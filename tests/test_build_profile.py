@@ -215,3 +215,27 @@ def test_recall_at_k_without_a_dense_matrix_counts_ties_as_before() -> None:
     for nprobe in (1, 2, 4):
         knobs = ann.SearchKnobs(nprobe=nprobe)
         assert ann.recall_at_k(index, vecs, queries, 10, knobs) == pytest.approx(dense(knobs))
+
+
+def test_the_gpu_feeder_path_runs_on_cpu_and_encodes_the_same(
+    tmp_path: Path, corpus: Path, model: BuiltinModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_encode_local` (decode workers feeding one encoder, what a CUDA build runs) on the
+    CPU, through one DataLoader worker: the same vectors as the CPU shard workers."""
+    import index_builder.build as build_module
+    from index_builder.encode import _encode_local
+
+    def local(plan, missing, shard_dir, joint, batch, workers, progress, check, stages):  # type: ignore[no-untyped-def]
+        _encode_local(
+            plan, missing, shard_dir, joint, torch.device("cpu"), batch, 1, progress, check, stages
+        )
+
+    manifest = _small(corpus, tmp_path / "c", 6)
+    ref = build(manifest, tmp_path / "ref", model, progress=False, workers=0, batch_size=4)
+    monkeypatch.setattr(build_module, "encode_cpu_shards", local)
+    fed = build(manifest, tmp_path / "fed", model, progress=False, workers=0, batch_size=4)
+    assert fed.stages["decode_busy"] > 0 and fed.stages["encode_images"] > 0
+    for name in ("image_vectors.npy", "text_vectors.npy"):
+        np.testing.assert_allclose(
+            np.load(fed.path / name), np.load(ref.path / name), atol=1e-5, err_msg=name
+        )
