@@ -81,8 +81,10 @@ def _one_thread() -> Any:
 
 def encoded_shards(jobs: ShardJobs, workers: int) -> Iterator[Encoded]:
     """The shards, encoded in `workers` processes (one torch thread each; DataLoader workers
-    set that) or here on one thread, in order."""
-    if workers == 0:
+    set that), never more than there are shards, or here on one thread when there is one
+    shard or no worker, in order."""
+    workers = min(workers, len(jobs))
+    if workers <= 1:
         with _one_thread():
             for i in range(len(jobs)):
                 yield jobs[i]
