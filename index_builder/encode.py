@@ -1,8 +1,11 @@
-"""The encode step: decode images (DataLoader workers) -> encode on a device -> shards.
+"""The encode step: decode images -> encode on a device -> shards.
 
-One code path for CPU and GPU: pixels are decoded and resized on the CPU (uint8), moved to
-the device, and run under `torch.autocast` (bf16 where the GPU supports it, else fp16;
-disabled on CPU, which encodes in fp32). Vectors come back float32 and re-normalised.
+One encode path for CPU and GPU: pixels are decoded and resized to uint8 (`decode`), moved
+to the device, and run under `torch.autocast` (bf16 where the GPU supports it, else fp16;
+disabled on CPU, which encodes in fp32). Vectors come back float32 and re-normalised. On a GPU
+(`_encode_local`), DataLoader workers decode and stack page-locked batches for one encoder,
+and JPEGs may be decoded on the device (`device_decode`); on CPU, worker processes encode
+whole shards each (`cpu_encode`).
 
 Both engines (local and Ray) feed decoded batches into a `ShardBuilder` with the same batch
 boundaries, so a shard's contents do not depend on which engine or how many workers made it.
