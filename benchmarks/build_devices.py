@@ -86,6 +86,19 @@ def vectors(out: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.load(cur / "image_vectors.npy"), np.load(cur / "text_vectors.npy")
 
 
+def top10(queries: np.ndarray, items: np.ndarray, chunk: int = 2048) -> np.ndarray:
+    """Each query's 10 best items by dot product, best first, a chunk of queries at a time
+    (100k captions x 20k images at once would be an 8 GB score matrix)."""
+    k = min(10, len(items))
+    out = np.empty((len(queries), k), dtype=np.int64)
+    for lo in range(0, len(queries), chunk):
+        scores = queries[lo : lo + chunk] @ items.T
+        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        order = np.argsort(-np.take_along_axis(scores, part, axis=1), axis=1, kind="stable")
+        out[lo : lo + chunk] = np.take_along_axis(part, order, axis=1)
+    return out
+
+
 def agreement(ref: Path, other: Path) -> dict[str, float]:
     """Smallest cosines between the two builds' vectors, and their shared top-10 share."""
     (ri, rt), (oi, ot) = vectors(ref), vectors(other)
@@ -94,8 +107,7 @@ def agreement(ref: Path, other: Path) -> dict[str, float]:
         num = (a * b).sum(1)
         return float((num / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
 
-    top_r = np.argsort(-(rt @ ri.T), axis=1)[:, :10]
-    top_o = np.argsort(-(ot @ oi.T), axis=1)[:, :10]
+    top_r, top_o = top10(rt, ri), top10(ot, oi)
     shared = [len(set(a) & set(b)) / len(a) for a, b in zip(top_r, top_o, strict=True)]
     return {
         "min_cos_image": round(min_cos(ri, oi), 6),

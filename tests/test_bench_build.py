@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.build_devices import agreement, stages
+from benchmarks.build_devices import agreement, stages, top10
 from index_builder.stages import STAGES
 from tests.conftest import REPO
 
@@ -34,6 +34,15 @@ def test_agreement_of_a_build_with_itself_and_with_a_changed_copy(
     (copy / "current").symlink_to("v1")
     moved = agreement(index_dir, copy)
     assert moved["min_cos_image"] < 0.99 and moved["top1_same"] < 0.2
+
+
+def test_top10_in_chunks_is_argsorts_top10() -> None:
+    rng = np.random.default_rng(0)
+    queries = rng.standard_normal((500, 16)).astype(np.float32)
+    items = rng.standard_normal((300, 16)).astype(np.float32)
+    want = np.argsort(-(queries @ items.T), axis=1)[:, :10]
+    assert (top10(queries, items, chunk=64) == want).all()
+    assert top10(queries, items[:4]).shape == (500, 4)
 
 
 def test_stages_reads_the_builds_own_stage_times(index_dir: Path) -> None:
