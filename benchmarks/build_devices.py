@@ -1,15 +1,25 @@
-"""`duet build` on each device, side by side: wall time, images/s and whether the indexes agree.
+"""`duet build` on each device, side by side: wall time, images/s, where the time went (the
+builder's own stage times) and whether the indexes agree.
 
     .venv/bin/python benchmarks/build_devices.py --devices cpu,cuda    # on a GPU host
     .venv/bin/python benchmarks/build_devices.py --devices cpu --images 256  # quick, CPU only
+    .venv/bin/python benchmarks/build_devices.py --devices cpu --format jpeg --cpus '0;0,1'
 
-Generates one synthetic corpus (`duet demo-corpus`), then runs the same `duet build` command
-once per device, in turn, on that corpus (a fresh index directory each, Flat factory), timing
-the whole command as a user runs it (model load, decoding, encoding, FAISS, writing). The
-first device is the reference: for each other one it reports the smallest cosine between
-the two builds' vectors of the same image / caption and how many of each caption's top 10
-images by dot product the two builds share (CUDA encodes under autocast, so the vectors
-differ in the last digits; the rankings should not). Prints one JSON line per device.
+Generates one synthetic corpus (`duet demo-corpus`: the world's 64-pixel PNGs, or with
+`--format jpeg` photo-sized JPEGs that cost what users' photos cost to decode), or reuses
+`--corpus DIR`, then runs the same `duet build` command once per device and CPU set (`--cpus`,
+`taskset -c`), in turn, on that corpus (a fresh index directory each, Flat factory), timing
+the whole command as a user runs it (model load, decoding, encoding, FAISS, writing). Each row
+carries the build's stage times (`build.stages` of its manifest.json, `index_builder.stages`;
+on CPU the encode stages add up the shard workers' seconds), the encode step's wall time
+(`encode_wall`) and `other`: the wall time no stage covers (starting Python, loading the
+model).
+
+The first run is the reference: for each other one it reports the speed-up over it, the
+smallest cosine between the two builds' vectors of the same image / caption and how many of
+each caption's top 10 images by dot product the two builds share (CUDA encodes under
+autocast, so the vectors differ in the last digits; the rankings should not). Prints one JSON
+line per run.
 """
 
 from __future__ import annotations
@@ -28,19 +38,65 @@ REPO = Path(__file__).resolve().parent.parent
 DUET = [sys.executable, "-m", "duet.cli"]
 
 
-def build(corpus: Path, out: Path, device: str, batch: int) -> float:
-    """Seconds `duet build` takes on `device`, as one command."""
+def build(
+    corpus: Path,
+    out: Path,
+    device: str,
+    batch: int,
+    workers: int | None = None,
+    cpus: str | None = None,
+) -> float:
+    """Seconds `duet build` takes on `device` (on CPUs `cpus` only, when given), as one
+    command."""
     start = time.perf_counter()
     cmd = [*DUET, "build", "--corpus", str(corpus / "manifest.jsonl"), "--out", str(out)]
     cmd += ["--device", device, "--factory", "Flat", "--batch-size", str(batch), "--no-progress"]
+    if workers is not None:
+        cmd += ["--workers", str(workers)]
+    if cpus:
+        cmd = ["taskset", "-c", cpus, *cmd]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     return time.perf_counter() - start
+
+
+# the stages inside the encode step: with CPU shard workers they are the workers' seconds
+# summed (more than the wall time), so the step counts by its wall time, `encode_seconds`
+ENCODE_STAGES = ("decode", "encode_images", "encode_texts", "shards", "decode_busy")
+
+
+def stages(out: Path, seconds: float) -> dict[str, object]:
+    """The build's own stage times and workers, the encode step's wall time, and the wall
+    time outside the stages (starting Python, loading the model)."""
+    manifest = json.loads(((out / "current").resolve() / "manifest.json").read_text())
+    b = manifest.get("build") or {}
+    times: dict[str, float] = b.get("stages") or {}
+    encode = float(b.get("encode_seconds") or 0.0)
+    inside = encode + sum(v for k, v in times.items() if k not in ENCODE_STAGES)
+    return {
+        "workers": b.get("workers"),
+        "encode_wall": round(encode, 2),
+        "stages": times,
+        "other": round(seconds - inside, 2),
+    }
 
 
 def vectors(out: Path) -> tuple[np.ndarray, np.ndarray]:
     """The image and caption vectors a build wrote."""
     cur = (out / "current").resolve()
     return np.load(cur / "image_vectors.npy"), np.load(cur / "text_vectors.npy")
+
+
+def top10(queries: np.ndarray, items: np.ndarray, chunk: int = 2048) -> np.ndarray:
+    """Each query's 10 best items by dot product, best first, a chunk of queries at a time
+    (100k captions x 20k images at once would be an 8 GB score matrix)."""
+    k = min(10, len(items))
+    out = np.empty((len(queries), k), dtype=np.int64)
+    for lo in range(0, len(queries), chunk):
+        scores = queries[lo : lo + chunk] @ items.T
+        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        order = np.argsort(-np.take_along_axis(scores, part, axis=1), axis=1, kind="stable")
+        out[lo : lo + chunk] = np.take_along_axis(part, order, axis=1)
+    return out
 
 
 def agreement(ref: Path, other: Path) -> dict[str, float]:
@@ -51,8 +107,7 @@ def agreement(ref: Path, other: Path) -> dict[str, float]:
         num = (a * b).sum(1)
         return float((num / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
 
-    top_r = np.argsort(-(rt @ ri.T), axis=1)[:, :10]
-    top_o = np.argsort(-(ot @ oi.T), axis=1)[:, :10]
+    top_r, top_o = top10(rt, ri), top10(ot, oi)
     shared = [len(set(a) & set(b)) / len(a) for a, b in zip(top_r, top_o, strict=True)]
     return {
         "min_cos_image": round(min_cos(ri, oi), 6),
@@ -62,35 +117,63 @@ def agreement(ref: Path, other: Path) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    """Generate the corpus, build once per device, print one JSON line each."""
+def make_corpus(args: argparse.Namespace, corpus: Path) -> None:
+    """`duet demo-corpus` into `corpus`, as the options ask."""
+    gen = [*DUET, "demo-corpus", "--out", str(corpus), "--images", str(args.images)]
+    gen += ["--seed", str(args.seed), "--no-progress", "--format", args.format]
+    if args.image_size:
+        gen += ["--image-size", args.image_size]
+    subprocess.run(gen, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+
+
+def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--devices", default="cpu,cuda", help="comma-separated; the first is the reference"
     )
+    p.add_argument(
+        "--cpus",
+        default="",
+        help="semicolon-separated `taskset -c` CPU lists, each run for every device "
+        "(e.g. '0;0,1' for a 1-core and a 2-core run; default: every CPU)",
+    )
     p.add_argument("--images", type=int, default=20000)
+    p.add_argument("--format", choices=("png", "jpeg"), default="png", help="the corpus images")
+    p.add_argument("--image-size", default=None, help="JPEG WxH (default 512x384)")
+    p.add_argument("--corpus", type=Path, default=None, help="an existing corpus folder to use")
+    p.add_argument("--workers", type=int, default=None, help="--workers for duet build")
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass (both)")
     p.add_argument("--seed", type=int, default=3)
     args = p.parse_args()
-    devices = args.devices.split(",")
-    if len(set(devices)) != len(devices):
-        p.error(f"--devices names a device twice: {args.devices}")
+    args.devices = args.devices.split(",")
+    if len(set(args.devices)) != len(args.devices):
+        p.error(f"--devices names a device twice: {','.join(args.devices)}")
+    args.cpus = [c for c in args.cpus.split(";") if c] or [None]
+    return args
+
+
+def main() -> None:
+    """Generate the corpus, build once per device and CPU set, print one JSON line each."""
+    args = parse()
     with tempfile.TemporaryDirectory(prefix="duet-build-devices-") as tmp:
-        corpus = Path(tmp) / "corpus"
-        gen = [*DUET, "demo-corpus", "--out", str(corpus), "--images", str(args.images)]
-        subprocess.run(
-            [*gen, "--seed", str(args.seed), "--no-progress"],
-            check=True,
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-        )
-        outs = {d: Path(tmp) / f"index-{d}" for d in devices}
-        for d in devices:
-            secs = build(corpus, outs[d], d, args.batch_size)
-            row: dict[str, object] = {"device": d, "images": args.images, "seconds": round(secs, 2)}
-            row["images_per_s"] = round(args.images / secs, 1)
-            if d != devices[0]:
-                row |= agreement(outs[devices[0]], outs[d])
+        corpus = args.corpus
+        if corpus is None:
+            corpus = Path(tmp) / "corpus"
+            make_corpus(args, corpus)
+        n = sum(1 for line in (corpus / "manifest.jsonl").open() if line.strip())
+        runs = [(d, c) for d in args.devices for c in args.cpus]
+        first: tuple[Path, float] | None = None
+        for k, (d, cpus) in enumerate(runs):
+            out = Path(tmp) / f"index-{k}"
+            secs = build(corpus, out, d, args.batch_size, args.workers, cpus)
+            row: dict[str, object] = {"device": d, "cpus": cpus or "all", "images": n}
+            row |= {"seconds": round(secs, 2), "images_per_s": round(n / secs, 1)}
+            row |= stages(out, secs)
+            if first is None:
+                first = (out, secs)
+            else:
+                row["speedup"] = round(first[1] / secs, 2)
+                row |= agreement(first[0], out)
             print(json.dumps(row), flush=True)
 
 

@@ -27,6 +27,7 @@ import torch
 
 from index_builder.assemble import assemble
 from index_builder.corpus import CorpusError, CorpusItem, CorpusSelection, read_corpus
+from index_builder.cpu_encode import encode_cpu_shards
 from index_builder.encode import (
     _encode_local,
     _encode_rgb,
@@ -39,6 +40,7 @@ from index_builder.errors import BuildError
 from index_builder.plan import SHARDS_DIR, plan_shards
 from index_builder.publish import publish
 from index_builder.sources import _apply_delete, _check_duplicates, _load_base
+from index_builder.stages import Stages
 from index_builder.write import IDENTICAL_FILES, _bytes_per_item, _factories
 from models.builtin import BuiltinModel
 from models.device import resolve_device
@@ -78,6 +80,7 @@ class BuildReport:
     shards: int = 0
     encode_seconds: float = 0.0
     items_per_s: float = 0.0
+    stages: dict[str, float] = field(default_factory=dict)  # `index_builder.stages`
 
 
 @dataclass(frozen=True)
@@ -140,19 +143,24 @@ class _Build:
         self.corpus, self.out, self.model, self.opts = corpus, out, model, opts
         self.skipped: list[str] = []
         self.factory = opts.factory
+        self.stages = Stages()
 
     def run(self) -> BuildReport:
         self._check()
-        self._read()
-        self._plan_shards()
+        with self.stages("read"):
+            self._read()
+            self._plan_shards()
         self._encode()
-        self._assemble()
+        with self.stages("assemble"):
+            self._assemble()
         manifest = publish(
             self.out,
             self.assembled,
             self.factories,
             self.model.token_shape,
             self._manifest,
+            self.stages,
+            self.dev.type,
         )
         self.shards.remove()
         b = manifest.build or BuildSettings()
@@ -169,6 +177,7 @@ class _Build:
             shards=b.shards,
             encode_seconds=self.encode_seconds,
             items_per_s=b.items_per_s,
+            stages=self.stages.as_json(),
         )
 
     # -- stage 1: the options, the device --------------------------------------------------
@@ -273,7 +282,9 @@ class _Build:
         args = (shards.items, shards.missing, shards.directory)
         if shards.missing and joint is None:
             assert isinstance(self.model, Models)
-            _encode_rgb(*args, self.model, opts.batch_size, opts.progress, self._check_shard)
+            _encode_rgb(
+                *args, self.model, opts.batch_size, opts.progress, self._check_shard, self.stages
+            )
         elif shards.missing and opts.engine == "ray":
             from index_builder.ray_engine import encode_ray
 
@@ -287,6 +298,17 @@ class _Build:
                 opts.progress,
                 on_shard=self._check_shard,
             )
+        elif shards.missing and self.dev.type == "cpu":
+            assert joint is not None
+            encode_cpu_shards(
+                *args,
+                joint,
+                opts.batch_size,
+                self.workers,
+                opts.progress,
+                self._check_shard,
+                self.stages,
+            )
         elif shards.missing:
             assert joint is not None
             _encode_local(
@@ -297,6 +319,7 @@ class _Build:
                 self.workers,
                 opts.progress,
                 self._check_shard,
+                self.stages,
             )
         self.encode_seconds = time.perf_counter() - t_enc
 
@@ -318,6 +341,8 @@ class _Build:
         """manifest.json: what was built, from what, with which models, how."""
         opts, model, factories = self.opts, self.model, self.factories
         contents = self.assembled
+        with self.stages("hash"):
+            files = {name: indexio.file_sha256(tmp / name) for name in IDENTICAL_FILES}
         seconds = time.perf_counter() - self.t0
         rate = (
             round(self.encoded / self.encode_seconds, 1)
@@ -361,8 +386,9 @@ class _Build:
                 encoded_items=self.encoded,
                 encode_seconds=round(self.encode_seconds, 3),
                 items_per_s=rate,
+                stages=self.stages.as_json(),
             ),
-            files={name: indexio.file_sha256(tmp / name) for name in IDENTICAL_FILES},
+            files=files,
             bytes_per_item=_bytes_per_item(tmp, len(contents.image_rows), len(contents.text_rows)),
             base=None
             if self.base is None

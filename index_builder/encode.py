@@ -1,8 +1,11 @@
-"""The encode step: decode images (DataLoader workers) -> encode on a device -> shards.
+"""The encode step: decode images -> encode on a device -> shards.
 
-One code path for CPU and GPU: pixels are decoded and resized on the CPU (uint8), moved to
-the device, and run under `torch.autocast` (bf16 where the GPU supports it, else fp16;
-disabled on CPU, which encodes in fp32). Vectors come back float32 and re-normalised.
+One encode path for CPU and GPU: pixels are decoded and resized to uint8 (`decode`), moved
+to the device, and run under `torch.autocast` (bf16 where the GPU supports it, else fp16;
+disabled on CPU, which encodes in fp32). Vectors come back float32 and re-normalised. On a GPU
+(`_encode_local`), DataLoader workers decode and stack page-locked batches for one encoder,
+and JPEGs may be decoded on the device (`device_decode`); on CPU, worker processes encode
+whole shards each (`cpu_encode`).
 
 Both engines (local and Ray) feed decoded batches into a `ShardBuilder` with the same batch
 boundaries, so a shard's contents do not depend on which engine or how many workers made it.
@@ -10,29 +13,54 @@ boundaries, so a shard's contents do not depend on which engine or how many work
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from PIL import Image
 from tqdm import tqdm
 
-from models.builtin import BuiltinModel, encode_ids, encode_pixels, pixel_bytes
+from index_builder.decode import (
+    Decoded,
+    DecodedBatch,
+    PlanItem,
+    decode,
+    decode_rgb,
+    decoded_batches,
+    shard_batches,
+)
+from index_builder.device_decode import jpeg_decoder, resolve
+from index_builder.stages import Stages
+from models.builtin import BuiltinModel, encode_ids, encode_pixels
 from models.joint import JointModel
 from models.loading import Models
 from store import indexio
 
+# PlanItem, decode and shard_batches live in `index_builder.decode`; importable from here too
+__all__ = [
+    "SHARD_FIELDS",
+    "Encoder",
+    "PlanItem",
+    "RGBEncoder",
+    "ShardBuilder",
+    "autocast_dtype",
+    "decode",
+    "default_workers",
+    "read_shard",
+    "read_shard_bytes",
+    "shard_batches",
+    "shard_bytes",
+    "shard_path",
+]
+
 log = logging.getLogger("duet.build")
 
-TEXT_BATCH_MIN = 256
+TEXT_BATCH_MIN = 1024
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -44,14 +72,14 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 
 def default_workers(device: torch.device) -> int:
-    """Decoding workers. On a GPU the CPU only decodes: cores - 1 (at most 8). On CPU the
-    encoder needs the cores itself (on 2 cores, 1 worker made the 2,000-image demo build
-    1.3-1.8x slower than 0), so a quarter of them, at most 4."""
+    """Workers, by the cores this process may run on. On a GPU the CPU only decodes: cores - 1
+    decoding processes (at most 8). On CPU each worker encodes whole shards on one thread
+    (`index_builder.cpu_encode`): one per core (at most 32), none on a single core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
     if device.type == "cuda":
         return max(0, min(8, cores - 1))
-    return min(4, cores // 4)
+    return min(32, cores) if cores > 1 else 0
 
 
 class Encoder:
@@ -71,8 +99,8 @@ class Encoder:
         (B, T, d) float16 tokens), by the service's own `encode_pixels`."""
         if not isinstance(pixels, torch.Tensor):
             pixels = torch.stack(list(pixels))
-        if self.device.type == "cuda":  # page-locked, so the copy can overlap the last batch
-            pixels = pixels.pin_memory()
+        if pixels.device.type == "cpu" and self.device.type == "cuda" and not pixels.is_pinned():
+            pixels = pixels.pin_memory()  # page-locked, so the copy can overlap the last batch
         x = pixels.to(self.device, non_blocking=True).float() / 255.0
         return encode_pixels(self.net, x, self.dtype)
 
@@ -112,107 +140,6 @@ def _moved(model: BuiltinModel, device: torch.device) -> JointModel:
     return copy.deepcopy(model.model).to(device).eval()
 
 
-# -- the work plan -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PlanItem:
-    """One corpus item to encode: its image (if any) and captions, in corpus order."""
-
-    pos: int
-    id: str
-    image: str | None  # absolute path
-    image_rel: str | None
-    line: int
-    captions: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Decoded:
-    """A decoded image, or why it could not be: what a loader worker hands back."""
-
-    pos: int
-    pixels: Any  # uint8 tensor (3, S, S) from `decode`, an RGB PIL image from `decode_rgb`
-    sha256: bytes
-    error: str
-
-
-def decode(item: PlanItem, size: int) -> Decoded:
-    """Read, hash, decode and resize one image; errors come back as text, not exceptions."""
-    return _decode(item, lambda rgb: pixel_bytes([rgb], size)[0])
-
-
-def decode_rgb(item: PlanItem) -> Decoded:
-    """Read, hash and decode one image, not resized (a Hugging Face processor resizes it)."""
-    return _decode(item, lambda rgb: rgb)
-
-
-def _decode(item: PlanItem, convert: Callable[[Image.Image], Any]) -> Decoded:
-    assert item.image is not None
-    try:
-        data = Path(item.image).read_bytes()
-    except OSError as exc:
-        return Decoded(
-            item.pos,
-            None,
-            b"\0" * 32,
-            f"cannot read image {item.image_rel!r} ({item.image}): {exc}",
-        )
-    sha = hashlib.sha256(data).digest()
-    try:
-        img = Image.open(io.BytesIO(data))
-        img.load()
-        pix = convert(img.convert("RGB"))
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        return Decoded(
-            item.pos, None, sha, f"cannot read image {item.image_rel!r} ({item.image}): {exc}"
-        )
-    return Decoded(item.pos, pix, sha, "")
-
-
-class DecodeDataset(torch.utils.data.Dataset[Decoded]):
-    """Images of the plan by position, decoded in DataLoader workers."""
-
-    def __init__(self, plan: Sequence[PlanItem], size: int) -> None:
-        self.plan = plan
-        self.size = size
-
-    def __len__(self) -> int:
-        return len(self.plan)
-
-    def __getitem__(self, pos: int) -> Decoded:
-        return decode(self.plan[pos], self.size)
-
-
-def _as_list(batch: list[Decoded]) -> list[Decoded]:
-    return batch
-
-
-def shard_batches(
-    plan: Sequence[PlanItem], start: int, stop: int, batch_size: int
-) -> list[list[int]]:
-    """Positions of the images in plan[start:stop], cut into batches (never across shards)."""
-    with_image = [it.pos for it in plan[start:stop] if it.image is not None]
-    return [with_image[i : i + batch_size] for i in range(0, len(with_image), batch_size)]
-
-
-def decoded_batches(
-    plan: Sequence[PlanItem], batches: list[list[int]], size: int, workers: int
-) -> Iterator[list[Decoded]]:
-    """The decoded batches, in order, from `workers` DataLoader processes (0 = this one)."""
-    if not batches:
-        return iter(())
-    loader = torch.utils.data.DataLoader(
-        DecodeDataset(plan, size),
-        batch_sampler=batches,
-        num_workers=workers,
-        collate_fn=_as_list,
-        prefetch_factor=4 if workers else None,
-        persistent_workers=False,
-    )
-    return iter(loader)
-
-
 # -- one shard ---------------------------------------------------------------------------
 
 SHARD_FIELDS = (
@@ -228,29 +155,44 @@ SHARD_FIELDS = (
 class ShardBuilder:
     """Collects one shard's encoded image batches, then encodes its captions."""
 
-    def __init__(self, items: Sequence[PlanItem], encoder: ImageEncoder, batch_size: int) -> None:
+    def __init__(
+        self,
+        items: Sequence[PlanItem],
+        encoder: ImageEncoder,
+        batch_size: int,
+        stages: Stages | None = None,
+    ) -> None:
         self.items = list(items)
         self.encoder = encoder
         self.batch_size = batch_size
+        self.stages = stages or Stages()
         self.decoded: list[Decoded] = []
         self.vecs: list[np.ndarray] = []
         self.toks: list[np.ndarray] = []
 
-    def add(self, batch: list[Decoded]) -> None:
-        """Encode the decodable images of one batch."""
-        self.decoded.extend(batch)
-        good = [d.pixels for d in batch if d.pixels is not None]
-        if good:
-            vec, tok = self.encoder.images(good)
+    def add(self, batch: list[Decoded] | DecodedBatch) -> None:
+        """Encode the decodable images of one batch (a `DecodedBatch` with none deferred)."""
+        good: Any
+        if isinstance(batch, DecodedBatch):
+            if batch.deferred:
+                raise ValueError("decode the deferred JPEGs first (device_decode.resolve)")
+            items, good = batch.items, batch.pixels
+        else:
+            items, good = batch, [d.pixels for d in batch if d.pixels is not None]
+        self.decoded.extend(items)
+        self.stages.add("decode_busy", sum(d.seconds for d in items))
+        if good is not None and len(good):
+            with self.stages("encode_images"):
+                vec, tok = self.encoder.images(good)
             self.vecs.append(vec)
             self.toks.append(tok)
 
     def finish(self, dim: int, token_shape: tuple[int, int]) -> dict[str, np.ndarray]:
         """Encode the captions of every item whose image decoded (or that has none)."""
-        ok = {d.pos: d.pixels is not None for d in self.decoded}
+        ok = {d.pos: not d.error for d in self.decoded}
         texts = [c for it in self.items if it.image is None or ok[it.pos] for c in it.captions]
-        step = max(self.batch_size, TEXT_BATCH_MIN)
-        tvecs = [self.encoder.texts(texts[i : i + step]) for i in range(0, len(texts), step)]
+        with self.stages("encode_texts"):
+            tvecs = self._texts(texts)
         return {
             "image_ok": np.array([ok[d.pos] for d in self.decoded], dtype=bool),
             "image_sha": np.array(
@@ -265,8 +207,24 @@ class ShardBuilder:
                 if self.toks
                 else np.zeros((0, *token_shape), np.float16)
             ),
-            "text_vectors": (np.concatenate(tvecs) if tvecs else np.zeros((0, dim), np.float32)),
+            "text_vectors": tvecs if len(texts) else np.zeros((0, dim), np.float32),
         }
+
+    def _texts(self, texts: list[str]) -> np.ndarray:
+        """The captions' vectors in order, encoded in large batches of similar length (less
+        padding to compute; a caption's vector does not depend on its batch's padding)."""
+        if not texts:
+            return np.zeros((0, 0), np.float32)
+        step = max(self.batch_size, TEXT_BATCH_MIN)
+        order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))
+        chunks = [
+            self.encoder.texts([texts[j] for j in order[i : i + step]])
+            for i in range(0, len(order), step)
+        ]
+        vecs = np.concatenate(chunks)
+        out = np.empty_like(vecs)
+        out[order] = vecs
+        return out
 
 
 def shard_bytes(arrays: dict[str, np.ndarray]) -> bytes:
@@ -312,24 +270,37 @@ def _encode_local(
     workers: int,
     progress: bool,
     on_shard: Any,
+    stages: Stages,
 ) -> None:
     """Decode in `workers` DataLoader processes, encode here, write each shard as it ends."""
     encoder = Encoder(model, dev)
     per_shard = [shard_batches(plan, a, b, batch_size) for _, a, b in missing]
+    gpu_jpeg = jpeg_decoder(dev)  # None unless CUDA and torchvision
+    size = encoder.image_size
     batches = decoded_batches(
-        plan, [b for bs in per_shard for b in bs], encoder.image_size, workers
+        plan,
+        [b for bs in per_shard for b in bs],
+        size,
+        workers,
+        pin=dev.type == "cuda",
+        defer_jpeg=gpu_jpeg is not None,
     )
     with tqdm(
         total=sum(b - a for _, a, b in missing), desc="encoding", unit="item", disable=not progress
     ) as bar:
         for (k, a, b), bs in zip(missing, per_shard, strict=True):
-            shard = ShardBuilder(plan[a:b], encoder, batch_size)
+            shard = ShardBuilder(plan[a:b], encoder, batch_size, stages)
             for _ in bs:
-                shard.add(next(batches))
+                with stages("decode"):
+                    batch = next(batches)
+                    if gpu_jpeg is not None:
+                        batch = resolve(batch, plan, size, dev, gpu_jpeg)
+                shard.add(batch)
             arrays = shard.finish(model.dim, model.token_shape)
-            indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+            with stages("shards"):
+                indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+                on_shard(k, arrays)
             bar.update(b - a)
-            on_shard(k, arrays)
 
 
 def _encode_rgb(
@@ -340,6 +311,7 @@ def _encode_rgb(
     batch_size: int,
     progress: bool,
     on_shard: Any,
+    stages: Stages,
 ) -> None:
     """Hugging Face models: decode here, encode `batch_size` images at a time at their own
     size (each model's processor resizes), the same shard files as the fast path."""
@@ -356,16 +328,19 @@ def _encode_rgb(
     ) as bar:
         for k, a, b in missing:
             t0 = time.perf_counter()
-            shard = ShardBuilder(plan[a:b], encoder, batch_size)
+            shard = ShardBuilder(plan[a:b], encoder, batch_size, stages)
             done = 0
             for positions in shard_batches(plan, a, b, batch_size):
-                shard.add([decode_rgb(plan[p]) for p in positions])
+                with stages("decode"):
+                    batch = [decode_rgb(plan[p]) for p in positions]
+                shard.add(batch)
                 bar.update(len(positions))
                 done += len(positions)
             arrays = shard.finish(model.dim, model.token_shape)  # the captions
-            indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+            with stages("shards"):
+                indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+                on_shard(k, arrays)
             bar.update(b - a - done)
             log.info(
                 "shard %d: items %d-%d encoded in %.1fs", k, a, b - 1, time.perf_counter() - t0
             )
-            on_shard(k, arrays)

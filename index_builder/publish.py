@@ -15,6 +15,7 @@ import numpy as np
 
 from index_builder.assemble import Assembled
 from index_builder.errors import BuildError
+from index_builder.stages import Stages
 from index_builder.write import _new_version, _write_indexes, _write_npy
 from store import indexio
 from store.manifest import IndexStats, Manifest
@@ -82,11 +83,24 @@ def publish(
     factories: tuple[str, str],
     token_shape: tuple[int, ...],
     describe: Describe,
+    stages: Stages | None = None,
+    device: str = "cpu",
 ) -> Manifest:
-    """Write `contents` as a new version of `out`, make it `current`; its manifest."""
+    """Write `contents` as a new version of `out`, make it `current`; its manifest. FAISS
+    trains on the GPU where `device` is cuda and faiss-gpu is installed."""
     version = _new_version(out, contents.digest)
     with _building(out, version) as tmp:
-        manifest = _write_version(out, version, tmp, contents, factories, token_shape, describe)
+        manifest = _write_version(
+            out,
+            version,
+            tmp,
+            contents,
+            factories,
+            token_shape,
+            describe,
+            stages or Stages(),
+            device,
+        )
     indexio.point_current(out, version)
     return manifest
 
@@ -99,24 +113,29 @@ def _write_version(
     factories: tuple[str, str],
     token_shape: tuple[int, ...],
     describe: Describe,
+    stages: Stages,
+    device: str,
 ) -> Manifest:
     """Every file of the version into `tmp`, fsynced, then `tmp` renamed to `out/version`
-    (`tmp` removed if anything fails); the manifest written."""
+    (`tmp` removed if anything fails); the manifest written. The data files are fsynced
+    before `describe` runs, so the manifest's `write` stage includes their fsync."""
     try:
-        indexes = _write_indexes(tmp, factories, contents.ivecs, contents.tvecs)
-        _write_npy(
-            tmp / indexio.IMAGE_TOKENS,
-            contents.token_chunks,
-            (len(contents.image_rows), *token_shape),
-            np.float16,
-        )
-        np.save(tmp / indexio.IMAGE_VECTORS, contents.ivecs)
-        np.save(tmp / indexio.TEXT_VECTORS, contents.tvecs)
-        indexio.write_items(tmp / indexio.ITEMS, contents.image_rows, contents.text_rows)
+        indexes = _write_indexes(tmp, factories, contents.ivecs, contents.tvecs, stages, device)
+        with stages("write"):
+            _write_npy(
+                tmp / indexio.IMAGE_TOKENS,
+                contents.token_chunks,
+                (len(contents.image_rows), *token_shape),
+                np.float16,
+            )
+            np.save(tmp / indexio.IMAGE_VECTORS, contents.ivecs)
+            np.save(tmp / indexio.TEXT_VECTORS, contents.tvecs)
+            indexio.write_items(tmp / indexio.ITEMS, contents.image_rows, contents.text_rows)
+            for f in tmp.iterdir():
+                indexio.fsync_path(f)
         manifest = describe(tmp, version, indexes)
         manifest.write(tmp)
-        for f in tmp.iterdir():
-            indexio.fsync_path(f)
+        indexio.fsync_path(tmp / indexio.MANIFEST)
         indexio.fsync_path(tmp)
         tmp.rename(out / version)
         indexio.fsync_path(out)

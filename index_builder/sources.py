@@ -52,7 +52,7 @@ def _shard_key(
     h.update(
         json.dumps(
             {
-                "shard_format": 1,
+                "shard_format": 2,  # 2: captions encoded in batches sorted by length
                 "model": model.fingerprint,
                 "device": dev.type,
                 "autocast": str(autocast_dtype(dev)),

@@ -114,11 +114,19 @@ def training_sample(n: int, size: int, seed: int = TRAIN_SEED) -> np.ndarray:
     return np.sort(rng.choice(n, size=size, replace=False))
 
 
-def build_index(factory: str, vectors: np.ndarray, seed: int = TRAIN_SEED) -> faiss.Index:
+def build_index(
+    factory: str,
+    vectors: np.ndarray,
+    seed: int = TRAIN_SEED,
+    clustering: Any = None,
+) -> faiss.Index:
     """Make, train (on a seeded sample) and fill an index; deterministic for the same input.
 
     HNSW graphs built by several threads depend on thread timing, so an index holding one
     is filled on a single thread: the same vectors give the same bytes.
+
+    `clustering(dim, metric)`, when given, makes the index an IVF's k-means assigns with
+    while training (a GPU `IndexFlat`, say); only for IVFs whose coarse quantizer is flat.
     """
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     n, dim = vectors.shape
@@ -131,12 +139,20 @@ def build_index(factory: str, vectors: np.ndarray, seed: int = TRAIN_SEED) -> fa
             )
         _seed(index, seed)
         sample = vectors[training_sample(n, training_size(index, n), seed)]
+        ivf = _ivf(index) if clustering is not None else None
+        helper = None
+        if ivf is not None and _trains_alone(ivf) == 0:
+            helper = clustering(ivf.d, ivf.quantizer.metric_type)
+            ivf.clustering_index = helper  # `helper` keeps it alive while training
         try:
             index.train(sample)
         except RuntimeError as exc:
             raise FactoryError(
                 f"training {factory!r} on {len(sample)} vectors failed: {exc}"
             ) from exc
+        finally:
+            if ivf is not None and helper is not None:
+                ivf.clustering_index = None
     if "HNSW" in factory:
         threads = faiss.omp_get_max_threads()
         faiss.omp_set_num_threads(1)
@@ -291,12 +307,15 @@ def recall_at_k(
         return 1.0
     k = min(k, vectors.shape[0])
     _, got = search(index, queries, k, knobs)
-    scores = np.asarray(queries, np.float32) @ np.asarray(vectors, np.float32).T
-    kth = -np.partition(-scores, k - 1, axis=1)[:, k - 1]
+    queries = np.ascontiguousarray(queries, np.float32)
+    vectors = np.ascontiguousarray(vectors, np.float32)
+    # the exact k-th best score per query, without a (queries x N) score matrix
+    exact, _ = faiss.knn(queries, vectors, k, metric=faiss.METRIC_INNER_PRODUCT)
+    kth = exact[:, k - 1]
     hits = 0
-    for row_scores, rows, bar in zip(scores, got, kth, strict=True):
+    for query, rows, bar in zip(queries, got, kth, strict=True):
         found = np.unique(rows[rows >= 0])
-        hits += min(k, int((row_scores[found] >= bar - 1e-6).sum()))
+        hits += min(k, int((vectors[found] @ query >= bar - 1e-6).sum()))
     return hits / (k * len(queries))
 
 
@@ -330,6 +349,12 @@ def _has_pq(index: faiss.Index) -> bool:
     ivf = _ivf(index)
     target = faiss.downcast_index(ivf) if ivf is not None else _inner(index)
     return getattr(target, "pq", None) is not None
+
+
+def _trains_alone(ivf: Any) -> int:
+    """An IVF's `quantizer_trains_alone` (a C++ char: SWIG hands it over as a str)."""
+    value = ivf.quantizer_trains_alone
+    return ord(value) if isinstance(value, str) else int(value)
 
 
 def _seed(index: faiss.Index, seed: int) -> None:

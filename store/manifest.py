@@ -140,6 +140,8 @@ class BuildSettings:
     encoded_items: int = 0
     encode_seconds: float = 0.0
     items_per_s: float = 0.0
+    # wall seconds per build stage (`index_builder.stages`); empty in older manifests
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

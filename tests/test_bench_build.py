@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.build_devices import agreement
+from benchmarks.build_devices import agreement, stages, top10
+from index_builder.stages import STAGES
 from tests.conftest import REPO
 
 SCRIPT = [sys.executable, str(REPO / "benchmarks" / "build_devices.py")]
@@ -35,6 +36,22 @@ def test_agreement_of_a_build_with_itself_and_with_a_changed_copy(
     assert moved["min_cos_image"] < 0.99 and moved["top1_same"] < 0.2
 
 
+def test_top10_in_chunks_is_argsorts_top10() -> None:
+    rng = np.random.default_rng(0)
+    queries = rng.standard_normal((500, 16)).astype(np.float32)
+    items = rng.standard_normal((300, 16)).astype(np.float32)
+    want = np.argsort(-(queries @ items.T), axis=1)[:, :10]
+    assert (top10(queries, items, chunk=64) == want).all()
+    assert top10(queries, items[:4]).shape == (500, 4)
+
+
+def test_stages_reads_the_builds_own_stage_times(index_dir: Path) -> None:
+    got = stages(index_dir, 1000.0)
+    times = got["stages"]
+    assert isinstance(times, dict) and set(STAGES) <= set(times)
+    assert 0 < sum(times[k] for k in STAGES) < 1000 and 0 < float(str(got["other"])) < 1000
+
+
 @pytest.mark.slow
 def test_build_devices_benchmark_runs() -> None:
     res = subprocess.run(
@@ -47,6 +64,7 @@ def test_build_devices_benchmark_runs() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     (row,) = [json.loads(line) for line in res.stdout.splitlines()]
     assert row["device"] == "cpu" and row["images"] == 48 and row["images_per_s"] > 0
+    assert row["stages"]["encode_images"] > 0 and row["cpus"] == "all"
     twice = subprocess.run(
         [*SCRIPT, "--devices", "cpu,cpu"],
         capture_output=True,

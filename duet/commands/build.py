@@ -94,8 +94,9 @@ def _add_build_options(b: argparse.ArgumentParser, weights: Path) -> None:
         "--workers",
         type=int,
         default=None,
-        help="image-decoding DataLoader workers (default: on a GPU cores - 1, at "
-        "most 8; on CPU cores / 4, at most 4; 0 = decode in the main process)",
+        help="worker processes. On a GPU they decode images for it (default: cores - 1, "
+        "at most 8); on CPU each decodes and encodes whole shards on one thread (default: "
+        "one per core, at most 32). 0 = all in the main process",
     )
     b.add_argument(
         "--device",
@@ -152,6 +153,22 @@ def _add_demo(sub: Any) -> None:
         choices=range(3, 7),
         metavar="{3..6}",
         help="captions per image (default 5)",
+    )
+    d.add_argument(
+        "--format",
+        choices=("png", "jpeg"),
+        default="png",
+        help="png: the world's own 64-pixel images; jpeg: photo-sized JPEGs with film grain, "
+        "which cost what users' photos cost to decode (default png)",
+    )
+    d.add_argument(
+        "--image-size",
+        default=None,
+        metavar="WxH",
+        help="JPEG width x height (default 512x384; --format jpeg only)",
+    )
+    d.add_argument(
+        "--quality", type=int, default=90, help="JPEG quality, 1-95 (default 90; jpeg only)"
     )
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(fn=cmd_demo_corpus)
@@ -249,17 +266,40 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _photo_style(args: argparse.Namespace) -> Any:
+    """The `PhotoStyle` of --format jpeg (None for png), or a message why the options clash."""
+    from models.world import PhotoStyle
+
+    if args.format == "png":
+        if args.image_size is not None or args.quality != 90:
+            return "--image-size and --quality apply to --format jpeg"
+        return None
+    size = PhotoStyle().size
+    if args.image_size is not None:
+        w, _, h = args.image_size.lower().partition("x")
+        if not (w.isdigit() and h.isdigit() and 16 <= int(w) <= 8192 and 16 <= int(h) <= 8192):
+            return f"--image-size {args.image_size!r}: give WIDTHxHEIGHT, 16 to 8192 each"
+        size = (int(w), int(h))
+    if not 1 <= args.quality <= 95:
+        return "--quality must be 1 to 95"
+    return PhotoStyle(size=size, quality=args.quality)
+
+
 def cmd_demo_corpus(args: argparse.Namespace) -> int:
     from models.world import write_corpus
 
     if args.images < 1:
         return fail("--images must be at least 1")
+    photo = _photo_style(args)
+    if isinstance(photo, str):
+        return fail(photo)
     manifest = write_corpus(
         Path(args.out),
         args.images,
         args.seed,
         n_captions=args.captions,
         progress=not args.no_progress,
+        photo=photo,
     )
     print(f"wrote {args.images} images and {args.images * args.captions} captions: {manifest}")
     return 0

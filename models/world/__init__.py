@@ -13,7 +13,7 @@ drawing) and `corpus` (samples, PNG bytes, corpora on disk).
 """
 
 from models.world.captioning import captions, grounding, vocabulary
-from models.world.corpus import Sample, generate, png_bytes, write_corpus
+from models.world.corpus import PhotoStyle, Sample, generate, png_bytes, write_corpus
 from models.world.descriptions import (
     Desc,
     Part,
@@ -64,6 +64,7 @@ __all__ = [
     "Desc",
     "Layout",
     "Part",
+    "PhotoStyle",
     "Sample",
     "Scene",
     "Thing",

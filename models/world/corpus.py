@@ -1,5 +1,5 @@
-"""Corpora of the world: rendered samples with their captions, deterministic PNG bytes, and
-a manifest plus images on disk."""
+"""Corpora of the world: rendered samples with their captions, deterministic PNG bytes (or
+photo-sized JPEGs), and a manifest plus images on disk."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 from models.world.captioning import captions
@@ -43,12 +44,47 @@ def png_bytes(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+@dataclass(frozen=True)
+class PhotoStyle:
+    """How `write_corpus` stores images the size of users' photos: the rendered scene scaled
+    to `size` (width, height), a fixed film grain added (so the file costs what a photo costs
+    to decode, not what a flat drawing does), saved as JPEG at `quality`."""
+
+    size: tuple[int, int] = (512, 384)
+    quality: int = 90
+    grain: float = 8.0  # standard deviation of the grain, in 8-bit levels
+    tiles: int = 8  # grain patterns drawn once per corpus, used in turn
+
+    def grain_tiles(self, seed: int) -> list[np.ndarray]:
+        rng = np.random.default_rng(seed)
+        w, h = self.size
+        return [
+            (rng.standard_normal((h, w, 3), dtype=np.float32) * self.grain).astype(np.int16)
+            for _ in range(self.tiles)
+        ]
+
+    def encode(self, img: Image.Image, grain: np.ndarray) -> bytes:
+        """The scene as a JPEG photo; the same inputs give the same bytes."""
+        big = np.asarray(img.resize(self.size, Image.Resampling.BICUBIC), dtype=np.int16)
+        photo = Image.fromarray(np.clip(big + grain, 0, 255).astype(np.uint8))
+        buf = io.BytesIO()
+        photo.save(buf, format="JPEG", quality=self.quality)
+        return buf.getvalue()
+
+
 def write_corpus(
-    out: Path, n_images: int, seed: int, n_captions: int = 5, progress: bool = True
+    out: Path,
+    n_images: int,
+    seed: int,
+    n_captions: int = 5,
+    progress: bool = True,
+    photo: PhotoStyle | None = None,
 ) -> Path:
-    """Write `out/manifest.jsonl` and `out/images/*.png`; return the manifest path."""
+    """Write `out/manifest.jsonl` and `out/images/*.png` (`*.jpg` in the `photo` style);
+    return the manifest path."""
     from tqdm import tqdm
 
+    grain = photo.grain_tiles(seed) if photo is not None else []
     out.mkdir(parents=True, exist_ok=True)
     (out / "images").mkdir(exist_ok=True)
     manifest = out / "manifest.jsonl"
@@ -59,8 +95,11 @@ def write_corpus(
             tqdm(samples, total=n_images, desc="rendering", unit="img", disable=not progress)
         ):
             name = f"{i:0{width}d}"
-            rel = f"images/{name}.png"
-            (out / rel).write_bytes(png_bytes(sample.image))
+            if photo is None:
+                rel, data = f"images/{name}.png", png_bytes(sample.image)
+            else:
+                rel, data = f"images/{name}.jpg", photo.encode(sample.image, grain[i % len(grain)])
+            (out / rel).write_bytes(data)
             line = {
                 "id": f"img-{name}",
                 "image": rel,

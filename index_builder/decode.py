@@ -1,0 +1,175 @@
+"""Decoding a build's images: read, hash, decode and resize each one, in DataLoader worker
+processes (or this process), handed to the encoder in the plan's batches and order."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from models.builtin import pixel_bytes
+
+# -- the work plan -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One corpus item to encode: its image (if any) and captions, in corpus order."""
+
+    pos: int
+    id: str
+    image: str | None  # absolute path
+    image_rel: str | None
+    line: int
+    captions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A decoded image, or why it could not be: what a loader worker hands back."""
+
+    pos: int
+    pixels: Any  # uint8 tensor (3, S, S) from `decode`, an RGB PIL image from `decode_rgb`
+    sha256: bytes
+    error: str
+    seconds: float = 0.0  # what reading, hashing and decoding it took
+    jpeg: bytes | None = None  # the file, left for the device to decode (`defer_jpeg`)
+
+
+def decode(item: PlanItem, size: int, defer_jpeg: bool = False) -> Decoded:
+    """Read, hash, decode and resize one image; errors come back as text, not exceptions.
+    With `defer_jpeg`, a JPEG file is only read and hashed: its bytes come back for the GPU
+    to decode (`index_builder.device_decode`)."""
+    return _decode(item, lambda rgb: pixel_bytes([rgb], size)[0], defer_jpeg)
+
+
+def decode_rgb(item: PlanItem) -> Decoded:
+    """Read, hash and decode one image, not resized (a Hugging Face processor resizes it)."""
+    return _decode(item, lambda rgb: rgb)
+
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+def _decode(
+    item: PlanItem, convert: Callable[[Image.Image], Any], defer_jpeg: bool = False
+) -> Decoded:
+    start = time.perf_counter()
+    assert item.image is not None
+    try:
+        data = Path(item.image).read_bytes()
+    except OSError as exc:
+        return Decoded(
+            item.pos,
+            None,
+            b"\0" * 32,
+            f"cannot read image {item.image_rel!r} ({item.image}): {exc}",
+        )
+    sha = hashlib.sha256(data).digest()
+    if defer_jpeg and data.startswith(JPEG_MAGIC):
+        return Decoded(item.pos, None, sha, "", time.perf_counter() - start, jpeg=data)
+    got = decode_bytes(item, data, sha, convert)
+    return Decoded(got.pos, got.pixels, sha, got.error, time.perf_counter() - start)
+
+
+def decode_bytes(
+    item: PlanItem, data: bytes, sha: bytes, convert: Callable[[Image.Image], Any]
+) -> Decoded:
+    """Decode an image file's bytes on the CPU (PIL), `convert` the RGB image."""
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.load()
+        pix = convert(img.convert("RGB"))
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        return Decoded(
+            item.pos, None, sha, f"cannot read image {item.image_rel!r} ({item.image}): {exc}"
+        )
+    return Decoded(item.pos, pix, sha, "")
+
+
+@dataclass
+class DecodedBatch:
+    """A batch as the encoder takes it: each image's outcome in batch order (`items`, their
+    pixels dropped) and the decoded images' pixels, one row each in batch order: those the
+    CPU decoded stacked in `pixels` (uint8 (n, 3, S, S), page-locked when they feed a GPU)
+    at rows `rows`, the JPEGs left for the device to decode (`deferred`) at the others."""
+
+    items: list[Decoded]
+    pixels: torch.Tensor | None
+    rows: list[int]
+    deferred: list[tuple[int, Decoded]]  # (row, the image with its `jpeg` bytes)
+
+    @classmethod
+    def collate(cls, batch: list[Decoded]) -> DecodedBatch:
+        """Stack a batch's pixels (in the worker that decoded it, when there are workers)."""
+        good = [d for d in batch if not d.error]
+        rows = [r for r, d in enumerate(good) if d.pixels is not None]
+        deferred = [(r, d) for r, d in enumerate(good) if d.jpeg is not None]
+        tensors = [good[r].pixels for r in rows]
+        pixels = torch.stack(tensors) if tensors and isinstance(tensors[0], torch.Tensor) else None
+        items = [Decoded(d.pos, None, d.sha256, d.error, d.seconds) for d in batch]
+        return cls(items, pixels, rows if pixels is not None else [], deferred)
+
+    def pin_memory(self) -> DecodedBatch:
+        """What a DataLoader's pin-memory thread calls."""
+        if self.pixels is not None:
+            self.pixels = self.pixels.pin_memory()
+        return self
+
+    def ok(self) -> list[bool]:
+        """Whether each image decoded (an image the device will decode counts as decoded)."""
+        return [not d.error for d in self.items]
+
+
+class DecodeDataset(torch.utils.data.Dataset[Decoded]):
+    """Images of the plan by position, decoded in DataLoader workers."""
+
+    def __init__(self, plan: Sequence[PlanItem], size: int, defer_jpeg: bool = False) -> None:
+        self.plan = plan
+        self.size = size
+        self.defer_jpeg = defer_jpeg
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, pos: int) -> Decoded:
+        return decode(self.plan[pos], self.size, self.defer_jpeg)
+
+
+def shard_batches(
+    plan: Sequence[PlanItem], start: int, stop: int, batch_size: int
+) -> list[list[int]]:
+    """Positions of the images in plan[start:stop], cut into batches (never across shards)."""
+    with_image = [it.pos for it in plan[start:stop] if it.image is not None]
+    return [with_image[i : i + batch_size] for i in range(0, len(with_image), batch_size)]
+
+
+def decoded_batches(
+    plan: Sequence[PlanItem],
+    batches: list[list[int]],
+    size: int,
+    workers: int,
+    pin: bool = False,
+    defer_jpeg: bool = False,
+) -> Iterator[DecodedBatch]:
+    """The decoded batches, in order, from `workers` DataLoader processes (0 = this one),
+    stacked there; page-locked by the loader's own thread with `pin` (a CUDA build)."""
+    if not batches:
+        return iter(())
+    loader = torch.utils.data.DataLoader(
+        DecodeDataset(plan, size, defer_jpeg),
+        batch_sampler=batches,
+        num_workers=workers,
+        collate_fn=DecodedBatch.collate,
+        pin_memory=pin,
+        prefetch_factor=4 if workers else None,
+        persistent_workers=False,
+    )
+    return iter(loader)

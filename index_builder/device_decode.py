@@ -1,0 +1,93 @@
+"""On a GPU host, JPEGs decoded on the GPU: `torchvision.io.decode_jpeg(device="cuda")`
+(nvJPEG), then resized there like `models.builtin.pixel_bytes` resizes on the CPU (bilinear,
+antialiased). Only when the build runs on CUDA and torchvision is installed; torchvision is
+not a dependency of duet, so without it every image is decoded by PIL in the loader workers.
+
+The loader workers still read and hash every file (`decode(..., defer_jpeg=True)`); other
+formats are decoded there. A JPEG the device cannot decode (CMYK, progressive on some nvJPEG
+versions, a broken file) is decoded by PIL here instead, which names the file if it cannot
+either. nvJPEG's IDCT and the GPU resize differ from libjpeg and PIL by a level or so per
+pixel: vectors differ in the last digits, as autocast makes them (benchmarks/build_devices.py
+reports the agreement)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from index_builder.decode import Decoded, DecodedBatch, PlanItem, decode_bytes
+from models.builtin import pixel_bytes
+
+# file bytes (uint8 1-D CPU tensors) -> RGB images (3, H, W) uint8 on the device
+JpegDecoder = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def jpeg_decoder(device: torch.device) -> JpegDecoder | None:
+    """nvJPEG through torchvision on a CUDA `device`; None on CPU or without torchvision."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except ImportError:
+        return None
+
+    def run(data: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        return list(out) if isinstance(out, list | tuple) else [out]
+
+    return run
+
+
+def resize(img: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 (3, H, W) -> uint8 (3, size, size) on its own device, bilinear with PIL's
+    antialiasing when shrinking; unchanged when already that size."""
+    if tuple(img.shape[-2:]) == (size, size):
+        return img
+    x = F.interpolate(
+        img[None].float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False
+    )
+    return x.round_().clamp_(0, 255).to(torch.uint8)[0]
+
+
+def resolve(
+    batch: DecodedBatch,
+    plan: Sequence[PlanItem],
+    size: int,
+    device: torch.device,
+    decoder: JpegDecoder,
+) -> DecodedBatch:
+    """`batch` with its deferred JPEGs decoded on `device`: every row's pixels in one tensor
+    there, in batch order; an image neither the device nor PIL decodes becomes an error."""
+    if not batch.deferred:
+        return batch
+    n = len(batch.rows) + len(batch.deferred)
+    out = torch.empty((n, 3, size, size), dtype=torch.uint8, device=device)
+    if batch.pixels is not None:
+        out[batch.rows] = batch.pixels.to(device, non_blocking=True)
+    data = [
+        torch.frombuffer(bytearray(d.jpeg or b""), dtype=torch.uint8) for _, d in batch.deferred
+    ]
+    try:
+        images: list[torch.Tensor | None] = list(decoder(data))
+    except (RuntimeError, ValueError, OSError):  # one bad file fails the call: PIL tries each
+        images = [None] * len(data)
+    items = list(batch.items)
+    at = {d.pos: i for i, d in enumerate(items)}
+    keep = [True] * n
+    for (row, d), img in zip(batch.deferred, images, strict=True):
+        if img is not None:
+            out[row] = resize(img, size)
+            continue
+        got = decode_bytes(
+            plan[d.pos], d.jpeg or b"", d.sha256, lambda rgb: pixel_bytes([rgb], size)[0]
+        )
+        if got.error:
+            items[at[d.pos]] = Decoded(d.pos, None, d.sha256, got.error, d.seconds)
+            keep[row] = False
+        else:
+            out[row] = got.pixels.to(device)
+    if not all(keep):
+        out = out[torch.tensor(keep, device=device)]
+    return DecodedBatch(items, out, list(range(len(out))), [])

@@ -1,0 +1,241 @@
+"""Issue 38's builder parts: the stage profile a build records, the photo-sized JPEG corpus,
+CPU shard workers that write the same files as one process, captions in long batches, the
+GPU paths' CPU-testable pieces (device JPEG decoding's merge and resize, FAISS clustering
+hook) and recall@10 without a dense score matrix."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from index_builder.build import build
+from index_builder.decode import DecodedBatch, PlanItem, decode
+from index_builder.device_decode import jpeg_decoder, resize, resolve
+from index_builder.encode import Encoder, ShardBuilder
+from index_builder.stages import EXTRA, STAGES
+from index_builder.write import IDENTICAL_FILES, gpu_clustering
+from models.builtin import BuiltinModel, pixel_bytes
+from models.world import PhotoStyle, write_corpus
+from store import ann
+from tests.conftest import DUET
+
+
+def _small(corpus: Path, dst: Path, n: int) -> Path:
+    """The first n items of the session corpus, images copied."""
+    (dst / "images").mkdir(parents=True)
+    lines = corpus.read_text().splitlines()[:n]
+    for line in lines:
+        rel = json.loads(line)["image"]
+        (dst / rel).write_bytes((corpus.parent / rel).read_bytes())
+    (dst / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+    return dst / "manifest.jsonl"
+
+
+def test_a_build_records_its_stage_times(tmp_path: Path, corpus: Path, model: BuiltinModel) -> None:
+    report = build(_small(corpus, tmp_path / "c", 6), tmp_path / "idx", model, progress=False)
+    recorded = json.loads((report.path / "manifest.json").read_text())["build"]["stages"]
+    assert list(recorded) == [*STAGES, *EXTRA] and recorded == report.stages
+    assert all(v >= 0 for v in recorded.values())
+    assert recorded["encode_images"] > 0 and recorded["encode_texts"] > 0
+    assert recorded["decode_busy"] > 0 and recorded["write"] > 0
+    assert sum(recorded[k] for k in STAGES) <= report.manifest.build_seconds + 0.05
+
+
+def test_cpu_shard_workers_write_the_same_files_as_one_process(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
+    manifest = _small(corpus, tmp_path / "c", 12)
+    args: dict[str, Any] = {"progress": False, "shard_size": 4, "batch_size": 3, "device": "cpu"}
+    one = build(manifest, tmp_path / "one", model, workers=0, **args)
+    two = build(manifest, tmp_path / "two", model, workers=2, **args)
+    assert two.manifest.build is not None and two.manifest.build.workers == 2
+    assert two.shards == 3 and two.encoded == 12
+    for name in IDENTICAL_FILES:
+        assert (one.path / name).read_bytes() == (two.path / name).read_bytes(), name
+
+
+def test_captions_in_long_sorted_batches_keep_their_vectors(model: BuiltinModel) -> None:
+    texts = [
+        "a red circle",
+        "a small blue square left of a large green triangle",
+        "two yellow diamonds",
+        "a large purple circle above a small red square",
+        "a green square",
+    ] * 3
+    shard = ShardBuilder([], Encoder(model, torch.device("cpu")), batch_size=4)
+    np.testing.assert_allclose(shard._texts(texts), model.encode_texts(texts), atol=1e-5)
+    assert shard._texts([]).shape[0] == 0
+
+
+# -- the photo-sized corpus -----------------------------------------------------------------
+
+
+def test_jpeg_corpus_holds_jpegs_of_the_asked_size_and_is_deterministic(tmp_path: Path) -> None:
+    style = PhotoStyle(size=(96, 72), quality=85, tiles=2)
+    first = write_corpus(tmp_path / "a", 3, seed=5, progress=False, photo=style)
+    again = write_corpus(tmp_path / "b", 3, seed=5, progress=False, photo=style)
+    lines = [json.loads(line) for line in first.read_text().splitlines()]
+    assert [line["image"] for line in lines] == [
+        "images/0000.jpg",
+        "images/0001.jpg",
+        "images/0002.jpg",
+    ]
+    for line in lines:
+        data = (first.parent / line["image"]).read_bytes()
+        assert data == (again.parent / line["image"]).read_bytes()
+        img = Image.open(io.BytesIO(data))
+        assert img.format == "JPEG" and img.size == (96, 72) and img.mode == "RGB"
+
+
+def test_demo_corpus_cli_takes_a_jpeg_size_and_refuses_bad_ones(tmp_path: Path) -> None:
+    cmd = [*DUET, "demo-corpus", "--out", str(tmp_path / "j"), "--images", "2", "--no-progress"]
+    ok = subprocess.run(
+        [*cmd, "--format", "jpeg", "--image-size", "80x60", "--quality", "90"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert Image.open(tmp_path / "j" / "images" / "0001.jpg").size == (80, 60)
+    for bad, message in (
+        (["--image-size", "80x60"], "apply to --format jpeg"),
+        (["--format", "jpeg", "--image-size", "80by60"], "WIDTHxHEIGHT"),
+        (["--format", "jpeg", "--quality", "100"], "1 to 95"),
+    ):
+        res = subprocess.run(
+            [*DUET, "demo-corpus", "--out", str(tmp_path / "x"), "--images", "1", *bad],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode != 0 and message in res.stderr, res.stderr
+
+
+def test_a_jpeg_corpus_builds_and_the_model_sees_its_own_input_size(
+    tmp_path: Path, model: BuiltinModel
+) -> None:
+    manifest = write_corpus(tmp_path / "c", 4, seed=9, progress=False, photo=PhotoStyle(tiles=1))
+    report = build(manifest, tmp_path / "idx", model, progress=False, workers=0)
+    vecs = np.load(report.path / "image_vectors.npy")
+    qvec, _ = model.encode_images([Image.open(tmp_path / "c" / "images" / "0002.jpg")])
+    np.testing.assert_allclose(vecs[2], qvec[0], atol=1e-5)
+
+
+# -- the GPU paths, what of them runs on a CPU ----------------------------------------------
+
+
+def _jpeg(path: Path, size: tuple[int, int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(path)
+
+
+def test_device_jpeg_decoding_merges_rows_in_batch_order_and_falls_back(
+    tmp_path: Path,
+) -> None:
+    assert jpeg_decoder(torch.device("cpu")) is None  # only a CUDA build decodes on the GPU
+    paths = [tmp_path / "a.jpg", tmp_path / "b.png", tmp_path / "c.jpg", tmp_path / "d.jpg"]
+    _jpeg(paths[0], (40, 30), 1)
+    Image.new("RGB", (20, 20), (200, 10, 10)).save(paths[1])
+    _jpeg(paths[2], (16, 16), 2)
+    paths[3].write_bytes(b"\xff\xd8\xff not really a jpeg")
+    plan = [PlanItem(i, f"i{i}", str(p), p.name, i + 1, ()) for i, p in enumerate(paths)]
+    batch = DecodedBatch.collate([decode(it, 16, defer_jpeg=True) for it in plan])
+    assert batch.rows == [1] and [r for r, _ in batch.deferred] == [0, 2, 3]
+
+    def fake_gpu(data: list[torch.Tensor]) -> list[torch.Tensor]:  # fails on the broken one
+        try:
+            imgs = [Image.open(io.BytesIO(d.numpy().tobytes())).convert("RGB") for d in data]
+        except OSError as exc:
+            raise RuntimeError(str(exc)) from exc  # as torchvision raises
+        return [torch.from_numpy(np.asarray(i).copy()).permute(2, 0, 1) for i in imgs]
+
+    got = resolve(batch, plan, 16, torch.device("cpu"), fake_gpu)
+    assert [not d.error for d in got.items] == [True, True, True, False]
+    assert "cannot read image 'd.jpg'" in got.items[3].error
+    assert got.pixels is not None and got.pixels.shape == (3, 3, 16, 16) and not got.deferred
+    cpu = DecodedBatch.collate([decode(it, 16) for it in plan[:3]]).pixels
+    assert cpu is not None
+    diff = (got.pixels.int() - cpu.int()).abs()
+    assert int(diff[1:].max()) == 0  # the PNG and the 16-pixel JPEG: no resize, same pixels
+    assert int(diff[0].max()) <= 3 and float(diff[0].float().mean()) < 0.5  # GPU-style resize
+
+
+def test_the_device_resize_is_pils_bilinear_to_a_level_or_so() -> None:
+    rng = np.random.default_rng(3)
+    arr = rng.integers(0, 255, (384, 512, 3), dtype=np.uint8)
+    pil = pixel_bytes([Image.fromarray(arr)], 64)[0]
+    ours = resize(torch.from_numpy(arr).permute(2, 0, 1).contiguous(), 64)
+    diff = (pil.int() - ours.int()).abs()
+    assert ours.dtype == torch.uint8 and ours.shape == (3, 64, 64)
+    assert int(diff.max()) <= 2 and float(diff.float().mean()) < 0.5
+
+
+def test_faiss_clustering_hook_trains_the_same_ivf_and_no_gpu_means_none() -> None:
+    assert gpu_clustering("cpu") is None
+    vecs = np.random.default_rng(0).standard_normal((2000, 32)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    made: list[int] = []
+
+    def on_cpu(dim: int, metric: int) -> faiss.Index:  # what a GPU IndexFlat stands in for
+        made.append(metric)
+        return faiss.IndexFlat(dim, metric)
+
+    plain = ann.build_index("IVF16,Flat", vecs)
+    hooked = ann.build_index("IVF16,Flat", vecs, clustering=on_cpu)
+    assert made == [faiss.METRIC_INNER_PRODUCT]
+    assert faiss.serialize_index(plain).tobytes() == faiss.serialize_index(hooked).tobytes()
+
+
+def test_recall_at_k_without_a_dense_matrix_counts_ties_as_before() -> None:
+    rng = np.random.default_rng(1)
+    vecs = rng.standard_normal((500, 16)).astype(np.float32)
+    vecs[100:110] = vecs[0]  # ties with row 0
+    queries = np.vstack([vecs[:1], rng.standard_normal((20, 16)).astype(np.float32)])
+    index = ann.build_index("IVF4,Flat", vecs)
+
+    def dense(knobs: ann.SearchKnobs) -> float:  # the former implementation
+        _, got = ann.search(index, queries, 10, knobs)
+        scores = queries @ vecs.T
+        kth = -np.partition(-scores, 9, axis=1)[:, 9]
+        hits = sum(
+            min(10, int((s[np.unique(r[r >= 0])] >= b - 1e-6).sum()))
+            for s, r, b in zip(scores, got, kth, strict=True)
+        )
+        return hits / (10 * len(queries))
+
+    for nprobe in (1, 2, 4):
+        knobs = ann.SearchKnobs(nprobe=nprobe)
+        assert ann.recall_at_k(index, vecs, queries, 10, knobs) == pytest.approx(dense(knobs))
+
+
+def test_the_gpu_feeder_path_runs_on_cpu_and_encodes_the_same(
+    tmp_path: Path, corpus: Path, model: BuiltinModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_encode_local` (decode workers feeding one encoder, what a CUDA build runs) on the
+    CPU, through one DataLoader worker: the same vectors as the CPU shard workers."""
+    import index_builder.build as build_module
+    from index_builder.encode import _encode_local
+
+    def local(plan, missing, shard_dir, joint, batch, workers, progress, check, stages):  # type: ignore[no-untyped-def]
+        _encode_local(
+            plan, missing, shard_dir, joint, torch.device("cpu"), batch, 1, progress, check, stages
+        )
+
+    manifest = _small(corpus, tmp_path / "c", 6)
+    ref = build(manifest, tmp_path / "ref", model, progress=False, workers=0, batch_size=4)
+    monkeypatch.setattr(build_module, "encode_cpu_shards", local)
+    fed = build(manifest, tmp_path / "fed", model, progress=False, workers=0, batch_size=4)
+    assert fed.stages["decode_busy"] > 0 and fed.stages["encode_images"] > 0
+    for name in ("image_vectors.npy", "text_vectors.npy"):
+        np.testing.assert_allclose(
+            np.load(fed.path / name), np.load(ref.path / name), atol=1e-5, err_msg=name
+        )
