@@ -25,7 +25,9 @@
 #   fp32      serve_load, GPU layout in fp32 at 1 and 64 clients -> serve_fp32.md
 #   workers1  serve_load, GPU layout with one worker thread at 1 and 64 -> serve_workers1.md
 #   tests     the other CUDA tests (model, search, builder, inference, training)
-#   build     duet build on the CPU and on the GPU (benchmarks/build_devices.py)
+#   build     duet build of 20,000 photo-sized JPEGs on the GPU, on 16 cores and on 2
+#             (benchmarks/build_devices.py: per-stage times, speed-ups, top-10 agreement;
+#             issue 38; JSON lines in log.txt)
 #   suite     the rest of the suite, as far as the budget goes (one line per test in suite.log)
 #
 #   BUDGET=560 bash benchmarks/gpu_check.sh              # seconds for the whole run
@@ -90,9 +92,11 @@ PYTEST=(python3 -m pytest -q -p no:cacheprovider -rfs)
 for s in $STEPS; do
   case $s in
   sync) step sync 120 30 "${PYTEST[@]}" tests/test_device_step.py tests/test_fastpath.py ;;
-  index)
+  index) # on the GPU; if the builder's CUDA path fails, on the CPU, so the serving steps run
     step index 120 30 python3 -m duet.cli demo-index --out indexes --corpus-out data/demo \
-      --images 2000 --seed 7 --no-progress
+      --images 2000 --seed 7 --no-progress ||
+      step index-cpu 150 30 env DUET_DEVICE=cpu python3 -m duet.cli demo-index --out indexes \
+        --corpus-out data/demo --images 2000 --seed 7 --no-progress
     ;;
   serve)
     step serve 260 90 "${SERVE[@]}" --concurrency 1,8,64,256,512 --procs 8 --open-loop 2000 \
@@ -132,7 +136,12 @@ for s in $STEPS; do
     step tests 240 60 "${PYTEST[@]}" tests/test_model.py tests/test_gpu_search.py \
       tests/test_builder_ann.py tests/test_inference.py tests/test_train_device.py
     ;;
-  build) step build 150 60 python3 benchmarks/build_devices.py --devices cpu,cuda --images 20000 ;;
+  build)
+    python3 -c "import faiss, importlib.util as u; print('torchvision', bool(u.find_spec('torchvision')),
+      'faiss gpus', getattr(faiss, 'get_num_gpus', lambda: 0)())" | tee -a "$LOG"
+    step build 420 180 python3 benchmarks/build_devices.py --devices cpu,cuda --format jpeg \
+      --images 20000 --batch-size 256 --cpus '0-15;0,1'
+    ;;
   suite)
     n=$(left)
     if [ "$n" -gt 30 ]; then
