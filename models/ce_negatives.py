@@ -362,8 +362,7 @@ def ce_pairs(
     keep_hard = torch.tensor([h >= 0 for h in hard])
     keep_hard2 = torch.tensor([h >= 0 for h in hard2])
     rows, states, own = torch.arange(batch), pool.states, own_states(pool, idx, shown)
-    # the pairs, segment by segment: (caption rows, image states)
-    segments = [
+    segments = [  # the pairs, segment by segment: (caption rows, image states)
         (rows, own),  # positives
         (rows[keep_shift], _take(states, shift[keep_shift])),  # a random wrong image
         (rows[keep_hard], _take(states, torch.tensor(hard)[keep_hard])),  # ranked wrong images

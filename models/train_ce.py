@@ -186,11 +186,8 @@ def train_cross_encoder(
     that same step on, that share of each batch comes from the images whose own full captions
     (with `hard_parts`, or a one-thing caption of a two-thing scene) the cross-encoder scores
     below 0 (`models.ce_mining.own_logits`): its blind spots, shown as positives more often.
-    With `move` > 0 that share of each batch's images is shown moved by up to 4 pixels
-    (`models.ce_moves`), beside its own caption, the perturbed scene's caption and the ranked
-    wrong caption. With `typed` > 0 that share of the captions shown is written as people type
-    them (`world.typed`: no article "a", "and" for "with"). On `device` (default: where `model`
-    is), fresh layers drawn first."""
+    `move` of each batch's images are shown moved up to 4 pixels (`models.ce_moves`), `typed` of
+    its captions as people type them (`world.typed`); on `device` (default: `model`'s)."""
     from tqdm import tqdm
 
     batch = min(batch, len(samples))
