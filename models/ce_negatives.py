@@ -30,12 +30,11 @@ from models.tokenizer import WordTokenizer
 def perturbed_twin(
     rng: random.Random, scene: world.Scene, flip: float, count: float = 0.0
 ) -> world.Scene:
-    """A hard negative scene: the group's count changed (2 <-> 3) with probability `count` where
-    it can be, else the relation flipped with probability `flip` (pairs only), else
-    `world.perturb` (which changes a count only rarely: one option of six, outside the binding
-    swaps)."""
-    if count > 0 and world.recountable(scene) and rng.random() < count:
-        return world.recount(scene)
+    """A hard negative scene: with probability `count` (pairs only) another count of its first
+    thing (`world.count_twin`), else the relation flipped with probability `flip` (pairs only),
+    else `world.perturb` (which changes a count rarely, and only two against three)."""
+    if count > 0 and scene.b is not None and rng.random() < count:
+        return world.count_twin(rng, scene)
     if scene.relation is not None and rng.random() < flip:
         return replace(scene, relation=world.INVERSE[scene.relation])
     return world.perturb(rng, scene)
@@ -164,9 +163,8 @@ def _list_rows(b: int, columns: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> 
 def caption_beside_twin(
     rng: random.Random, sample: world.Sample, twin: world.Scene, partial: float, tries: int = 5
 ) -> tuple[str, world.Desc]:
-    """A caption of `sample` that its perturbed twin does not fit: partial with probability
-    `partial` when one of `tries` partial descriptions names what the twin changed, else
-    full."""
+    """A caption of `sample` its perturbed twin does not fit: partial with probability
+    `partial` when one of `tries` partial descriptions names what the twin changed, else full."""
     if rng.random() < partial:
         for _ in range(tries):
             text, desc = world.partial_caption(rng, sample.scene)
@@ -216,6 +214,7 @@ class CePool:
     # images' states; None: not asked for
     moves: torch.Tensor | None = None
     moved_states: torch.Tensor | None = None
+    typed: float = 0.0  # share of the step's captions written as people type them
 
 
 def ce_pool(
@@ -228,6 +227,7 @@ def ce_pool(
     ranks: int,
     count: float = 0.0,
     move: bool = False,
+    typed: float = 0.0,
 ) -> CePool:
     """Twins (`perturbed_twin`) rendered, states and vectors of every training image, each
     image's `ranks` best-ranked captions of other images; with `move`, each image's states
@@ -263,6 +263,7 @@ def ce_pool(
         _caption_top(vecs, caption_vecs, owner, ranks),
         moves=moves,
         moved_states=moved_states,
+        typed=typed,
     )
 
 
@@ -330,11 +331,13 @@ def ce_pairs(
     rows `shown` (bool) pair their captions with their image's moved states."""
     batch, picked, samples = len(idx), idx.tolist(), pool.samples
     said = [caption_beside_twin(rng, samples[i], pool.twins[i], partial) for i in picked]
+    said = [(world.typed_at(rng, t, pool.typed), d) for t, d in said]
     texts = [t for t, _d in said]
     twin_texts = [
         twin_text(rng, pool.twins[i], pool.twin_captions[i], samples[i].scene, partial)
         for i in picked
     ]
+    twin_texts = [world.typed_at(rng, t, pool.typed) for t in twin_texts]
     ctop = pool.caption_top[idx].tolist()
     rcap = [
         ranked_caption(rng, ctop[r], samples[i].scene, pool.caption_scenes)
@@ -359,8 +362,7 @@ def ce_pairs(
     keep_hard = torch.tensor([h >= 0 for h in hard])
     keep_hard2 = torch.tensor([h >= 0 for h in hard2])
     rows, states, own = torch.arange(batch), pool.states, own_states(pool, idx, shown)
-    # the pairs, segment by segment: (caption rows, image states)
-    segments = [
+    segments = [  # the pairs, segment by segment: (caption rows, image states)
         (rows, own),  # positives
         (rows[keep_shift], _take(states, shift[keep_shift])),  # a random wrong image
         (rows[keep_hard], _take(states, torch.tensor(hard)[keep_hard])),  # ranked wrong images

@@ -159,6 +159,7 @@ def _cross_encoder_stage(
         move=cfg.ce_move,
         hard_parts=cfg.ce_hard_parts,
         device=device,
+        typed=cfg.ce_typed,
     )
 
 
@@ -266,6 +267,7 @@ def _command(cfg: TrainConfig, out: Path, init_from: Path | None) -> str:
         + (f" --ce-hard {cfg.ce_hard}" if cfg.ce_hard else "")
         + (" --ce-hard-parts" if cfg.ce_hard_parts else "")
         + (f" --ce-move {cfg.ce_move}" if cfg.ce_move else "")
+        + (f" --ce-typed {cfg.ce_typed}" if cfg.ce_typed else "")
         + (" --ce-warm" if cfg.ce_warm else "")
         + (f" --device {cfg.device}" if cfg.device != "auto" else "")
         + (

@@ -174,6 +174,7 @@ def train_cross_encoder(
     move: float = 0.0,
     hard_parts: bool = False,
     device: torch.device | str | None = None,
+    typed: float = 0.0,
 ) -> None:
     """Train `model`'s cross-encoder in place, re-initialised first unless `reset` is False;
     everything else stays frozen. With `mine` > 0 every image's caption is also shown the
@@ -185,9 +186,8 @@ def train_cross_encoder(
     that same step on, that share of each batch comes from the images whose own full captions
     (with `hard_parts`, or a one-thing caption of a two-thing scene) the cross-encoder scores
     below 0 (`models.ce_mining.own_logits`): its blind spots, shown as positives more often.
-    With `move` > 0 that share of each batch's images is shown moved by up to 4 pixels
-    (`models.ce_moves`), beside its own caption, the perturbed scene's caption and the ranked
-    wrong caption. On `device` (default: where `model` is), fresh layers drawn first."""
+    `move` of each batch's images are shown moved up to 4 pixels (`models.ce_moves`), `typed` of
+    its captions as people type them (`world.typed`); on `device` (default: `model`'s)."""
     from tqdm import tqdm
 
     batch = min(batch, len(samples))
@@ -197,7 +197,7 @@ def train_cross_encoder(
     trained = [p for n, p in model.named_parameters() if n.startswith(CROSS_ENCODER)]
     for n, p in model.named_parameters():
         p.requires_grad_(n.startswith(CROSS_ENCODER))
-    pool = ce_pool(model, tok, samples, flip, rng, progress, ranks, count, move > 0)
+    pool = ce_pool(model, tok, samples, flip, rng, progress, ranks, count, move > 0, typed)
     opt = torch.optim.AdamW([*trained, *ground.parameters()], lr=lr, weight_decay=0.01)
     ema: dict[str, float] = {}
     bar = tqdm(range(steps), desc="training cross-encoder", unit="step", disable=not progress)

@@ -65,11 +65,15 @@ class TrainConfig:
     ce_warm: bool = False  # stage 2 fine-tunes the cross-encoder it is given instead of afresh
     tune: bool = False  # with --from: stage 1 continues from that model for `steps` steps
     ce_flip: float = 0.5  # share of the perturbed negatives that are relation flips
-    # share of the scenes with a group of two or three small things whose perturbed negative is
-    # the other count (world.perturb alone gave 122 of 20,000 twins). Off: tried afresh (0.3)
-    # and as a 400-step --ce-warm fine-tune (0.5), it changed nothing beyond a few queries of
-    # 5,000 either way (models/weights/README.md, "Tried and not shipped")
+    # share of the two-thing scenes whose perturbed negative has another count of its first
+    # thing (world.count_twin: one against two or three, two against three; world.perturb alone
+    # changes a count for about 120 of 20,000 twins, and only two against three). Until issue 37
+    # it swapped two and three only; tried so (0.3 afresh, 0.5 as a fine-tune) it changed
+    # nothing beyond a few queries of 5,000 (models/weights/README.md, "Tried and not shipped")
     ce_count: float = 0.0
+    # share of stage 2's captions written as people type them (world.typed: no article "a",
+    # "and" for "with"); 0 = off
+    ce_typed: float = 0.0
     # with this > 0, stage 2 also shows each caption the wrong images its cross-encoder scores
     # highest among the bi-encoder's top `ce_mine` (models.ce_mining); 0 = off
     ce_mine: int = 0

@@ -257,20 +257,19 @@ def test_perturbed_twin_flips_relations_at_the_asked_rate() -> None:
 def test_perturbed_twin_changes_counts_at_the_asked_rate() -> None:
     rng = random.Random(5)
     scenes = [world.sample_scene(rng) for _ in range(3000)]
-    groups = [s for s in scenes if world.recountable(s)]
-    assert len(groups) > 300
-    for s in groups:
+    pairs = [s for s in scenes if s.b is not None]
+    for s in pairs:
         twin = perturbed_twin(rng, s, 0.5, count=1.0)
-        assert {s.a.count, twin.a.count} == {2, 3} and twin.b == s.b
+        assert twin.a.count != s.a.count and twin == replace(s, a=replace(s.a, count=twin.a.count))
+        assert twin.a.count < 3 or s.a.size == "small"  # three large things would not fit
         assert not world.satisfies(world.full_desc(s), twin)  # a true negative
-    # large things are never made three (they would not fit), singles never get a count
-    assert all(
-        perturbed_twin(rng, s, 0.5, count=1.0).a.count in (1, s.a.count)
-        for s in scenes
-        if not world.recountable(s)
-    )
-    recounted = sum(perturbed_twin(rng, s, 0.5, count=0.3).a.count != s.a.count for s in groups)
-    assert 0.2 * len(groups) < recounted < 0.45 * len(groups)
+    kinds = {(s.a.count, perturbed_twin(rng, s, 0.5, count=1.0).a.count) for s in pairs}
+    assert {(1, 2), (1, 3), (2, 1), (3, 1), (2, 3), (3, 2)} <= kinds  # "a" against "two" too
+    singles = [s for s in scenes if s.b is None]
+    assert all(perturbed_twin(rng, s, 0.5, count=1.0).a.count == 1 for s in singles)
+    recounted = sum(perturbed_twin(rng, s, 0.0, count=0.3).a.count != s.a.count for s in pairs)
+    assert 0.2 * len(pairs) < recounted < 0.45 * len(pairs)
+    groups = [s for s in scenes if world.recountable(s)]
     rare = sum(perturbed_twin(rng, s, 0.5).a.count != s.a.count for s in groups)
     assert rare < 0.1 * len(groups)  # world.perturb alone: one option of six, outside the swaps
 
@@ -286,6 +285,7 @@ def test_the_recorded_command_asks_for_the_same_config() -> None:
         ce_steps=400,
         ce_lr=3e-4,
         ce_count=0.5,
+        ce_typed=0.25,
         ce_mine=50,
         ce_mine_index=1_000,
         ce_hard=0.25,
@@ -297,6 +297,7 @@ def test_the_recorded_command_asks_for_the_same_config() -> None:
     argv = shlex.split(_command(cfg, Path("/tmp/out"), Path("models/weights")))
     assert argv[:2] == ["duet", "train"] and "--ce-count" in argv and "--ce-mine" in argv
     assert "--ce-mine-index" in argv and "--ce-move" in argv and "--ce-hard-parts" in argv
+    assert "--ce-typed" in argv
     assert config_of(parser().parse_args(argv[1:])) == cfg
     tuned = replace(cfg, tune=True, lr=1e-4, warmup=10, easy_steps=0, aux_weight=0.25)
     argv = shlex.split(_command(tuned, Path("/tmp/out"), Path("models/weights")))

@@ -153,8 +153,15 @@ def _add_cross_encoder_options(t: argparse.ArgumentParser, defaults: Any) -> Non
         "--ce-count",
         type=float,
         default=defaults.ce_count,
-        help="stage 2: share of the scenes with a group of two or three small things whose "
-        "perturbed negative has the other count",
+        help="stage 2: share of the two-thing scenes whose perturbed negative has another "
+        "count of its first thing (one against two or three, two against three)",
+    )
+    t.add_argument(
+        "--ce-typed",
+        type=float,
+        default=defaults.ce_typed,
+        help="stage 2: share of the captions written as people type them (no article 'a', "
+        "'and' for 'with')",
     )
     t.add_argument(
         "--ce-mine",
@@ -224,6 +231,7 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
         ce_lr=args.ce_lr,
         ce_warm=args.ce_warm,
         ce_count=args.ce_count,
+        ce_typed=args.ce_typed,
         ce_mine=args.ce_mine,
         ce_mine_index=args.ce_mine_index,
         ce_hard=args.ce_hard,

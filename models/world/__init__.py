@@ -25,6 +25,8 @@ from models.world.descriptions import (
     partial_desc,
     partial_queries,
     satisfies,
+    typed,
+    typed_at,
 )
 from models.world.rendering import Layout, centre, render, render_layout
 from models.world.scenes import (
@@ -42,6 +44,8 @@ from models.world.scenes import (
     SIZES,
     Scene,
     Thing,
+    count_twin,
+    other_counts,
     perturb,
     recount,
     recountable,
@@ -70,11 +74,13 @@ __all__ = [
     "Thing",
     "captions",
     "centre",
+    "count_twin",
     "describe",
     "full_desc",
     "generate",
     "grounding",
     "negative_scene",
+    "other_counts",
     "parse",
     "partial_caption",
     "partial_desc",
@@ -87,6 +93,8 @@ __all__ = [
     "render_layout",
     "sample_scene",
     "satisfies",
+    "typed",
+    "typed_at",
     "vocabulary",
     "write_corpus",
 ]

@@ -250,6 +250,20 @@ def _parse(words: list[str]) -> tuple[Desc | None, list[tuple[int, int, Part]], 
     return Desc(p1, p2), nps, False
 
 
+def typed(text: str) -> str:
+    """`text` as people type it: without the article "a" ("green square and red triangle"; a
+    singular noun still says one, and "a pair of" stays) and with "and" for "with" (which the
+    tokenizer and `parse` read as "with"). It says what `text` says."""
+    words = text.split()
+    kept = [w for i, w in enumerate(words) if w != "a" or words[i + 1 : i + 2] == ["pair"]]
+    return " ".join("and" if w == "with" else w for w in kept)
+
+
+def typed_at(rng: random.Random, text: str, share: float) -> str:
+    """`typed(text)` with probability `share`, else `text` (drawing nothing when `share` is 0)."""
+    return typed(text) if share > 0 and rng.random() < share else text
+
+
 def negative_scene(
     rng: random.Random, s: Scene, desc: Desc, binding: float = 0.6, tries: int = 20
 ) -> Scene:

@@ -166,6 +166,18 @@ def recount(s: Scene) -> Scene:
     return replace(s, a=replace(s.a, count=5 - s.a.count))
 
 
+def other_counts(t: Thing) -> tuple[int, ...]:
+    """The counts another drawing of `t` may have: 1 to 3 but its own, three only of small
+    things (three large ones do not fit beside another thing in 64 pixels)."""
+    return tuple(c for c in (1, 2, 3) if c != t.count and (c < 3 or t.size == "small"))
+
+
+def count_twin(rng: random.Random, s: Scene) -> Scene:
+    """The two-thing scene `s` with its first thing's count changed to one of `other_counts`:
+    one against two or three, two against three (`recount` only swaps two and three)."""
+    return replace(s, a=replace(s.a, count=rng.choice(other_counts(s.a))))
+
+
 def _change(rng: random.Random, t: Thing, what: str) -> Thing:
     if what == "colour":
         return replace(t, colour=rng.choice([c for c in COLOURS if c != t.colour]))
