@@ -244,7 +244,11 @@ class ItemStore:
             integrity.check_rows(ITEMS, self._con.execute)
 
     def close(self) -> None:
-        self._con.close()
+        """Close the file and drop the rows kept (their memory goes back with the version)."""
+        with self._lock:
+            for kept in (self._images, self._texts, self._captions):
+                kept.clear()
+            self._con.close()
 
 
 @dataclass

@@ -23,6 +23,9 @@ class Recent(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._map)
 
+    def clear(self) -> None:
+        self._map.clear()
+
     def get_many(self, keys: Sequence[K], fetch: Callable[[list[K]], dict[K, V]]) -> dict[K, V]:
         """The entries of `keys`: those held, and the rest from one `fetch(missing)` call
         (keys it does not answer are left out and not remembered)."""

@@ -129,6 +129,10 @@ async def test_expired_and_abandoned_tickets_are_dropped_before_compute() -> Non
         await asyncio.wait_for(expired, 5)
     assert late.value.status == 429 and late.value.retry_after is not None
     assert seen == [0]  # neither reached the model
+    for _ in range(500):  # the worker may record the second drop after the first one's answer
+        if len(shed) >= 2:
+            break
+        await asyncio.sleep(0.01)
     assert sorted(shed) == ["client_gone", "deadline"]
     eng.stop()
 

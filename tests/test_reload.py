@@ -31,8 +31,8 @@ def test_swapped_out_version_stays_open_until_its_last_request_ends(index_dir: P
             assert c is new  # requests starting after the swap get the new version
         assert a.store.images([0])[0].id  # in-flight requests still read the old one
     assert served.in_use(old) == 0
-    with pytest.raises(sqlite3.ProgrammingError):  # closed by the last release
-        old.store.images([0])
+    with pytest.raises(sqlite3.ProgrammingError):  # closed by the last release, and the
+        old.store.images([0])  # rows it kept (ItemStore's recent map) dropped with it
     assert old.image_index.ntotal == old.text_index.ntotal == len(old.image_tokens) == 0
     newer = _open(index_dir)
     served.swap(newer)  # nobody holds `new`: closed at once
