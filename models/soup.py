@@ -86,10 +86,11 @@ def averaged(sources: Sequence[Path]) -> dict[str, torch.Tensor]:
     return out
 
 
-def soup(out: Path, sources: Sequence[Path], validate: bool = True) -> dict[str, Any]:
+def soup(out: Path, sources: Sequence[Path], val_images: int = 300) -> dict[str, Any]:
     """Write into `out` the model whose cross-encoder is the mean of `sources`' (the rest
-    copied from the first), with a train.json naming every source's own train.json; return
-    that summary. `out` may not be one of the sources."""
+    copied from the first), with a train.json naming every source's own train.json and the
+    soup's validation on `val_images` held-out images (0: none); return that summary. `out`
+    may not be one of the sources."""
     from models.train import validate_model
 
     sources = [Path(s) for s in sources]
@@ -112,8 +113,8 @@ def soup(out: Path, sources: Sequence[Path], validate: bool = True) -> dict[str,
         "fingerprint": runtime.fingerprint,
         "soup_of": [_source_record(s) for s in sources],
     }
-    if validate:
-        summary["validation"], summary["validation_partial"] = validate_model(runtime)
+    if val_images:
+        summary["validation"], summary["validation_partial"] = validate_model(runtime, val_images)
     (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 

@@ -96,7 +96,7 @@ def train(
     train_seconds = time.perf_counter() - t0
     _save(model, tok, han, out, cfg, init_from)
     runtime = BuiltinModel.load(out)
-    metrics, partial = validate_model(runtime)
+    metrics, partial = validate_model(runtime, cfg.val_images)
     summary: dict[str, object] = {
         "command": _command(cfg, out, init_from),
         "config": cfg.__dict__,
@@ -236,21 +236,31 @@ def _save(
             shutil.copyfile(init_from / name, out / name)
 
 
-def validate_model(runtime: BuiltinModel) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Full-caption recalls (300 validation images, top 20) and partial-query precision."""
-    val = list(world.generate(300, HELD_OUT_SEED_BASE - 1, n_captions=5))
+def validate_model(
+    runtime: BuiltinModel, images: int = 300
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Full-caption recalls (`images` validation images, top 20) and partial-query precision."""
+    val = list(world.generate(images, HELD_OUT_SEED_BASE - 1, n_captions=5))
     metrics = evaluate(runtime, [s.image for s in val], [s.captions for s in val], candidates=20)
-    log.info("validation (300 images, seed %d):\n%s", HELD_OUT_SEED_BASE - 1, format_table(metrics))
+    log.info(
+        "validation (%d images, seed %d):\n%s",
+        images,
+        HELD_OUT_SEED_BASE - 1,
+        format_table(metrics),
+    )
     # partial queries from a validation seed (never a test one) over the same images
     partial = partial_precision(
         runtime,
         [s.image for s in val],
         [s.scene for s in val],
-        world.partial_queries(300, HELD_OUT_SEED_BASE - 2),
+        world.partial_queries(images, HELD_OUT_SEED_BASE - 2),
         candidates=50,
     )
     log.info(
-        "validation partial queries (300, seed %d, top 50): %s", HELD_OUT_SEED_BASE - 2, partial
+        "validation partial queries (%d, seed %d, top 50): %s",
+        images,
+        HELD_OUT_SEED_BASE - 2,
+        partial,
     )
     return metrics, partial
 
@@ -268,6 +278,7 @@ def _command(cfg: TrainConfig, out: Path, init_from: Path | None) -> str:
         + (" --ce-hard-parts" if cfg.ce_hard_parts else "")
         + (f" --ce-move {cfg.ce_move}" if cfg.ce_move else "")
         + (f" --ce-typed {cfg.ce_typed}" if cfg.ce_typed else "")
+        + (f" --val-images {cfg.val_images}" if cfg.val_images != 300 else "")
         + (" --ce-warm" if cfg.ce_warm else "")
         + (f" --device {cfg.device}" if cfg.device != "auto" else "")
         + (

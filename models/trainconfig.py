@@ -44,6 +44,9 @@ class TrainConfig:
     warmup: int = 150
     weight_decay: float = 0.02
     threads: int = 2
+    # validation after training (the figures train.json records): this many held-out images
+    # and as many partial queries; fewer is quicker, and its figures are not comparable
+    val_images: int = 300
     # auto (a CUDA GPU when torch sees one, else the CPU), cpu or cuda: where stages 0 to 2
     # train (models.device.resolve_device); stage 3 (HAN) and validation run on the CPU
     device: str = "auto"

@@ -134,7 +134,7 @@ def test_train_shows_moved_images_when_asked(
 
     monkeypatch.setattr(train_ce, "ce_pairs", spying)
     tiny = TrainConfig(images=48, steps=2, batch=8, warmup=1, easy_steps=1, ce_steps=6)
-    tiny = replace(tiny, ce_batch=8, han_steps=0, tower_steps=2)
+    tiny = replace(tiny, ce_batch=8, han_steps=0, tower_steps=2, val_images=24)
     out = train(replace(tiny, ce_move=0.5), tmp_path / "m", progress=False)
     assert "--ce-move 0.5" in str(out["command"])
     assert len(shown) == 6 and all(s is not None for s in shown)

@@ -21,7 +21,15 @@ from models.train import train
 from models.trainconfig import HELD_OUT_SEED_BASE, TrainConfig
 
 TINY = TrainConfig(
-    images=40, steps=2, batch=8, warmup=1, easy_steps=1, tower_steps=2, ce_steps=2, ce_batch=8
+    images=40,
+    steps=2,
+    batch=8,
+    warmup=1,
+    easy_steps=1,
+    tower_steps=2,
+    ce_steps=2,
+    ce_batch=8,
+    val_images=24,  # validation's figures are not what these tests check
 )
 
 
@@ -40,7 +48,7 @@ def test_the_soup_is_the_mean_cross_encoder_over_the_shared_encoders(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:
     sources = [runs["a"], runs["b"], runs["c"]]
-    summary = soup(tmp_path / "s", sources)
+    summary = soup(tmp_path / "s", sources, val_images=24)
     got = load_file(str(tmp_path / "s" / WEIGHTS_FILE))
     each = [load_file(str(s / WEIGHTS_FILE)) for s in sources]
     moved = 0
@@ -97,14 +105,15 @@ def test_a_reused_out_keeps_no_stale_han_head(runs: dict[str, Path], tmp_path: P
         shutil.copytree(runs[name], src)
         for f in ("han.safetensors", "han.json"):
             (src / f).unlink()
-    soup(out, nohan, validate=False)
+    soup(out, nohan, val_images=0)
     assert not (out / "han.safetensors").exists() and not (out / "han.json").exists()
 
 
 def test_cli_soup_writes_a_model_or_says_why_not(
     runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["soup", "--out", str(tmp_path / "s"), str(runs["a"]), str(runs["b"])]) == 0
+    argv = ["soup", "--out", str(tmp_path / "s"), "--val-images", "24"]
+    assert main([*argv, str(runs["a"]), str(runs["b"])]) == 0
     assert "averaged 2 cross-encoders" in capsys.readouterr().out
     assert BuiltinModel.load(tmp_path / "s").fingerprint.startswith("duet-joint:")
     code = main(["soup", "--out", str(tmp_path / "t"), str(runs["a"]), str(runs["other"])])

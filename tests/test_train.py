@@ -37,6 +37,8 @@ TINY = TrainConfig(
     ce_batch=8,
     han_steps=2,
     han_batch=4,
+    tower_steps=2,  # stage 0's default 1,500 steps took most of this module's minutes
+    val_images=24,  # validation's figures are not what these tests check
 )
 
 
@@ -293,11 +295,12 @@ def test_the_recorded_command_asks_for_the_same_config() -> None:
         ce_move=0.5,
         han_steps=0,
         seed=3,
+        val_images=50,
     )
     argv = shlex.split(_command(cfg, Path("/tmp/out"), Path("models/weights")))
     assert argv[:2] == ["duet", "train"] and "--ce-count" in argv and "--ce-mine" in argv
     assert "--ce-mine-index" in argv and "--ce-move" in argv and "--ce-hard-parts" in argv
-    assert "--ce-typed" in argv
+    assert "--ce-typed" in argv and "--val-images" in argv
     assert config_of(parser().parse_args(argv[1:])) == cfg
     tuned = replace(cfg, tune=True, lr=1e-4, warmup=10, easy_steps=0, aux_weight=0.25)
     argv = shlex.split(_command(tuned, Path("/tmp/out"), Path("models/weights")))

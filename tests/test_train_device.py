@@ -32,7 +32,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _no_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     """These runs compare weights: the 300-image validation would only cost time."""
-    monkeypatch.setattr(train_module, "validate_model", lambda runtime: ({}, {}))
+    monkeypatch.setattr(train_module, "validate_model", lambda runtime, images: ({}, {}))
 
 
 def _recorded(out: Path) -> dict[str, Any]:

@@ -67,6 +67,13 @@ def add(sub: Any) -> None:
         "cpu, or cuda (an error without a GPU); stage 3 and validation run on the CPU. A seeded "
         "run repeats bit for bit on the CPU only",
     )
+    t.add_argument(
+        "--val-images",
+        type=int,
+        default=defaults.val_images,
+        help=f"held-out images (and partial queries) validated after training, recorded in "
+        f"train.json (default {defaults.val_images}; fewer is quicker, not comparable)",
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(fn=cmd_train)
     s = sub.add_parser(
@@ -82,6 +89,12 @@ def add(sub: Any) -> None:
     )
     s.add_argument("--out", required=True, metavar="DIR", help="output directory")
     s.add_argument("sources", nargs="+", metavar="SOURCE", help="trained model directories")
+    s.add_argument(
+        "--val-images",
+        type=int,
+        default=defaults.val_images,
+        help=f"held-out images validated, as duet train's (default {defaults.val_images})",
+    )
     s.set_defaults(fn=cmd_soup)
 
 
@@ -243,6 +256,7 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
         easy_steps=args.easy_steps,
         aux_weight=args.aux_weight,
         device=args.device,
+        val_images=args.val_images,
     )
 
 
@@ -252,6 +266,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     setup_logging()
     cfg = config_of(args)
+    if args.val_images < 1:
+        return fail("--val-images must be at least 1")
     if args.tune and not args.init_from:
         return fail("--tune continues the model of --from DIR: give --from")
     init_from = Path(args.init_from) if args.init_from else None
@@ -271,7 +287,9 @@ def cmd_soup(args: argparse.Namespace) -> int:
     from models.soup import soup
 
     setup_logging()
-    summary = soup(Path(args.out), [Path(p) for p in args.sources])
+    if args.val_images < 1:
+        return fail("--val-images must be at least 1")
+    summary = soup(Path(args.out), [Path(p) for p in args.sources], args.val_images)
     print(f"averaged {len(args.sources)} cross-encoders -> {args.out} ({summary['fingerprint']})")
     print(format_table(summary["validation"]))
     return 0
