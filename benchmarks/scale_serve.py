@@ -21,17 +21,14 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
 REPO = Path(__file__).resolve().parent.parent
-CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 sys.path.insert(0, str(REPO))
 
 from benchmarks.load_client import Cell, LoadPool  # noqa: E402
+from benchmarks.serve_load import server  # noqa: E402
 
 # what a version folder holds, by what it is for (bytes per image are summed per group)
 FILES = {
@@ -91,10 +88,7 @@ def gpu_mb(pid: int) -> float | None:
 
 def measure(n: int, index_dir: Path, args: argparse.Namespace, pool: LoadPool) -> Row:
     port = 18_000 + n % 10_000
-    url = f"http://127.0.0.1:{port}"
     env = {
-        **os.environ,
-        "PYTHONPATH": CHILD_PYTHONPATH,
         "DUET_INDEX_DIR": str(index_dir),
         "DUET_PORT": str(port),
         "DUET_DEVICE": args.device,
@@ -103,25 +97,8 @@ def measure(n: int, index_dir: Path, args: argparse.Namespace, pool: LoadPool) -
     }
     log = Path(args.logs) / f"serve-{n}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "duet.cli", "serve"], env=env, stdout=fh, stderr=fh, cwd=REPO
-        )
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"duet serve on {index_dir} exited:\n{log.read_text()[-3000:]}")
-            try:
-                r = httpx.post(f"{url}/search/text", json={"query": "a red circle"}, timeout=5)
-                if r.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() - t0 > args.start_timeout:
-                raise SystemExit(f"duet serve on {index_dir}: no answer in {args.start_timeout} s")
-            time.sleep(0.2)
-        start_s = time.monotonic() - t0
+    cmd = [sys.executable, "-m", "duet.cli", "serve"]
+    with server(cmd, env, port, log, timeout=args.start_timeout) as duet:
         cells = {}
         for name, clients, rerank in (
             ("reranked_1", 1, True),
@@ -129,13 +106,13 @@ def measure(n: int, index_dir: Path, args: argparse.Namespace, pool: LoadPool) -
             ("dot_1", 1, False),
         ):
             cell = Cell()
-            pool.closed(url, clients, args.seconds, rerank, args.candidates, cell)
+            pool.closed(duet.url, clients, args.seconds, rerank, args.candidates, cell)
             cells[name] = cell
         return Row(
             n=n,
-            start_s=round(start_s, 1),
-            rss_mb=round(rss_mb(proc.pid), 1),
-            gpu_mb=gpu_mb(proc.pid),
+            start_s=round(duet.start_s, 1),
+            rss_mb=round(rss_mb(duet.proc.pid), 1),
+            gpu_mb=gpu_mb(duet.proc.pid),
             bytes_per_image={k: round(v, 1) for k, v in version_bytes(index_dir, n).items()},
             reranked_1=(round(cells["reranked_1"].q(50), 2), round(cells["reranked_1"].q(99), 2)),
             reranked_many=(
@@ -145,12 +122,6 @@ def measure(n: int, index_dir: Path, args: argparse.Namespace, pool: LoadPool) -
             dot_1_p50=round(cells["dot_1"].q(50), 2),
             clients=args.clients,
         )
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def table(rows: list[Row], device: str) -> str:

@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -49,10 +50,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class Running:
+    """A server `server()` started: where it answers, its process, how long it took to."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    start_s: float
+
+
 @contextmanager
-def server(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[str]:
-    """Run `cmd` on `port` until it answers a search; its URL meanwhile (logs to `log`)."""
+def server(
+    cmd: list[str], env: dict[str, str], port: int, log: Path, timeout: float = 120.0
+) -> Iterator[Running]:
+    """Run `cmd` on `port` (the repo on its PYTHONPATH, output to `log`) until it answers a
+    search with 200, then yield it; stopped on the way out."""
     url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
     with log.open("wb") as fh:
         proc = subprocess.Popen(
             cmd,
@@ -61,23 +75,26 @@ def server(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterato
             stderr=subprocess.STDOUT,
             cwd=REPO,
         )
-        try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise SystemExit(f"{cmd} exited:\n{log.read_text()}")
-                try:
-                    httpx.post(f"{url}/search/text", json={"query": "a red circle"}, timeout=2)
-                    break
-                except httpx.TransportError:
-                    time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"{' '.join(cmd)} exited:\n{log.read_text()[-3000:]}")
             try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                r = httpx.post(f"{url}/search/text", json={"query": "a red circle"}, timeout=5)
+                if r.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() - t0 > timeout:
+                raise SystemExit(f"{' '.join(cmd)}: no answer on {url} in {timeout:.0f} s")
+            time.sleep(0.2)
+        yield Running(url, proc, time.monotonic() - t0)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def pairs_per_second(
@@ -275,10 +292,10 @@ def main() -> None:
     duet_port, base_port = _free_port(), _free_port()
     duet_cmd, duet_env, base_cmd = _commands(args, duet_port, base_port)
     with (
-        server(duet_cmd, duet_env, duet_port, logs / "duet-serve-load.log") as duet_url,
-        server(base_cmd, {}, base_port, logs / "baseline-serve-load.log") as base_url,
+        server(duet_cmd, duet_env, duet_port, logs / "duet-serve-load.log") as duet,
+        server(base_cmd, {}, base_port, logs / "baseline-serve-load.log") as base,
     ):
-        urls = {"duet": duet_url, "baseline": base_url}
+        urls = {"duet": duet.url, "baseline": base.url}
         pool = LoadPool(args.procs, seed=2_000_000) if args.procs > 1 else None
         try:
             run_grid(urls, args, levels, queries, results, pool)
@@ -290,7 +307,7 @@ def main() -> None:
         if args.overload:
             print(f"overload: {args.overload} clients against duet ...", flush=True)
             over = asyncio.run(
-                overload(duet_url, args.overload, 3 * args.seconds, args.candidates, queries)
+                overload(duet.url, args.overload, 3 * args.seconds, args.candidates, queries)
             )
     write_report(args, levels, results, bound, over, offered)
     print(args.out.read_text())
