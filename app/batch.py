@@ -252,7 +252,7 @@ class BatchWorker(DeviceStepping):
     def _pairs(self, w: Work, n: int) -> tuple[list[str], np.ndarray]:
         """The first `n` candidates as (texts, image states) pairs for a pair re-ranker."""
         if w.query.kind == "text":
-            return [str(w.query.text)] * n, np.asarray(w.query.index.image_tokens[w.cand.rows[:n]])
+            return [str(w.query.text)] * n, w.query.index.token_rows(w.cand.rows[:n])
         assert w.image_tokens is not None and w.texts is not None
         return [r.text for r in w.texts[:n]], np.repeat(w.image_tokens, n, axis=0)
 

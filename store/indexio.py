@@ -25,7 +25,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from store import ann, integrity
+from store import ann, integrity, tokens
 
 # re-exported (`X as X`): the builder, the service and the tests reach them through indexio
 from store.errors import IndexLoadError as IndexLoadError
@@ -264,6 +264,8 @@ class IndexVersion:
     # the serving device's copy of the vectors and image states (the GPU layout's resident
     # tables, `models.device_step.ResidentTables`), released with the version; None: none
     resident: Any = None
+    # a descriptor of image_tokens.npy to announce each re-rank's reads on (store.tokens)
+    tokens_fd: int | None = None
 
     @property
     def version(self) -> str:
@@ -289,6 +291,13 @@ class IndexVersion:
         if self.resident is not None:
             self.resident.release()  # the device memory goes back now, not at collection
             self.resident = None
+        tokens.close_hints(self.tokens_fd)
+        self.tokens_fd = None
+
+    def token_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The image states of `rows`, read as one request's re-rank reads them: the rows'
+        pages announced to the kernel, then copied (store.tokens)."""
+        return tokens.gather(self.image_tokens, rows, self.tokens_fd)
 
     @property
     def images_root(self) -> Path | None:
@@ -349,7 +358,7 @@ class IndexVersion:
         try:
             image_index = faiss.read_index(str(path / IMAGE_INDEX))
             text_index = faiss.read_index(str(path / TEXT_INDEX))
-            tokens = np.load(path / IMAGE_TOKENS, mmap_mode="r")
+            table = np.load(path / IMAGE_TOKENS, mmap_mode="r")
             store = ItemStore(path / ITEMS)
         except (OSError, RuntimeError, ValueError, sqlite3.Error) as exc:
             raise IndexLoadError(f"index {path} is incomplete or corrupt: {exc}") from exc
@@ -357,7 +366,7 @@ class IndexVersion:
         if (
             image_index.ntotal != counts.images
             or text_index.ntotal != counts.texts
-            or tokens.shape[0] != image_index.ntotal
+            or table.shape[0] != image_index.ntotal
         ):
             raise IndexLoadError(f"index {path}: counts in {MANIFEST} do not match the files")
         return cls(
@@ -365,6 +374,7 @@ class IndexVersion:
             manifest,
             ann.place(image_index, device),
             ann.place(text_index, device),
-            tokens,
+            table,
             store,
+            tokens_fd=tokens.open_hints(path / IMAGE_TOKENS),
         )
