@@ -18,9 +18,29 @@ from models.device_step import CaptionTables, DeviceStep, ResidentTables, text_i
 from models.fusion import sigmoid
 from models.protocols import JointEncoder
 from store import ann
-from store.indexio import IndexVersion
+from store.indexio import IMAGE_VECTORS, TEXT_VECTORS, IndexVersion
 
 log = logging.getLogger("duet.pipeline")
+
+
+def exact_vectors(index: IndexVersion, text: bool) -> np.ndarray | None:
+    """The vectors the step searches exactly: a Flat index's own; for an approximate one
+    (IVF, HNSW: the builder's choice for large corpora, a CPU's), the float32 vectors the
+    version keeps beside it for --append/--delete, row for row; None without them."""
+    faiss_index = index.text_index if text else index.image_index
+    vectors = ann.flat_vectors(faiss_index)
+    if vectors is not None:
+        return vectors
+    kept = index.path / (TEXT_VECTORS if text else IMAGE_VECTORS)
+    if not kept.is_file():
+        return None
+    try:
+        table = np.load(kept, mmap_mode="r")
+    except (OSError, ValueError):
+        return None
+    if table.ndim != 2 or table.shape != (faiss_index.ntotal, faiss_index.d):
+        return None
+    return np.array(table, dtype=np.float32)  # read once, into memory the step may own
 
 
 class DeviceStepping:
@@ -45,9 +65,12 @@ class DeviceStepping:
         fits; otherwise its queries take the host path."""
         if self.step is None or index.resident is not None:
             return
-        vectors = ann.flat_vectors(index.image_index)
+        vectors = exact_vectors(index, text=False)
         if vectors is None:
-            log.info("index %s is not Flat: text queries take the host path", index.version)
+            log.info(
+                "index %s is not Flat and kept no vectors: text queries take the host path",
+                index.version,
+            )
             return
         need = vectors.nbytes + index.image_tokens.size * self.step.dtype.itemsize
         free = self.step.free_bytes()
@@ -82,7 +105,7 @@ class DeviceStepping:
         a word tokenizer needed), or None: image queries then take the host path."""
         assert self.step is not None
         ids_of = text_ids_of(self.model)
-        vectors = ann.flat_vectors(index.text_index)
+        vectors = exact_vectors(index, text=True)
         if vectors is None or ids_of is None or not self.step.reranks:
             return None
         rows = [ids_of(text) for text in index.store.all_texts()]

@@ -1,0 +1,70 @@
+"""The device step over a version whose FAISS indexes are approximate (IVF, HNSW: what the
+builder writes for large corpora): it searches the vectors the version keeps for --append /
+--delete exactly, row for row, instead of sending its queries down the host path. Run on the
+CPU device; the same code runs on CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+import torch
+
+from app.stepping import exact_vectors
+from index_builder.build import build
+from models.builtin import BuiltinModel
+from models.device_step import DeviceStep, ResidentTables
+from store import indexio
+from tests.test_device_step import TEXTS, _worker
+
+
+def _rebuilt(tmp_path: Path, index_dir: Path, model: BuiltinModel, factory: str) -> Path:
+    """The session index's stored vectors re-indexed with `factory` (a --delete of nothing)."""
+    out = tmp_path / "idx"
+    out.mkdir()
+    base = indexio.resolve_current(index_dir)
+    (out / base.name).symlink_to(base)
+    indexio.point_current(out, base.name)
+    (tmp_path / "none.txt").write_text("")
+    build(None, out, model, progress=False, factory=factory, delete=tmp_path / "none.txt")
+    return indexio.resolve_current(out)
+
+
+@pytest.mark.parametrize("factory", ["IVF4,Flat", "HNSW32"])
+def test_an_approximate_version_is_searched_exactly_on_the_device(
+    tmp_path: Path, index_dir: Path, model: BuiltinModel, factory: str
+) -> None:
+    version = indexio.IndexVersion.open(_rebuilt(tmp_path, index_dir, model, factory))
+    assert not isinstance(faiss.downcast_index(version.image_index), faiss.IndexFlat)
+    kept = np.load(version.path / indexio.IMAGE_VECTORS)
+    got = exact_vectors(version, text=False)
+    assert got is not None
+    np.testing.assert_array_equal(got, kept)
+    step = DeviceStep(model.model, torch.device("cpu"), "fp32")
+    worker = _worker(model, step)
+    worker.prepare(version)
+    tables = version.resident
+    assert isinstance(tables, ResidentTables) and tables.rows == len(kept)
+    assert tables.captions is not None  # image queries stay on the step too
+    assert tables.captions.rows == version.text_index.ntotal
+    out = step(tables, [model.tokenizer.ids(t) for t in TEXTS], 10, False)
+    flat = faiss.IndexFlatIP(kept.shape[1])
+    flat.add(kept)
+    qvecs = model.encode_texts(TEXTS)
+    _, want = flat.search(qvecs, 10)
+    np.testing.assert_array_equal(out.rows[:, :10], want)  # exact: FAISS Flat's rows, not IVF's
+    version.close()
+
+
+def test_without_kept_vectors_an_approximate_version_takes_the_host_path(
+    tmp_path: Path, index_dir: Path, model: BuiltinModel
+) -> None:
+    version_dir = _rebuilt(tmp_path, index_dir, model, "HNSW32")
+    version = indexio.IndexVersion.open(version_dir)
+    (version_dir / indexio.IMAGE_VECTORS).rename(tmp_path / "gone.npy")
+    assert exact_vectors(version, text=False) is None
+    _worker(model, DeviceStep(model.model, torch.device("cpu"), "fp32")).prepare(version)
+    assert version.resident is None
+    version.close()
