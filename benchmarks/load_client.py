@@ -23,6 +23,7 @@ class Cell:
     degraded: int = 0
     refused: int = 0
     errors: int = 0
+    late: int = 0  # open loop: offered in the window, unanswered `grace` seconds after it
 
     @property
     def throughput(self) -> float:
@@ -283,6 +284,7 @@ def _merge(cell: Cell, parts: list[Cell], seconds: float) -> None:
         cell.degraded += p.degraded
         cell.refused += p.refused
         cell.errors += p.errors
+        cell.late += p.late
     cell.seconds += seconds
 
 
@@ -296,12 +298,15 @@ async def open_loop(
     cell: Cell,
     warmup: float = 1.0,
     max_conns: int = 512,
+    grace: float = 2.0,
 ) -> None:
     """Requests at a fixed `rate` per second whatever the answers do (offered load), each on
     an idle keep-alive connection (a new one while none is idle, up to `max_conns`); latency
     counts from the moment it was due, so a client that falls behind adds to it (no
     coordinated omission). Requests due in the first `warmup` seconds are not counted; one
-    that finds no connection left counts as an error."""
+    that finds no connection left counts as an error; one still unanswered `grace` seconds
+    after the last was sent is abandoned and counted late (a server far below the rate
+    would otherwise hold the run for as long as its backlog takes)."""
     idle: list[Conn] = []
     opened = 0
     t0 = time.perf_counter()
@@ -327,6 +332,10 @@ async def open_loop(
             opened -= 1
             cell.errors += counted
             return
+        except asyncio.CancelledError:  # abandoned past the grace: the reply would be late
+            conn.close()
+            cell.late += counted
+            raise
         idle.append(conn)
         if not counted:
             return
@@ -345,6 +354,10 @@ async def open_loop(
         if (wait := due - time.perf_counter()) > 0:
             await asyncio.sleep(wait)
         tasks.append(asyncio.create_task(send(due, i >= warmup * rate)))
-    await asyncio.gather(*tasks)
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=grace)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
     for conn in idle:
         conn.close()

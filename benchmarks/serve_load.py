@@ -190,7 +190,7 @@ def run_open_loop(
             print(
                 f"offered {rate:g}/s {srv:8s} answered {cell.throughput:6.1f}/s "
                 f"p50 {cell.q(50):7.1f} ms p99 {cell.q(99):7.1f} ms 429 {cell.refused} "
-                f"errors {cell.errors}",
+                f"errors {cell.errors} late {cell.late}",
                 flush=True,
             )
     return out
@@ -297,18 +297,20 @@ def main() -> None:
     ):
         urls = {"duet": duet.url, "baseline": base.url}
         pool = LoadPool(args.procs, seed=2_000_000) if args.procs > 1 else None
+        over = None
         try:
             run_grid(urls, args, levels, queries, results, pool)
+            if args.overload:
+                print(f"overload: {args.overload} clients against duet ...", flush=True)
+                over = asyncio.run(
+                    overload(duet.url, args.overload, 3 * args.seconds, args.candidates, queries)
+                )
+            # last: a server far below the offered rate goes on working through the requests
+            # the open loop abandoned, and would load the machine under whatever came next
             offered = run_open_loop(urls, args, queries, pool)
         finally:
             if pool is not None:
                 pool.close()
-        over = None
-        if args.overload:
-            print(f"overload: {args.overload} clients against duet ...", flush=True)
-            over = asyncio.run(
-                overload(duet.url, args.overload, 3 * args.seconds, args.candidates, queries)
-            )
     write_report(args, levels, results, bound, over, offered)
     print(args.out.read_text())
 

@@ -107,13 +107,14 @@ def write_report(
                 f"{d.q(50):.1f} | {b.q(50):.1f} | {d.q(99):.1f} | {b.q(99):.1f} | "
                 f"{d.degraded} / {d.refused} | {b.errors + b.refused} |"
             )
-    lines += [
-        "",
-        "Cross-encoder alone, one request's "
-        f"{args.candidates} pairs per call, in the same run (the compute bound):",
-        "",
-    ]
-    lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
+    if bound:  # none with --skip-bound
+        lines += [
+            "",
+            "Cross-encoder alone, one request's "
+            f"{args.candidates} pairs per call, in the same run (the compute bound):",
+            "",
+        ]
+        lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
     lines += _offered(args, offered or {})
     if over is not None:
         lines += [
@@ -139,14 +140,15 @@ def _offered(args: argparse.Namespace, offered: dict[str, Cell]) -> list[str]:
         f"Offered load (open loop, re-ranked, {args.seconds:g} s; latency from when each "
         "request was due):",
         "",
-        "| server | offered req/s | answered req/s | p50 ms | p99 ms | 429 | errors |",
-        "|---|---|---|---|---|---|---|",
+        "| server | offered req/s | answered req/s | p50 ms | p99 ms | 429 | errors | "
+        "unanswered 2 s after |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for key, oc in offered.items():
         srv, rate = key.split("|")
         lines.append(
             f"| {srv} | {rate} | {oc.throughput:.1f} | {oc.q(50):.1f} | {oc.q(99):.1f} | "
-            f"{oc.refused} | {oc.errors} |"
+            f"{oc.refused} | {oc.errors} | {oc.late} |"
         )
     return lines
 

@@ -83,9 +83,50 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
         if line.startswith(("| duet | 10 |", "| baseline | 10 |"))
     ]
     assert len(offered) == 2
-    for line in offered:  # both answered about what was offered, without errors
-        answered, errors = float(line.split("|")[3]), int(line.split("|")[7])
-        assert answered > 5 and errors == 0, line
+    for line in offered:  # both answered about what was offered, without errors, in time
+        answered, errors, late = (line.split("|")[i] for i in (3, 7, 8))
+        assert float(answered) > 5 and int(errors) == 0 and int(late) == 0, line
+
+
+async def test_open_loop_abandons_what_a_slow_server_has_not_answered_in_time() -> None:
+    """Offered far above what a server answers, the open loop stops `grace` seconds after its
+    last request and counts the rest late, instead of waiting out the server's backlog."""
+    import asyncio
+    import time
+
+    from benchmarks.load_client import Cell, Queries, open_loop
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:  # a keep-alive HTTP/1.1 server that takes 0.4 s an answer, one at a time
+                head = await reader.readuntil(b"\r\n\r\n")
+                size = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+                await reader.readexactly(size)
+                async with lock:
+                    await asyncio.sleep(0.4)
+                body = b'{"hits": []}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    lock = asyncio.Lock()
+    server = await asyncio.start_server(slow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cell = Cell()
+    t0 = time.monotonic()
+    await open_loop(
+        f"http://127.0.0.1:{port}", 40, 0.5, True, 50, Queries(1, n=200), cell, 0.0, grace=0.5
+    )
+    took = time.monotonic() - t0
+    server.close()
+    assert took < 2.5  # 0.5 s offered + 0.5 s grace, not the 8 s the backlog would take
+    assert len(cell.latencies) + cell.late == 20 and 1 <= len(cell.latencies) <= 3
+    assert cell.late >= 17 and cell.errors == 0
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from index_builder.errors import BuildError
 from index_builder.write import IDENTICAL_FILES
 from models.builtin import BuiltinModel
 from store import ann, indexio
-from tests.builder_helpers import FAMILIES
+from tests.builder_helpers import FAMILIES, reindexed
 from tests.conftest import CHILD_PYTHONPATH, DUET
 
 ENV = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
@@ -90,13 +90,7 @@ def test_each_family_builds_and_serves(
     tmp_path: Path, index_dir: Path, model: BuiltinModel, factory: str
 ) -> None:
     """Re-index the session index's stored vectors with each factory (--delete of nothing)."""
-    out = tmp_path / "idx"
-    out.mkdir()
-    base = indexio.resolve_current(index_dir)
-    (out / base.name).symlink_to(base)
-    indexio.point_current(out, base.name)
-    (tmp_path / "none.txt").write_text("")
-    report = build(None, out, model, progress=False, factory=factory, delete=tmp_path / "none.txt")
+    report = reindexed(tmp_path, index_dir, model, factory)
     assert report.encoded == 0
     m = report.manifest.to_json()  # as manifest.json holds it
     assert m["index_type"] == factory and m["counts"] == {"images": 40, "texts": 200}

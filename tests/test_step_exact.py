@@ -13,30 +13,18 @@ import pytest
 import torch
 
 from app.stepping import exact_vectors
-from index_builder.build import build
 from models.builtin import BuiltinModel
 from models.device_step import DeviceStep, ResidentTables
 from store import indexio
+from tests.builder_helpers import reindexed
 from tests.test_device_step import TEXTS, _worker
-
-
-def _rebuilt(tmp_path: Path, index_dir: Path, model: BuiltinModel, factory: str) -> Path:
-    """The session index's stored vectors re-indexed with `factory` (a --delete of nothing)."""
-    out = tmp_path / "idx"
-    out.mkdir()
-    base = indexio.resolve_current(index_dir)
-    (out / base.name).symlink_to(base)
-    indexio.point_current(out, base.name)
-    (tmp_path / "none.txt").write_text("")
-    build(None, out, model, progress=False, factory=factory, delete=tmp_path / "none.txt")
-    return indexio.resolve_current(out)
 
 
 @pytest.mark.parametrize("factory", ["IVF4,Flat", "HNSW32"])
 def test_an_approximate_version_is_searched_exactly_on_the_device(
     tmp_path: Path, index_dir: Path, model: BuiltinModel, factory: str
 ) -> None:
-    version = indexio.IndexVersion.open(_rebuilt(tmp_path, index_dir, model, factory))
+    version = indexio.IndexVersion.open(reindexed(tmp_path, index_dir, model, factory).path)
     assert not isinstance(faiss.downcast_index(version.image_index), faiss.IndexFlat)
     kept = np.load(version.path / indexio.IMAGE_VECTORS)
     got = exact_vectors(version, text=False)
@@ -61,7 +49,7 @@ def test_an_approximate_version_is_searched_exactly_on_the_device(
 def test_without_kept_vectors_an_approximate_version_takes_the_host_path(
     tmp_path: Path, index_dir: Path, model: BuiltinModel
 ) -> None:
-    version_dir = _rebuilt(tmp_path, index_dir, model, "HNSW32")
+    version_dir = reindexed(tmp_path, index_dir, model, "HNSW32").path
     version = indexio.IndexVersion.open(version_dir)
     (version_dir / indexio.IMAGE_VECTORS).rename(tmp_path / "gone.npy")
     assert exact_vectors(version, text=False) is None
