@@ -29,6 +29,9 @@
 #             (benchmarks/build_devices.py: per-stage times, speed-ups, top-10 agreement;
 #             issue 38; JSON lines in log.txt)
 #   suite     the rest of the suite, as far as the budget goes (one line per test in suite.log)
+#   scale     (not in the default steps: a session of its own) issue 38's million: 20,000
+#             photo-sized JPEGs listed 50 times (benchmarks/repeat_corpus.py) built on the GPU,
+#             then `scale_serve` at 20k and 1M -> scale.json and the table in log.txt
 #
 #   BUDGET=560 bash benchmarks/gpu_check.sh              # seconds for the whole run
 #   STEPS="serve ceiling" bash benchmarks/gpu_check.sh   # only these steps, in this order
@@ -50,10 +53,10 @@ BUDGET=${BUDGET:-560}
 STEPS=${STEPS:-sync index serve fronts ceiling quality blip ab fp32 workers1 tests build suite}
 DRY=${DRY:-0}
 DEV=cuda CELL=3 BUILD=(--devices cpu,cuda --images 20000 --cpus '0-15;0,1') BLIP=() CEIL=()
-QUAL=()
+QUAL=() SCALE=(20000 50)
 if [ "$DRY" = 1 ]; then
   DEV=cpu CELL=1 BUILD=(--devices cpu --images 400 --cpus '0,1;0') BLIP=(--tiny)
-  CEIL=(--pairs 50,400) QUAL=(--images 100)
+  CEIL=(--pairs 50,400) QUAL=(--images 100) SCALE=(400 5)
 fi
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
@@ -172,6 +175,20 @@ for s in $STEPS; do
     else
       el "suite skipped: ${n}s left"
     fi
+    ;;
+  scale)
+    S=/tmp/duet-scale n=${SCALE[0]} big=$((SCALE[0] * SCALE[1]))
+    rm -rf "$S" && mkdir -p "$S"
+    step scale-corpus 240 60 python3 -m duet.cli demo-corpus --out "$S/small" --images "$n" \
+      --format jpeg --seed 11 --no-progress &&
+      python3 benchmarks/repeat_corpus.py "$S/small" --times "${SCALE[1]}" --out "$S/big.jsonl" |
+      tee -a "$LOG" &&
+      step scale-build-small 120 30 python3 -m duet.cli build --corpus "$S/small/manifest.jsonl" \
+        --out "$S/i-small" --device $DEV --batch-size 256 --no-progress &&
+      step scale-build-big 600 120 python3 -m duet.cli build --corpus "$S/big.jsonl" \
+        --out "$S/i-big" --device $DEV --batch-size 256 --no-progress &&
+      step scale-serve 300 90 python3 benchmarks/scale_serve.py --device $DEV --procs 4 \
+        --seconds 4 --index "$n=$S/i-small" --index "$big=$S/i-big" --json "$OUT/scale.json"
     ;;
   *) el "unknown step $s (see the header)" && failed=1 ;;
   esac

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from benchmarks.build_devices import agreement, stages, top10
+from index_builder.build import build
 from index_builder.stages import STAGES
+from models.builtin import BuiltinModel
 from tests.conftest import REPO
 
 SCRIPT = [sys.executable, str(REPO / "benchmarks" / "build_devices.py")]
@@ -73,3 +75,23 @@ def test_build_devices_benchmark_runs() -> None:
         cwd=REPO,
     )
     assert twice.returncode == 2 and "names a device twice" in twice.stderr
+
+
+def test_a_repeated_corpus_builds_with_every_item_under_new_ids(
+    corpus: Path, model: BuiltinModel, tmp_path: Path
+) -> None:
+    """benchmarks/repeat_corpus.py: the session corpus listed three times builds into a
+    version of three times the items, each repeat's vectors its original's."""
+    from benchmarks.repeat_corpus import main
+
+    out = tmp_path / "elsewhere" / "m.jsonl"  # not beside the images: paths are absolute
+    assert main([str(corpus), "--times", "3", "--out", str(out)]) == 0
+    lines = [json.loads(line) for line in out.open()]
+    assert len(lines) == 3 * 40 and len({x["id"] for x in lines}) == 120
+    assert all(Path(x["image"]).is_absolute() and Path(x["image"]).is_file() for x in lines)
+    report = build(out, tmp_path / "idx", model, progress=False)
+    assert report.manifest.counts.images == 120 and report.manifest.counts.texts == 600
+    vecs = np.load(report.path / "image_vectors.npy")
+    np.testing.assert_allclose(vecs[:40], vecs[80:], atol=1e-6)  # repeat 2 is repeat 0
+    with pytest.raises(SystemExit):
+        main([str(corpus), "--times", "0", "--out", str(out)])
