@@ -112,6 +112,17 @@ class DeviceStepping:
         if any(r is None for r in rows):
             return None
         width = max((len(r) for r in rows), default=1)
+        need = len(rows) * (vectors.shape[1] + width) * 4  # float32 vectors, int32 ids
+        free = self.step.free_bytes()  # what is left beside the image tables just copied
+        if free is not None and need > 0.8 * free:
+            log.warning(
+                "index %s's caption tables need %.1f GB of the device's %.1f GB free: image "
+                "queries take the host path",
+                index.version,
+                need / 1e9,
+                free / 1e9,
+            )
+            return None
         ids = np.zeros((len(rows), width), np.int32)
         for i, r in enumerate(rows):
             ids[i, : len(r)] = r

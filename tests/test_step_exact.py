@@ -56,3 +56,20 @@ def test_without_kept_vectors_an_approximate_version_takes_the_host_path(
     _worker(model, DeviceStep(model.model, torch.device("cpu"), "fp32")).prepare(version)
     assert version.resident is None
     version.close()
+
+
+def test_caption_tables_that_would_not_fit_leave_image_queries_on_the_host_path(
+    index_dir: Path, model: BuiltinModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The device's free memory is read again before the caption tables are copied: too
+    little left beside the image tables, and only image queries take the host path."""
+    version = indexio.IndexVersion.open(indexio.resolve_current(index_dir))
+    step = DeviceStep(model.model, torch.device("cpu"), "fp32")
+    left = iter([10**10, 1_000])  # as a GPU would say: plenty, then 1 KB after the copy
+    step.free_bytes = lambda: next(left)  # type: ignore[method-assign]
+    _worker(model, step).prepare(version)
+    assert isinstance(version.resident, ResidentTables) and version.resident.captions is None
+    assert (
+        "caption tables need" in caplog.text and "image queries take the host path" in caplog.text
+    )
+    version.close()
