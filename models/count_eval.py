@@ -40,7 +40,7 @@ from models import world
 from models.builtin import BuiltinModel
 from models.device import DEVICES
 from models.eval_metrics import fit_matrix, precision, reorder, top_m
-from models.eval_pool import Direction, cross_scores
+from models.eval_pool import cross_scores, texts_to_images
 from models.evaluate import PAIR_BATCH, encode_pool, evaluate
 from models.fusion import DEFAULT_FUSION_LAMBDA, fuse
 from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE, check_validation_seeds
@@ -128,16 +128,7 @@ def served_ranking(
     pool = encode_pool(model, images, [])
     qv = model.encode_texts(list(texts))
     cand, dots = top_m(qv, pool.image_vecs, candidates)
-    d = Direction(
-        "t2i",
-        qv,
-        pool.image_vecs,
-        texts,
-        pool.image_tokens,
-        lambda q, it: q,
-        lambda q, it: it,
-        lambda q, it: np.zeros(it.shape, dtype=bool),
-    )
+    d = texts_to_images(pool, texts, qv)
     logits = cross_scores(model, d, np.arange(len(texts)), cand, PAIR_BATCH)
     return {
         "dot": cand,

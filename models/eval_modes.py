@@ -33,6 +33,7 @@ from models.eval_pool import (
     TokenScorer,
     cross_scores,
     directions,
+    texts_to_images,
     token_scores,
 )
 from models.fusion import DEFAULT_FUSION_LAMBDA, fuse, norm_fuse
@@ -283,16 +284,7 @@ def evaluate_partial_pool(
     query q fits pool image i) over the pool's images: {"queries", "judged", "candidates",
     "modes": {mode: {"P@1", "P@10"}}}. Re-rankers reorder the dot product's top
     `candidates`; `ADD_λ`, per λ of `lambdas`, fuses coop's logits with the dots."""
-    d = Direction(
-        "t2i",
-        query_vecs,
-        pool.image_vecs,
-        texts,
-        pool.image_tokens,
-        lambda q, it: q,
-        lambda q, it: it,
-        lambda q, it: fit[q, it],
-    )
+    d = texts_to_images(pool, texts, query_vecs, fit)
     queries = np.arange(len(texts))
     cand, dots = top_m(query_vecs, pool.image_vecs, max(candidates, 10))
     cand, dots = cand[:, :candidates], dots[:, :candidates]

@@ -87,6 +87,24 @@ def directions(pool: Pool) -> list[Direction]:
     ]
 
 
+def texts_to_images(
+    pool: Pool, texts: Sequence[str], query_vecs: np.ndarray, fit: np.ndarray | None = None
+) -> Direction:
+    """Text->image for queries that are not the pool's own captions (partial, counting,
+    threshold queries): `texts`, encoded as `query_vecs`, over the pool's images; `fit[q, i]`
+    says query q fits image i (None: no image counts as a hit)."""
+    return Direction(
+        "t2i",
+        query_vecs,
+        pool.image_vecs,
+        texts,
+        pool.image_tokens,
+        lambda q, it: q,
+        lambda q, it: it,
+        (lambda q, it: fit[q, it]) if fit is not None else (lambda q, it: np.zeros(it.shape, bool)),
+    )
+
+
 @dataclass
 class TextTokens:
     """Token features of texts (what late interaction and HAN read), padded, by text row."""

@@ -28,7 +28,7 @@ import numpy as np
 from models import world
 from models.builtin import BuiltinModel
 from models.eval_metrics import top_m
-from models.eval_pool import Direction, cross_scores
+from models.eval_pool import Direction, cross_scores, texts_to_images
 from models.evaluate import encode_pool
 from models.fusion import DEFAULT_FUSION_LAMBDA, fuse
 from models.trainconfig import DEFAULT_WEIGHTS, HELD_OUT_SEED_BASE, check_validation_seeds
@@ -57,16 +57,7 @@ def served_hits(
     fit = np.array([[world.satisfies(t, sc) for sc in scenes] for t in texts], dtype=bool)
     qv = model.encode_texts(texts)
     cand, dots = top_m(qv, pool.image_vecs, candidates)
-    d = Direction(
-        "t2i",
-        qv,
-        pool.image_vecs,
-        texts,
-        pool.image_tokens,
-        lambda q, it: q,
-        lambda q, it: it,
-        lambda q, it: fit[q, it],
-    )
+    d = texts_to_images(pool, texts, qv, fit)
     served = fuse(dots, cross_scores(model, d, np.arange(len(texts)), cand), DEFAULT_FUSION_LAMBDA)
     order = np.argsort(-served, axis=1, kind="stable")[:, :top_k]
     rows = np.take_along_axis(cand, order, axis=1)
