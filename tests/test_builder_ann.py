@@ -120,6 +120,25 @@ def test_same_vectors_same_index_bytes() -> None:
         assert a.tobytes() == b.tobytes(), factory
 
 
+def test_an_hnsw_quantized_ivf_fills_on_every_core_with_the_same_bytes() -> None:
+    """Only a graph index is filled on one thread; an IVF whose coarse quantizer is an HNSW
+    graph (1M vectors and up) fills on every core, byte for byte as on one (its graph is made
+    when it trains; filling only searches it)."""
+    vecs = _unit(20_000)
+    factory = "IVF256_HNSW32,SQ8"  # a graph of 256 centroids: threads could order it
+    threads = faiss.omp_get_max_threads()
+    try:
+        faiss.omp_set_num_threads(1)
+        one = faiss.serialize_index(ann.build_index(factory, vecs)).tobytes()
+        faiss.omp_set_num_threads(max(2, threads))
+        many = faiss.serialize_index(ann.build_index(factory, vecs)).tobytes()
+    finally:
+        faiss.omp_set_num_threads(threads)
+    assert one == many
+    assert not ann._add_builds_a_graph(ann.make_index(factory, 128))
+    assert ann._add_builds_a_graph(ann.make_index("HNSW32", 128))
+
+
 def test_device_selection() -> None:
     assert resolve_device("cpu").type == "cpu"
     assert autocast_dtype(torch.device("cpu")) is None
