@@ -11,6 +11,7 @@ import pytest
 
 from store import tokens
 from store.indexio import IndexVersion, resolve_current
+from tests.conftest import free_port
 
 
 def _table(tmp_path: Path, n: int = 64) -> tuple[Path, np.memmap]:
@@ -82,3 +83,24 @@ def test_the_benchmark_reads_both_ways_in_both_cache_states(
     assert main([str(tmp_path), "--rows", "8", "--trials", "2"]) == 0
     out = capsys.readouterr().out
     assert "| announced | dropped |" in out and "plain / announced" in out
+
+
+@pytest.mark.slow
+def test_the_pressure_benchmark_serves_in_a_memory_cgroup(
+    index_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/token_pressure.py end to end: a real `duet serve` answering re-ranked
+    searches, inside a memory cgroup where this machine lets one be made (root, a memory
+    controller), else without one."""
+    from benchmarks import token_pressure
+
+    try:
+        token_pressure.make_cgroup("duet-token-pressure", 2**31).rmdir()
+        limit = "2048"
+    except OSError:
+        limit = "0"
+    argv = ["--index-dir", str(index_dir), "--requests", "5", "--limit-mb", limit]
+    assert token_pressure.main([*argv, "--port", str(free_port())]) == 0
+    out = capsys.readouterr().out
+    assert "re-ranked at 1 client, 5 requests: p50" in out
+    assert ("2048 MB cgroup" if limit != "0" else "no limit") in out
