@@ -49,6 +49,20 @@ class Queries:
         return next(self._it)
 
 
+async def finish_message(
+    reader: asyncio.StreamReader, head: bytes
+) -> tuple[str, dict[str, str], bytes]:
+    """An HTTP/1.1 message whose head (up to its blank line) was read off `reader`: its start
+    line, its headers (names lower-cased) and its Content-Length body, read now."""
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {
+        k.strip().lower(): v.strip()
+        for k, _, v in (line.partition(":") for line in lines[1:] if line)
+    }
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return lines[0], headers, body
+
+
 class Conn:
     """A minimal HTTP/1.1 keep-alive client over one asyncio connection: the load generator
     shares the machine with the servers, and httpx spends several times the CPU per request
@@ -79,13 +93,8 @@ class Conn:
                 if attempt:
                     raise
                 continue
-            lines = head.decode("latin-1").split("\r\n")
-            status = int(lines[0].split(" ", 2)[1])
-            headers = {
-                k.strip().lower(): v.strip()
-                for k, _, v in (line.partition(":") for line in lines[1:] if line)
-            }
-            data = await reader.readexactly(int(headers.get("content-length", "0")))
+            start, headers, data = await finish_message(reader, head)
+            status = int(start.split(" ", 2)[1])
             if headers.get("connection", "").lower() == "close":
                 self.close()
             return status, headers, data

@@ -19,6 +19,19 @@ from store.indexio import resolve_current
 from tests.conftest import REPO
 
 
+def _run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """benchmarks/`script` with `args`, from the repo, as a user runs it; it must succeed."""
+    res = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
 async def test_baseline_script_ranks_as_duet_does(index_dir: Path) -> None:
     baseline = make_app(resolve_current(index_dir))
     duet = create_app(Settings(index_dir=index_dir, index_poll_s=0))
@@ -40,37 +53,29 @@ async def test_baseline_script_ranks_as_duet_does(index_dir: Path) -> None:
 @pytest.mark.slow
 def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "performance.md"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "serve_load.py"),
-            "--index-dir",
-            str(index_dir),
-            "--seconds",
-            "0.5",
-            "--rounds",
-            "1",
-            "--concurrency",
-            "1,2",
-            "--overload",
-            "8",
-            # the GPU check's options, on the CPU: load over two processes, an offered-load
-            # run, duet in the GPU layout (its device step on the CPU device)
-            "--procs",
-            "2",
-            "--open-loop",
-            "10",
-            "--duet-env",
-            "DUET_LAYOUT=gpu,DUET_RERANK_MAX_BATCH=200,DUET_MAX_BATCH=8",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+    _run_benchmark(
+        "serve_load.py",
+        "--index-dir",
+        str(index_dir),
+        "--seconds",
+        "0.5",
+        "--rounds",
+        "1",
+        "--concurrency",
+        "1,2",
+        "--overload",
+        "8",
+        # the GPU check's options, on the CPU: load over two processes, an offered-load
+        # run, duet in the GPU layout (its device step on the CPU device)
+        "--procs",
+        "2",
+        "--open-loop",
+        "10",
+        "--duet-env",
+        "DUET_LAYOUT=gpu,DUET_RERANK_MAX_BATCH=200,DUET_MAX_BATCH=8",
+        "--out",
+        str(out),
     )
-    assert res.returncode == 0, res.stdout + res.stderr
     report = out.read_text()
     for row in ("| re-ranked | 1 |", "| re-ranked | 2 |", "| dot only | 1 |", "| dot only | 2 |"):
         assert row in report
@@ -94,18 +99,12 @@ async def test_open_loop_abandons_what_a_slow_server_has_not_answered_in_time() 
     import asyncio
     import time
 
-    from benchmarks.load_client import Cell, Queries, open_loop
+    from benchmarks.load_client import Cell, Queries, finish_message, open_loop
 
     async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:  # a keep-alive HTTP/1.1 server that takes 0.4 s an answer, one at a time
-                head = await reader.readuntil(b"\r\n\r\n")
-                size = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-                await reader.readexactly(size)
+                await finish_message(reader, await reader.readuntil(b"\r\n\r\n"))
                 async with lock:
                     await asyncio.sleep(0.4)
                 body = b'{"hits": []}'
@@ -132,25 +131,17 @@ async def test_open_loop_abandons_what_a_slow_server_has_not_answered_in_time() 
 @pytest.mark.slow
 def test_ce_ceiling_writes_its_table(index_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "ceiling.md"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "ce_ceiling.py"),
-            "--index-dir",
-            str(index_dir),
-            "--pairs",
-            "50,100",
-            "--seconds",
-            "0.2",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+    _run_benchmark(
+        "ce_ceiling.py",
+        "--index-dir",
+        str(index_dir),
+        "--pairs",
+        "50,100",
+        "--seconds",
+        "0.2",
+        "--out",
+        str(out),
     )
-    assert res.returncode == 0, res.stdout + res.stderr
     rows = [line for line in out.read_text().splitlines() if line.startswith("| fp32 |")]
     assert len(rows) == 2
     for line in rows:  # every path measured a rate (none failed)
@@ -211,27 +202,19 @@ def test_scale_serve_measures_a_row_per_index(index_dir: Path, tmp_path: Path) -
     manifest = json.loads((resolve_current(index_dir) / MANIFEST).read_text())
     n = int(manifest["counts"]["images"])
     out = tmp_path / "rows.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "scale_serve.py"),
-            "--index",
-            f"{n}={index_dir}",
-            "--seconds",
-            "0.5",
-            "--clients",
-            "2",
-            "--logs",
-            str(tmp_path),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+    res = _run_benchmark(
+        "scale_serve.py",
+        "--index",
+        f"{n}={index_dir}",
+        "--seconds",
+        "0.5",
+        "--clients",
+        "2",
+        "--logs",
+        str(tmp_path),
+        "--json",
+        str(out),
     )
-    assert res.returncode == 0, res.stdout + res.stderr
     assert f"| {n:,} |" in res.stdout
     (row,) = json.loads(out.read_text())
     assert row["n"] == n and row["start_s"] > 0 and row["rss_mb"] > 50

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from app.liveness import Heartbeat, LivenessServer, verdict
+from benchmarks.load_client import finish_message
 from tests.conftest import REPO, Service, free_port, start_service, stop_service
 
 
@@ -91,15 +92,9 @@ async def _storm(port: int, clients: int, seconds: float) -> int:
             while time.monotonic() < end:
                 writer.write(request)
                 await writer.drain()
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-                await reader.readexactly(length)
+                _, headers, _ = await finish_message(reader, await reader.readuntil(b"\r\n\r\n"))
                 sent += 1
-                if b"connection: close" in head.lower():
+                if headers.get("connection", "").lower() == "close":
                     writer.close()
                     reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.close()
