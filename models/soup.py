@@ -31,6 +31,7 @@ from models.builtin import WEIGHTS_FILE, BuiltinModel, ModelLoadError
 from models.errors import UserError
 from models.han import HAN_CONFIG, HAN_WEIGHTS
 from models.joint import CROSS_ENCODER
+from models.trainconfig import VAL_IMAGES
 
 SHARED_FILES = ("config.json", "vocab.json")
 
@@ -86,7 +87,7 @@ def averaged(sources: Sequence[Path]) -> dict[str, torch.Tensor]:
     return out
 
 
-def soup(out: Path, sources: Sequence[Path], val_images: int = 300) -> dict[str, Any]:
+def soup(out: Path, sources: Sequence[Path], val_images: int = VAL_IMAGES) -> dict[str, Any]:
     """Write into `out` the model whose cross-encoder is the mean of `sources`' (the rest
     copied from the first), with a train.json naming every source's own train.json and the
     soup's validation on `val_images` held-out images (0: none); return that summary. `out`

@@ -47,7 +47,7 @@ from models.tokenizer import WordTokenizer
 from models.train_ce import train_cross_encoder
 from models.train_han import train_han
 from models.train_joint import train_joint
-from models.trainconfig import HELD_OUT_SEED_BASE, TrainConfig
+from models.trainconfig import HELD_OUT_SEED_BASE, VAL_IMAGES, TrainConfig
 
 log = logging.getLogger("duet.train")
 
@@ -237,7 +237,7 @@ def _save(
 
 
 def validate_model(
-    runtime: BuiltinModel, images: int = 300
+    runtime: BuiltinModel, images: int = VAL_IMAGES
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Full-caption recalls (`images` validation images, top 20) and partial-query precision."""
     val = list(world.generate(images, HELD_OUT_SEED_BASE - 1, n_captions=5))
@@ -278,7 +278,7 @@ def _command(cfg: TrainConfig, out: Path, init_from: Path | None) -> str:
         + (" --ce-hard-parts" if cfg.ce_hard_parts else "")
         + (f" --ce-move {cfg.ce_move}" if cfg.ce_move else "")
         + (f" --ce-typed {cfg.ce_typed}" if cfg.ce_typed else "")
-        + (f" --val-images {cfg.val_images}" if cfg.val_images != 300 else "")
+        + (f" --val-images {cfg.val_images}" if cfg.val_images != VAL_IMAGES else "")
         + (" --ce-warm" if cfg.ce_warm else "")
         + (f" --device {cfg.device}" if cfg.device != "auto" else "")
         + (

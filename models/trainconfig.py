@@ -11,6 +11,7 @@ __all__ = [
     "DEFAULT_WEIGHTS",
     "HELD_OUT_SEED_BASE",
     "PARTIAL_SEED",
+    "VAL_IMAGES",
     "TrainConfig",
     "check_validation_seeds",
 ]
@@ -19,6 +20,8 @@ __all__ = [
 HELD_OUT_SEED_BASE = 1_000_000
 # `duet eval --partial`'s queries are drawn with this world seed, apart from the test splits'
 PARTIAL_SEED = HELD_OUT_SEED_BASE + 13_000
+# held-out images (and partial queries) a trained model is validated on, recorded in train.json
+VAL_IMAGES = 300
 
 
 def check_validation_seeds(seeds: Iterable[int]) -> None:
@@ -46,7 +49,7 @@ class TrainConfig:
     threads: int = 2
     # validation after training (the figures train.json records): this many held-out images
     # and as many partial queries; fewer is quicker, and its figures are not comparable
-    val_images: int = 300
+    val_images: int = VAL_IMAGES
     # auto (a CUDA GPU when torch sees one, else the CPU), cpu or cuda: where stages 0 to 2
     # train (models.device.resolve_device); stage 3 (HAN) and validation run on the CPU
     device: str = "auto"
