@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -65,14 +65,14 @@ class Settings(BaseSettings):
         "resident on the device; batches cut by pairs), cpu = the host path tuned for CPU "
         "cores; auto = gpu when the model runs on CUDA",
     )
-    frontends: int = Field(
-        0,
-        ge=0,
-        le=64,
+    frontends: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
+        "auto",
         description="the process layout: N > 0 starts N front processes that serve HTTP "
         "(validation, image checks, tokenising, the cache, JSON) on the public port and hand "
         "the model work to this process, which owns the model and serves every other path; "
-        "0 = one process does everything",
+        "0 = one process does everything; auto = 0 on the CPU, and with the model on CUDA "
+        "outside DUET_LAYOUT=cpu half the cores less one, at most 6 (on an H100 with 16 "
+        "cores six fronts served 9.9x the plain script at 64 clients, one process 3.9x)",
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

@@ -71,11 +71,32 @@ def _cache_backend(settings: Settings) -> CacheBackend:
     return LRUCache(settings.cache_max_entries, settings.cache_ttl_s)
 
 
+def _on_cuda(model: object) -> bool:
+    return str(getattr(model, "device", "cpu")).startswith("cuda")
+
+
+AUTO_FRONTS_MAX = 6  # measured: six fronts on a 16-core H100 host (docs/gpu.md)
+
+
+def front_count(settings: Settings, model: object, cores: int | None = None) -> int:
+    """How many front processes `duet serve` starts (DUET_FRONTENDS). `auto`: none on the
+    CPU, where the model wants every core and one process keeps up with it; with the model
+    on CUDA (and not DUET_LAYOUT=cpu) half the cores less one, at most six, since one
+    process's HTTP, validation and JSON, not the GPU, capped the service there (~550 req/s
+    on an H100 host, whatever the mode). Fewer than two fronts are not worth the hop."""
+    if settings.frontends != "auto":
+        return settings.frontends
+    if not _on_cuda(model) or settings.layout == "cpu":
+        return 0
+    n = min(AUTO_FRONTS_MAX, (cores or available_cores()) // 2 - 1)
+    return n if n >= 2 else 0
+
+
 def _pipeline(
     settings: Settings, res: Resources, cache: ResilientCache, metrics: Metrics
 ) -> SearchPipeline:
     """The search pipeline over the loaded model and index, sized for where the model runs."""
-    on_gpu = str(getattr(res.model, "device", "cpu")).startswith("cuda")
+    on_gpu = _on_cuda(res.model)
     gpu_layout = settings.layout == "gpu" or (settings.layout == "auto" and on_gpu)
     step = step_for(res.model) if gpu_layout else None
     if gpu_layout and step is None:

@@ -9,10 +9,11 @@
 #   sync      the device step's tests, the CUDA one under torch.cuda.set_sync_debug_mode("error")
 #   index     the demo index (2,000 images), built on the GPU
 #   serve     serve_load, GPU layout (DUET_LAYOUT=gpu, the default on CUDA), default precision,
+#             the default process layout (DUET_FRONTENDS=auto: six fronts on 16 cores),
 #             1-512 clients over 8 load processes, 2,000 req/s offered, overload at 512
 #             -> serve_gpu.md/.png
-#   fronts    serve_load, GPU layout with the process layout (DUET_FRONTENDS=6: six HTTP
-#             processes, the model in one) at 1, 64 and 512 clients -> serve_fronts.md
+#   single    the A/B for the fronts: the same with one process (DUET_FRONTENDS=0) at 1, 64
+#             and 512 clients -> serve_single.md
 #   ceiling   ce_ceiling: plain forward / host runtime / device step / the step's cross-encoder,
 #             50 to 12,800 pairs a call, fp32 fp16 bf16 -> ceiling.md
 #   quality   step_quality: served R@1 on the test split through the device step in each
@@ -41,9 +42,11 @@
 #       BLIP stand-in, no suite), so a GPU session does not spend its minutes on a typo
 #
 # A host that reaches no package registry needs duet's packages as wheels for its Python:
-# `bash benchmarks/gpu_wheels.sh` here writes them to .whl (every step; ~60 MiB) and .whl-hf
-# (what the blip step adds; ~19 MiB), git-ignored: pass .whl in the device call's `carry`,
-# and .whl-hf with a later call that runs STEPS=blip (a call carries 64 MiB at most). They
+# `bash benchmarks/gpu_wheels.sh` here writes them to .whl-base (numpy, faiss, pillow), .whl
+# (the rest) and .whl-hf (what the blip step adds), git-ignored. A call carries 64 MiB at
+# most, the tracked tree included, so the first call carries .whl-base and runs STEPS=wheels
+# (seconds), the second carries .whl and runs the steps; the machine keeps what the first
+# installed while it stays warm (30 s idle). They
 # are installed into the host's own Python (a disposable machine), so child processes that
 # set their own PYTHONPATH still find them.
 set -uo pipefail
@@ -51,7 +54,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
 WHEELS=${WHEELS:-.whl}
 BUDGET=${BUDGET:-560}
-STEPS=${STEPS:-sync index serve fronts ceiling quality blip ab fp32 workers1 tests build suite}
+STEPS=${STEPS:-sync index serve single ceiling quality blip ab fp32 workers1 tests build suite}
 DRY=${DRY:-0}
 DEV=cuda CELL=3 BUILD=(--devices cpu,cuda --images 20000 --cpus '0-15;0,1') BLIP=() CEIL=()
 QUAL=() SCALE=(20000 50)
@@ -86,9 +89,9 @@ else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG"
 fi
 echo "cores: $(nproc)" | tee -a "$LOG"
-# the wheels of benchmarks/gpu_wheels.sh: .whl (every step) and .whl-hf (the blip step), into
+# the wheels of benchmarks/gpu_wheels.sh (.whl-base, .whl, .whl-hf: whichever came), into
 # the host's Python; where its pip refuses or is missing, unpacked into a folder on PYTHONPATH
-wheels=$(compgen -G "$WHEELS/*.whl"; compgen -G "$WHEELS-hf/*.whl") || true
+wheels=$(compgen -G "$WHEELS-base/*.whl"; compgen -G "$WHEELS/*.whl"; compgen -G "$WHEELS-hf/*.whl") || true
 if [ -n "$wheels" ]; then
   # shellcheck disable=SC2086
   if ! PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -120,9 +123,9 @@ for s in $STEPS; do
     step serve 260 90 "${SERVE[@]}" --concurrency 1,8,64,256,512 --procs 8 --open-loop 2000 \
       --overload 512 --out "$OUT/serve_gpu.md"
     ;;
-  fronts)
-    step fronts 120 60 "${SERVE[@]}" --concurrency 1,64,512 --procs 6 --overload 0 --skip-bound \
-      --duet-env DUET_FRONTENDS=6 --out "$OUT/serve_fronts.md"
+  single)
+    step single 120 60 "${SERVE[@]}" --concurrency 1,64,512 --procs 6 --overload 0 --skip-bound \
+      --duet-env DUET_FRONTENDS=0 --out "$OUT/serve_single.md"
     ;;
   ceiling) step ceiling 120 40 python3 benchmarks/ce_ceiling.py --device $DEV --seconds 0.75 \
     "${CEIL[@]}" --out "$OUT/ceiling.md" ;;
@@ -195,6 +198,7 @@ for s in $STEPS; do
         --seconds 4 --index "$n=$S/i-small" --index "$big=$S/i-big" --json "$OUT/scale.json"
     fi
     ;;
+  wheels) ;; # only the wheels carried (installed above), e.g. the first call's .whl-base
   *) el "unknown step $s (see the header)" && failed=1 ;;
   esac
 done

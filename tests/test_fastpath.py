@@ -129,4 +129,6 @@ def test_on_cuda_the_direct_path_equals_the_modules_without_a_sync(counted: list
             slow = net.text_tokens(ids, pad)
     assert counted
     keep = ~pad
-    torch.testing.assert_close(fast[keep], slow[keep], rtol=1e-4, atol=1e-4)
+    # fp32 both ways, but different CUDA kernels (the direct path's attention against the
+    # modules' fused one) sum in another order: on an H100 they differed by up to 3.4e-4
+    torch.testing.assert_close(fast[keep], slow[keep], rtol=1e-3, atol=1e-3)

@@ -189,3 +189,44 @@ def test_serve_front_alone_says_how_it_starts() -> None:
         timeout=120,
     )
     assert res.returncode == 2 and "DUET_FRONTENDS" in res.stderr
+
+
+class _Placed:
+    """Where a model runs: all `front_count` reads of it."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+
+@pytest.mark.parametrize(
+    ("env", "device", "cores", "want"),
+    [
+        ({}, "cpu", 16, 0),  # the CPU layout keeps one process
+        ({}, "cuda:0", 16, 6),  # the H100 host measured: six fronts
+        ({}, "cuda:0", 64, 6),
+        ({}, "cuda:0", 8, 3),
+        ({}, "cuda:0", 4, 0),  # one front would only add the hop
+        ({"DUET_LAYOUT": "cpu"}, "cuda:0", 16, 0),
+        ({"DUET_FRONTENDS": "2"}, "cpu", 2, 2),  # a number is taken as it is
+        ({"DUET_FRONTENDS": "0"}, "cuda:0", 16, 0),
+    ],
+)
+def test_auto_fronts_only_where_the_model_is_on_cuda(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], device: str, cores: int, want: int
+) -> None:
+    from app.config import Settings
+    from app.main import front_count
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert front_count(Settings(), _Placed(device), cores) == want
+
+
+@pytest.mark.parametrize("bad", ["-1", "65", "many"])
+def test_a_bad_fronts_setting_is_refused(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    from duet.commands.common import load_settings
+    from models.errors import UserError
+
+    monkeypatch.setenv("DUET_FRONTENDS", bad)
+    with pytest.raises(UserError, match="DUET_FRONTENDS"):
+        load_settings()

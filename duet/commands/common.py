@@ -52,9 +52,10 @@ def load_settings(**overrides: Any) -> Settings:
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        bad = "; ".join(
-            f"DUET_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
-        )
+        said: dict[str, list[str]] = {}  # a union's members each explain themselves
+        for e in exc.errors():
+            said.setdefault(f"DUET_{str(e['loc'][0]).upper()}", []).append(e["msg"])
+        bad = "; ".join(f"{name}: {' or '.join(msgs)}" for name, msgs in said.items())
         raise UserError(f"invalid setting(s): {bad} (see .env.example for every setting)") from exc
 
 

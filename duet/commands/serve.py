@@ -79,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from app.limits import uvicorn_options
     from app.liveness import Heartbeat, LivenessServer
-    from app.main import create_app, load_resources
+    from app.main import create_app, front_count, load_resources
 
     settings = load_settings(host=args.host, port=args.port, index_dir=args.index_dir)
     setup_logging(settings.log_level)
@@ -100,8 +100,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ONEDNN_CACHE_ENV,
         os.environ[ONEDNN_CACHE_ENV],
     )
-    if settings.frontends:
-        _serve_with_fronts(settings, app)
+    if fronts := front_count(settings, resources.model):
+        _serve_with_fronts(settings, app, fronts)
         return 0
     uvicorn.run(
         app,
@@ -125,9 +125,9 @@ def _listen(host: str, port: int, backlog: int) -> Any:
     return sock
 
 
-def _serve_with_fronts(settings: Any, app: Any) -> None:
+def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
     """The process layout: this process owns the model and serves on a loopback port of its
-    own; DUET_FRONTENDS front processes share the public socket (`app.fronts`)."""
+    own; `count` front processes (DUET_FRONTENDS) share the public socket (`app.fronts`)."""
     import os
     import shutil
     import subprocess
@@ -153,7 +153,7 @@ def _serve_with_fronts(settings: Any, app: Any) -> None:
         subprocess.Popen(
             [sys.executable, "-m", "duet.cli", "serve-front"], env=env, pass_fds=(public.fileno(),)
         )
-        for _ in range(settings.frontends)
+        for _ in range(count)
     ]
     public.close()  # the fronts hold it now
 
