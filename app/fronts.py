@@ -49,7 +49,7 @@ from starlette.routing import Route
 from app.batch import Answer, RerankPlan
 from app.errors import NotReady, ShuttingDown
 from app.metrics import Metrics
-from app.owner import FORWARDED, raise_error, recv, send
+from app.owner import FORWARDED, post, raise_error, recv, send
 from app.pipeline import SearchPipeline
 from models.tokenizer import WordTokenizer
 from store.indexio import IndexVersion
@@ -169,7 +169,7 @@ class RemoteEngine:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
-            await send(self._io[1], {"op": "search", "id": rid, **msg})
+            post(self._io[1], {"op": "search", "id": rid, **msg})
             return await fut
         finally:
             self._pending.pop(rid, None)

@@ -30,6 +30,28 @@ async def send(writer: asyncio.StreamWriter, msg: object) -> None:
     await writer.drain()
 
 
+def post(writer: asyncio.StreamWriter, msg: object) -> None:
+    """`send` without waiting, for the messages each search makes (a front's request, the
+    owner's answer): those posted in one turn of the event loop leave in one write, at its
+    end. The peer is the service's own process reading all the time, and the messages in
+    flight are bounded by the requests admitted, so no backpressure is awaited."""
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    out = _outboxes.get(writer)
+    if out is None:
+        out = _outboxes[writer] = []
+        asyncio.get_running_loop().call_soon(_write_out, writer)
+    out += (len(data).to_bytes(4, "little"), data)
+
+
+_outboxes: dict[asyncio.StreamWriter, list[bytes]] = {}
+
+
+def _write_out(writer: asyncio.StreamWriter) -> None:
+    parts = _outboxes.pop(writer, [])
+    if parts and not writer.is_closing():
+        writer.write(b"".join(parts))
+
+
 async def recv(reader: asyncio.StreamReader) -> Any:
     size = int.from_bytes(await reader.readexactly(4), "little")
     return pickle.loads(await reader.readexactly(size))
@@ -122,7 +144,6 @@ class EngineServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
-        lock = asyncio.Lock()
         try:
             while True:
                 try:
@@ -131,21 +152,18 @@ class EngineServer:
                     return
                 op = msg.get("op")
                 if op == "search":
-                    task = asyncio.ensure_future(self._search(msg, writer, lock))
+                    task = asyncio.ensure_future(self._search(msg, writer))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
                 elif op == "observe":
                     self._observe(msg["items"])
                 elif op == "hello":
-                    async with lock:
-                        await send(writer, {"op": "hello", "info": self.info()})
+                    await send(writer, {"op": "hello", "info": self.info()})
         finally:
             self._writers.discard(writer)
             writer.close()
 
-    async def _search(
-        self, msg: dict[str, Any], writer: asyncio.StreamWriter, lock: asyncio.Lock
-    ) -> None:
+    async def _search(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         reply: dict[str, object] = {"op": "answer", "id": msg["id"]}
         try:
             p = self.pipeline
@@ -169,9 +187,7 @@ class EngineServer:
             if not isinstance(exc, DuetError):
                 log.exception("a front's search failed in the owner")
             reply["error"] = error_of(exc)
-        with contextlib.suppress(ConnectionError):
-            async with lock:
-                await send(writer, reply)
+        post(writer, reply)
 
     def _observe(self, items: list[tuple[str, tuple[tuple[str, str], ...], str, float]]) -> None:
         metrics = self.app.state.metrics

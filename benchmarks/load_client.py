@@ -24,6 +24,16 @@ class Cell:
     refused: int = 0
     errors: int = 0
     late: int = 0  # open loop: offered in the window, unanswered `grace` seconds after it
+    # CPU seconds spent during the cell, by whom: "server" (the server's own process),
+    # "fronts" (its children: duet's front processes), "load" (the load generator's processes)
+    cpu: dict[str, float] = field(default_factory=dict)
+
+    def add_cpu(self, who: str, seconds: float) -> None:
+        self.cpu[who] = self.cpu.get(who, 0.0) + seconds
+
+    def cores(self, who: str) -> float:
+        """Cores `who` kept busy on average over the cell (CPU seconds / wall seconds)."""
+        return self.cpu.get(who, 0.0) / self.seconds if self.seconds else 0.0
 
     @property
     def throughput(self) -> float:
@@ -240,7 +250,9 @@ def _part(
         run = closed_loop(url, clients, seconds, rerank, candidates, _QUERIES, cell)
     else:
         run = open_loop(url, open_rate, seconds, rerank, candidates, _QUERIES, cell)
+    cpu0 = time.process_time()
     asyncio.run(run)
+    cell.add_cpu("load", time.process_time() - cpu0)
     return cell
 
 
@@ -294,6 +306,8 @@ def _merge(cell: Cell, parts: list[Cell], seconds: float) -> None:
         cell.refused += p.refused
         cell.errors += p.errors
         cell.late += p.late
+        for who, sec in p.cpu.items():
+            cell.add_cpu(who, sec)
     cell.seconds += seconds
 
 

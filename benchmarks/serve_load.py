@@ -138,6 +138,24 @@ def pairs_per_second(
     return out
 
 
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) so far of process `pid` and of its children now alive (duet's
+    fronts), from /proc; (0, 0) where there is none."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    own, kids = 0.0, 0.0
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        spent = (int(fields[11]) + int(fields[12])) / tick
+        if entry.name == str(pid):
+            own = spent
+        elif int(fields[1]) == pid:
+            kids += spent
+    return own, kids
+
+
 def run_grid(
     urls: dict[str, str],
     args: argparse.Namespace,
@@ -145,16 +163,21 @@ def run_grid(
     queries: Queries,
     results: dict[str, Cell],
     pool: LoadPool | None = None,
+    pids: dict[str, int] | None = None,
 ) -> None:
     """Closed-loop load on every (mode, clients, server) cell, `--rounds` times, the servers'
     order swapped each round (the clients spread over `pool`'s processes when given); adds
-    to `results` and prints each cell as it ends."""
+    to `results`, with the CPU each server (`pids`) and the load generator spent, and prints
+    each cell as it ends."""
     for rnd in range(args.rounds):
         order = ["duet", "baseline"] if rnd % 2 == 0 else ["baseline", "duet"]
         for mode, rerank in (("re-ranked", True), ("dot only", False)):
             for c in levels:
                 for srv in order:
                     cell = results.setdefault(f"{srv}|{mode}|{c}", Cell())
+                    pid = (pids or {}).get(srv)
+                    before = cpu_seconds(pid) if pid else (0.0, 0.0)
+                    load0 = time.process_time()
                     if pool is not None:
                         pool.closed(urls[srv], c, args.seconds, rerank, args.candidates, cell)
                     else:
@@ -163,9 +186,16 @@ def run_grid(
                                 urls[srv], c, args.seconds, rerank, args.candidates, queries, cell
                             )
                         )
+                        cell.add_cpu("load", time.process_time() - load0)
+                    if pid:
+                        after = cpu_seconds(pid)
+                        cell.add_cpu("server", after[0] - before[0])
+                        cell.add_cpu("fronts", after[1] - before[1])
                     print(
                         f"round {rnd + 1} {mode:9s} c={c:3d} {srv:8s} "
-                        f"{cell.throughput:6.1f}/s p50 {cell.q(50):7.1f} ms",
+                        f"{cell.throughput:6.1f}/s p50 {cell.q(50):7.1f} ms "
+                        f"(cores: {cell.cores('server'):.2f} server, "
+                        f"{cell.cores('fronts'):.2f} fronts, {cell.cores('load'):.2f} load)",
                         flush=True,
                     )
 
@@ -299,7 +329,8 @@ def main() -> None:
         pool = LoadPool(args.procs, seed=2_000_000) if args.procs > 1 else None
         over = None
         try:
-            run_grid(urls, args, levels, queries, results, pool)
+            pids = {"duet": duet.proc.pid, "baseline": base.proc.pid}
+            run_grid(urls, args, levels, queries, results, pool, pids)
             if args.overload:
                 print(f"overload: {args.overload} clients against duet ...", flush=True)
                 over = asyncio.run(

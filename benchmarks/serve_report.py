@@ -115,6 +115,7 @@ def write_report(
             "",
         ]
         lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
+    lines += _cores(levels, results)
     lines += _offered(args, offered or {})
     if over is not None:
         lines += [
@@ -129,6 +130,34 @@ def write_report(
     args.out.write_text("\n".join(lines) + "\n")
     if args.json:
         _write_json(args.json, results, bound, over)
+
+
+def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
+    """Where duet's CPU went in each cell: a server process near one core busy is the one
+    that caps the service (one Python process, one GIL); the load generator's cores say
+    whether it, sharing the machine, held the load back."""
+    if not any(c.cpu for c in results.values()):
+        return []
+    lines = [
+        "",
+        "Where the cores went in duet's cells (CPU seconds / wall seconds; the server is "
+        "the `duet serve` process, the one that owns the model; fronts are its front "
+        "processes, when there are any):",
+        "",
+        "| mode | clients | duet req/s | server cores | fronts cores | load generator cores | "
+        "server CPU ms per answer |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode in ("re-ranked", "dot only"):
+        for c in levels:
+            d = results[f"duet|{mode}|{c}"]
+            answers = len(d.latencies) + d.degraded
+            per = 1000 * d.cpu.get("server", 0.0) / answers if answers else float("nan")
+            lines.append(
+                f"| {mode} | {c} | {d.throughput:.1f} | {d.cores('server'):.2f} | "
+                f"{d.cores('fronts'):.2f} | {d.cores('load'):.2f} | {per:.2f} |"
+            )
+    return lines
 
 
 def _offered(args: argparse.Namespace, offered: dict[str, Cell]) -> list[str]:
@@ -164,6 +193,7 @@ def _write_json(
             "degraded": v.degraded,
             "refused": v.refused,
             "errors": v.errors,
+            "cpu_s": v.cpu,
         }
         for k, v in results.items()
     }

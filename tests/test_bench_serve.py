@@ -66,13 +66,13 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
         "--overload",
         "8",
         # the GPU check's options, on the CPU: load over two processes, an offered-load
-        # run, duet in the GPU layout (its device step on the CPU device)
+        # run, duet in the GPU layout (its device step on the CPU device) behind two fronts
         "--procs",
         "2",
         "--open-loop",
         "10",
         "--duet-env",
-        "DUET_LAYOUT=gpu,DUET_RERANK_MAX_BATCH=200,DUET_MAX_BATCH=8",
+        "DUET_LAYOUT=gpu,DUET_RERANK_MAX_BATCH=200,DUET_MAX_BATCH=8,DUET_FRONTENDS=2",
         "--out",
         str(out),
     )
@@ -91,6 +91,12 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
     for line in offered:  # both answered about what was offered, without errors, in time
         answered, errors, late = (line.split("|")[i] for i in (3, 7, 8))
         assert float(answered) > 5 and int(errors) == 0 and int(late) == 0, line
+    cores = [line.split("|") for line in report.splitlines() if line.startswith("| dot only |")]
+    cores = [row for row in cores if len(row) == 9]  # the cores table's rows
+    assert len(cores) == 2
+    for row in cores:  # the owner, its two fronts and the load generator were each seen busy
+        server, fronts, load, per_answer = (float(row[i]) for i in (4, 5, 6, 7))
+        assert server > 0 and fronts > 0 and load > 0 and per_answer > 0, row
 
 
 async def test_open_loop_abandons_what_a_slow_server_has_not_answered_in_time() -> None:

@@ -230,3 +230,35 @@ def test_a_bad_fronts_setting_is_refused(monkeypatch: pytest.MonkeyPatch, bad: s
     monkeypatch.setenv("DUET_FRONTENDS", bad)
     with pytest.raises(UserError, match="DUET_FRONTENDS"):
         load_settings()
+
+
+async def test_messages_posted_in_one_turn_leave_in_one_write(tmp_path: Path) -> None:
+    import asyncio
+
+    from app.owner import post, recv, send
+
+    got: asyncio.Queue[object] = asyncio.Queue()
+
+    async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await got.put(await recv(reader))
+            except asyncio.IncompleteReadError:
+                return
+
+    path = str(tmp_path / "s.sock")
+    server = await asyncio.start_unix_server(peer, path)
+    reader, writer = await asyncio.open_unix_connection(path)
+    writes: list[int] = []
+    real = writer.write
+    writer.write = lambda data: (writes.append(len(data)), real(data))[1]  # type: ignore[method-assign]
+    msgs = [{"op": "answer", "id": i, "hits": list(range(i))} for i in range(5)]
+    for m in msgs:
+        post(writer, m)
+    assert writes == []  # nothing leaves before the turn ends
+    await send(writer, {"op": "observe"})  # an awaited message goes at once, whole
+    received = [await asyncio.wait_for(got.get(), 5) for _ in range(6)]
+    assert received[0] == {"op": "observe"} and received[1:] == msgs
+    assert len(writes) == 2  # the five posted in one write
+    writer.close()
+    server.close()
