@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from app.engine import BatchCost, Throughput, Ticket
+from app.heavy import concat, heavy_reranker, make_resident, measure_pair_budget, states_of
 from app.metrics import Metrics
 from app.stepping import DeviceStepping
 from app.threads import SOLO_TEXTS, solo_threads
@@ -72,6 +73,10 @@ class BatchWorker(DeviceStepping):
         # priced per batch, per query and per pair
         self.step = step
         self.batch_cost = BatchCost(0.002, 0.0002, 0.00002)
+        # with a heavy (Hugging Face) cross-encoder on the host path: the request deadline,
+        # when its pair budget is to be measured at start (`app.heavy`); None keeps
+        # `rerank_max_batch`
+        self.heavy_deadline_s: float | None = None
 
     def init_thread(self) -> None:
         """In each worker thread before its first model call: its niceness (Linux applies
@@ -114,6 +119,24 @@ class BatchWorker(DeviceStepping):
             log.exception("warm-up failed; starting with default cost estimates")
             return
         self.throughput = Throughput({"query": t1 - t0, "pair": (t2 - t1) / max(n, 1)})
+        reranker = heavy_reranker(self.model)
+        if reranker is not None and self.heavy_deadline_s is not None and n:
+            self.rerank_max_batch, per_pair = measure_pair_budget(
+                reranker,
+                index,
+                candidates=50,
+                deadline_s=self.heavy_deadline_s,
+                cap=self.rerank_max_batch,
+            )
+            self.throughput = Throughput({"query": t1 - t0, "pair": per_pair})
+
+    def prepare(self, index: IndexVersion) -> None:
+        """Make `index` ready to serve: the device step's resident tables (GPU layout), or
+        a heavy re-ranker's image states on its GPU (`app.heavy`)."""
+        if self.step is None:
+            make_resident(self.model, index)
+        else:
+            super().prepare(index)
 
     def top(self, vec: np.ndarray, index: Any, m: int) -> Candidates:
         # nprobe / efSearch go with this call only: the index is shared by every request
@@ -229,7 +252,7 @@ class BatchWorker(DeviceStepping):
         for w in chunk:
             n = math.floor(len(w.cand.rows) * share)
             sizes.append(n)
-            q_texts, q_tokens = self._pairs(w, n)
+            q_texts, q_tokens = self._pairs(w, n, on_device=True)
             texts += q_texts
             tokens.append(q_tokens)
             dots.append(w.cand.dots[:n])
@@ -239,7 +262,7 @@ class BatchWorker(DeviceStepping):
             scores = self._scorers[q.plan.reranker](
                 Pairs(
                     texts,
-                    np.concatenate(tokens),
+                    concat(tokens),
                     np.concatenate(dots),
                     q.kind == "text",
                     q.plan.theta,
@@ -249,10 +272,15 @@ class BatchWorker(DeviceStepping):
         bounds = np.cumsum([0, *sizes])
         return [scores[a:b] for a, b in itertools.pairwise(bounds)]
 
-    def _pairs(self, w: Work, n: int) -> tuple[list[str], np.ndarray]:
-        """The first `n` candidates as (texts, image states) pairs for a pair re-ranker."""
+    def _pairs(self, w: Work, n: int, on_device: bool = False) -> tuple[list[str], Any]:
+        """The first `n` candidates as (texts, image states) pairs for a pair re-ranker;
+        `on_device`: a text query's states as a tensor on the model's device when the
+        version keeps them resident there (the cross-encoder reads them so)."""
         if w.query.kind == "text":
-            return [str(w.query.text)] * n, w.query.index.token_rows(w.cand.rows[:n])
+            rows = w.cand.rows[:n]
+            if on_device:
+                return [str(w.query.text)] * n, states_of(w.query.index, rows)
+            return [str(w.query.text)] * n, w.query.index.token_rows(rows)
         assert w.image_tokens is not None and w.texts is not None
         return [r.text for r in w.texts[:n]], np.repeat(w.image_tokens, n, axis=0)
 

@@ -80,7 +80,6 @@ class SearchPipeline:
         self.metrics = metrics
         self.fusion_lambda = fusion_lambda
         self.theta = theta
-        # what DUET_RERANKER configured (late also needs token-level text features)
         # the registry's re-rankers this model can run (what DUET_RERANKER configured)
         menu = rerankers.menu(model)
         self.rerankers = menu.available
@@ -98,6 +97,8 @@ class SearchPipeline:
             step=step,
         )
         self._measure_budget = measure_budget and step is not None
+        # the host path measures a heavy (Hugging Face) cross-encoder's pairs per call
+        self.worker.heavy_deadline_s = timeout_s if measure_budget and step is None else None
         worker = self.worker
         self.engine: Engine[Query, Answer] = Engine(
             self.worker.run_batch,
