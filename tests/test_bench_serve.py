@@ -91,8 +91,8 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
     for line in offered:  # both answered about what was offered, without errors, in time
         answered, errors, late = (line.split("|")[i] for i in (3, 7, 8))
         assert float(answered) > 5 and int(errors) == 0 and int(late) == 0, line
-    cores = [line.split("|") for line in report.splitlines() if line.startswith("| dot only |")]
-    cores = [row for row in cores if len(row) == 9]  # the cores table's rows
+    dot_rows = [line.split("|") for line in report.splitlines() if line.startswith("| dot only")]
+    cores = [row for row in dot_rows if len(row) == 9]  # the cores table's rows
     assert len(cores) == 2
     for row in cores:  # the owner, its two fronts and the load generator were each seen busy
         server, fronts, load, per_answer = (float(row[i]) for i in (4, 5, 6, 7))

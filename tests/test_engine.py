@@ -8,8 +8,8 @@ import asyncio
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -390,7 +390,7 @@ async def test_a_batch_of_answers_wakes_the_event_loop_once() -> None:
         wakes.append(cb)
         return real(cb, *args, **kw)
 
-    loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
     try:
 
         def fn(tickets: Tickets) -> None:

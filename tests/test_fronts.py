@@ -248,10 +248,15 @@ async def test_messages_posted_in_one_turn_leave_in_one_write(tmp_path: Path) ->
 
     path = str(tmp_path / "s.sock")
     server = await asyncio.start_unix_server(peer, path)
-    reader, writer = await asyncio.open_unix_connection(path)
+    _, writer = await asyncio.open_unix_connection(path)
     writes: list[int] = []
     real = writer.write
-    writer.write = lambda data: (writes.append(len(data)), real(data))[1]  # type: ignore[method-assign]
+
+    def counted(data: bytes | bytearray | memoryview) -> None:
+        writes.append(len(data))
+        real(data)
+
+    writer.write = counted  # type: ignore[method-assign]
     msgs = [{"op": "answer", "id": i, "hits": list(range(i))} for i in range(5)]
     for m in msgs:
         post(writer, m)
