@@ -92,11 +92,11 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
         answered, errors, late = (line.split("|")[i] for i in (3, 7, 8))
         assert float(answered) > 5 and int(errors) == 0 and int(late) == 0, line
     dot_rows = [line.split("|") for line in report.splitlines() if line.startswith("| dot only")]
-    cores = [row for row in dot_rows if len(row) == 9]  # the cores table's rows
+    cores = [cells for cells in dot_rows if len(cells) == 9]  # the cores table's rows
     assert len(cores) == 2
-    for row in cores:  # the owner, its two fronts and the load generator were each seen busy
-        server, fronts, load, per_answer = (float(row[i]) for i in (4, 5, 6, 7))
-        assert server > 0 and fronts > 0 and load > 0 and per_answer > 0, row
+    for cells in cores:  # the owner, its two fronts and the load generator were each seen busy
+        server, fronts, load, per_answer = (float(cells[i]) for i in (4, 5, 6, 7))
+        assert server > 0 and fronts > 0 and load > 0 and per_answer > 0, cells
 
 
 async def test_open_loop_abandons_what_a_slow_server_has_not_answered_in_time() -> None:
