@@ -86,6 +86,15 @@ class _Forward:
         self._sink.append((self._name, self._labels, "inc", value))
 
 
+def grouped(observed: list[Any]) -> list[tuple[str, tuple[tuple[str, str], ...], str, list[float]]]:
+    """A front's observations since its last flush, one item per (family, labels, method)
+    with every value in it: the owner applies each group at once (`app.owner.apply`)."""
+    groups: dict[tuple[str, tuple[tuple[str, str], ...], str], list[float]] = {}
+    for family, labels, method, value in observed:
+        groups.setdefault((family, labels, method), []).append(value)
+    return [(*key, values) for key, values in groups.items()]
+
+
 class RemoteEngine:
     """A front's connection to the owner: searches out, answers back, matched by id."""
 
@@ -157,8 +166,8 @@ class RemoteEngine:
         while True:
             await asyncio.sleep(FLUSH_S)
             if self.observed and self._io is not None:
-                items = list(self.observed)  # the list itself stays: the metrics append to it
-                self.observed.clear()
+                items = grouped(self.observed)
+                self.observed.clear()  # the list itself stays: the metrics append to it
                 with contextlib.suppress(ConnectionError):
                     await send(self._io[1], {"op": "observe", "items": items})
 

@@ -12,6 +12,7 @@ import os
 import pickle
 from typing import Any, cast
 
+import numpy as np
 from fastapi import FastAPI
 
 from app import errors
@@ -189,12 +190,38 @@ class EngineServer:
             reply["error"] = error_of(exc)
         post(writer, reply)
 
-    def _observe(self, items: list[tuple[str, tuple[tuple[str, str], ...], str, float]]) -> None:
+    def _observe(
+        self, items: list[tuple[str, tuple[tuple[str, str], ...], str, list[float]]]
+    ) -> None:
         metrics = self.app.state.metrics
-        for family, labels, method, value in items:
-            if family not in FORWARDED:
+        for family, labels, method, values in items:
+            if family not in FORWARDED or method not in ("inc", "observe"):
                 continue
             target = getattr(metrics, family)
             if labels:
                 target = target.labels(**dict(labels))
-            getattr(target, method)(value)
+            apply(target, method, values)
+
+
+def apply(target: Any, method: str, values: list[float]) -> None:
+    """A front's grouped observations on the owner's metric: a counter's in one increment, a
+    histogram's binned at once into its buckets (what one `observe` per value would give,
+    for a fraction of the owner's time: replaying each value was a tenth of its event loop
+    under load). Through `observe` one by one where the histogram's layout is not the one
+    known (prometheus_client keeps `_upper_bounds`, `_buckets`, `_sum`)."""
+    if method == "inc":
+        target.inc(sum(values))
+        return
+    bounds = getattr(target, "_upper_bounds", None)
+    buckets = getattr(target, "_buckets", None)
+    total = getattr(target, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:
+            target.observe(v)
+        return
+    # observe() counts a value in the first bucket whose upper bound is >= it
+    at = np.searchsorted(bounds, values, side="left")  # NaN: past the last, as observe()
+    counts = np.bincount(at, minlength=len(bounds))[: len(bounds)]
+    for i in np.flatnonzero(counts):
+        buckets[i].inc(float(counts[i]))
+    total.inc(float(sum(values)))

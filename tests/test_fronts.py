@@ -267,3 +267,46 @@ async def test_messages_posted_in_one_turn_leave_in_one_write(tmp_path: Path) ->
     assert len(writes) == 2  # the five posted in one write
     writer.close()
     server.close()
+
+
+def test_grouped_observations_count_as_one_by_one_would() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+
+    from app.fronts import grouped
+    from app.owner import apply
+
+    def family(reg: CollectorRegistry) -> tuple[Histogram, Counter]:
+        buckets = (0.001, 0.005, 0.01, 0.05, 0.1, 1.0)
+        return (
+            Histogram("t_seconds", "t", ["stage"], buckets=buckets, registry=reg),
+            Counter("t_total", "t", ["result"], registry=reg),
+        )
+
+    one, bulk = CollectorRegistry(), CollectorRegistry()
+    (h1, c1), (h2, c2) = family(one), family(bulk)
+    # bounds themselves, between them, below, above, a second label
+    values = [0.001, 0.0005, 0.005, 0.007, 0.01, 0.3, 1.0, 7.5, 0.05, 0.0]
+    observed: list[tuple[str, tuple[tuple[str, str], ...], str, float]]
+    observed = [("h", (("stage", "search"),), "observe", v) for v in values]
+    observed += [("h", (("stage", "rerank"),), "observe", v * 2) for v in values[:4]]
+    observed += [("c", (("result", "hit"),), "inc", 1.0)] * 3
+    for name, labels, method, v in observed:
+        target = (h1 if name == "h" else c1).labels(**dict(labels))
+        getattr(target, method)(v)
+    groups = grouped(observed)
+    assert len(groups) == 3  # one item per family, labels and method
+    for name, labelled, method, vs in groups:
+        apply((h2 if name == "h" else c2).labels(**dict(labelled)), method, vs)
+
+    def samples(reg: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for m in reg.collect()
+            for s in m.samples
+            if not s.name.endswith("_created")
+        }
+
+    got, want = samples(bulk), samples(one)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value), key
