@@ -28,6 +28,22 @@ class Cell:
     # "fronts" (its children: duet's front processes), "load" (the load generator's processes)
     cpu: dict[str, float] = field(default_factory=dict)
 
+    # duet's own account of the cell (its /metrics, read before and after): per stage of
+    # duet_stage_seconds, and "request" (duet_request_seconds of /search/*), [seconds, count]
+    stages: dict[str, list[float]] = field(default_factory=dict)
+
+    def add_stages(self, before: dict[str, list[float]], after: dict[str, list[float]]) -> None:
+        for name, (total, n) in after.items():
+            was = before.get(name, [0.0, 0.0])
+            acc = self.stages.setdefault(name, [0.0, 0.0])
+            acc[0] += total - was[0]
+            acc[1] += n - was[1]
+
+    def stage_ms(self, name: str) -> float:
+        """Mean milliseconds of `name` per request that went through it (NaN: none did)."""
+        total, n = self.stages.get(name, [0.0, 0.0])
+        return 1000 * total / n if n else float("nan")
+
     def add_cpu(self, who: str, seconds: float) -> None:
         self.cpu[who] = self.cpu.get(who, 0.0) + seconds
 

@@ -156,6 +156,27 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return own, kids
 
 
+def stage_totals(url: str) -> dict[str, list[float]]:
+    """duet's /metrics now: [seconds, count] of each stage of duet_stage_seconds and of
+    "request" (duet_request_seconds, /search/* endpoints)."""
+    import re
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, list[float]] = {}
+    line = re.compile(r"^duet_(stage|request)_seconds_(sum|count)\{([^}]*)\} (\S+)$", re.M)
+    for family, kind, labels, value in line.findall(text):
+        if family == "stage":
+            name = re.search(r'stage="([^"]+)"', labels)
+            key = name.group(1) if name else "?"
+        elif 'endpoint="/search/' in labels:
+            key = "request"
+        else:
+            continue
+        acc = out.setdefault(key, [0.0, 0.0])
+        acc[0 if kind == "sum" else 1] += float(value)
+    return out
+
+
 def run_grid(
     urls: dict[str, str],
     args: argparse.Namespace,
@@ -176,6 +197,8 @@ def run_grid(
                 for srv in order:
                     cell = results.setdefault(f"{srv}|{mode}|{c}", Cell())
                     pid = (pids or {}).get(srv)
+                    told = srv == "duet" and c == 1  # where a lone request's time goes
+                    stages0 = stage_totals(urls[srv]) if told else {}
                     before = cpu_seconds(pid) if pid else (0.0, 0.0)
                     load0 = time.process_time()
                     if pool is not None:
@@ -191,6 +214,8 @@ def run_grid(
                         after = cpu_seconds(pid)
                         cell.add_cpu("server", after[0] - before[0])
                         cell.add_cpu("fronts", after[1] - before[1])
+                    if told:
+                        cell.add_stages(stages0, stage_totals(urls[srv]))
                     print(
                         f"round {rnd + 1} {mode:9s} c={c:3d} {srv:8s} "
                         f"{cell.throughput:6.1f}/s p50 {cell.q(50):7.1f} ms "

@@ -115,6 +115,7 @@ def write_report(
             "",
         ]
         lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
+    lines += _stages(results)
     lines += _cores(levels, results)
     lines += _offered(args, offered or {})
     if over is not None:
@@ -130,6 +131,35 @@ def write_report(
     args.out.write_text("\n".join(lines) + "\n")
     if args.json:
         _write_json(args.json, results, bound, over)
+
+
+STAGES = ("cache", "queue", "encode", "search", "device", "rerank", "lookup")
+
+
+def _stages(results: dict[str, Cell]) -> list[str]:
+    """Where a lone request's time went, by duet's own clock: the client's p50 against the
+    server's mean and its stages (the difference: HTTP, the socket, the event loop)."""
+    rows = [(m, results.get(f"duet|{m}|1")) for m in ("re-ranked", "dot only")]
+    if not any(cell is not None and cell.stages for _, cell in rows):
+        return []
+    lines = [
+        "",
+        "A lone request (1 client) by duet's own clock, mean ms per request that went through "
+        "each stage (`duet_stage_seconds`, `duet_request_seconds` of /search/*, read from "
+        "/metrics before and after the cell); the client's p50 beside them:",
+        "",
+        "| mode | client p50 | server | " + " | ".join(STAGES) + " |",
+        "|---|---|---|" + "---|" * len(STAGES),
+    ]
+    for mode, cell in rows:
+        if cell is None or not cell.stages:
+            continue
+        lines.append(
+            f"| {mode} | {cell.q(50):.2f} | {cell.stage_ms('request'):.2f} | "
+            + " | ".join(f"{cell.stage_ms(s):.2f}" for s in STAGES)
+            + " |"
+        )
+    return lines
 
 
 def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:

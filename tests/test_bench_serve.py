@@ -91,6 +91,11 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
     for line in offered:  # both answered about what was offered, without errors, in time
         answered, errors, late = (line.split("|")[i] for i in (3, 7, 8))
         assert float(answered) > 5 and int(errors) == 0 and int(late) == 0, line
+    lone = report.split("A lone request (1 client)")[1].split("\n\n")[1].splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in lone] == ["re-ranked", "dot only"]
+    for row in lone:  # the server's own account: its time, the device step's, the look-ups'
+        server, device, lookup = (float(row.split("|")[i]) for i in (3, 8, 10))
+        assert server > 0 and device > 0 and lookup > 0, row
     dot_rows = [line.split("|") for line in report.splitlines() if line.startswith("| dot only")]
     cores = [cells for cells in dot_rows if len(cells) == 9]  # the cores table's rows
     assert len(cores) == 2
