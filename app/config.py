@@ -118,6 +118,15 @@ class Settings(BaseSettings):
         description="requests in flight before new ones get 429 ahead of any "
         "parsing (health, readiness and metrics exempt)",
     )
+    http_queue_target_ms: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
+        description="the in-flight cap follows the process's answer rate: at most rate x this "
+        "many ms of requests in flight (Little's law), so an admitted request waits about "
+        "this long at most when the HTTP process itself is the bottleneck; 0 = "
+        "DUET_HTTP_MAX_INFLIGHT alone; auto = 500 with the model on CUDA (where one "
+        "process's HTTP, not the GPU, capped the service), 0 on the CPU (where the engine's "
+        "admission prices the bottleneck, the model's cores)",
+    )
     http_backlog: int = Field(2048, ge=1, description="the listening socket's accept backlog")
     health_port: int = Field(
         0,

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -105,11 +106,57 @@ class BodyLimit:
                 await send(m)
 
 
+# a refused request's body up to this size is read past and the connection kept: closing it
+# sends the client through a new connection, which a saturated uvloop accepts late (on the
+# 2-core CPU, requests on fresh connections waited 2.4 s where the admitted ones took 0.25)
+KEEP_ALIVE_BODY = 64 * 1024
+
+
+# requests this process admitted and has not finished (health, readiness and metrics apart):
+# what the in-flight cap counts. Not uvicorn's tasks, among which each 429 also sits until it
+# is out (a storm of refusals would then refuse everything)
+_admitted = [0]
+
+
+class _Counted:
+    """The app for one admitted request, counted in `_admitted` from admission until it
+    returns, or until its connection is lost while it still waited its turn (pipelined)."""
+
+    __slots__ = ("app", "done")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app, self.done = app, False
+        _admitted[0] += 1
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            _admitted[0] -= 1
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.release()
+
+
 async def _busy(scope: Scope, receive: Receive, send: Send) -> None:
-    """What a request past the in-flight cap gets, before any routing or body parsing."""
+    """What a request past the in-flight cap gets, before any routing or body parsing: a 429
+    on a connection kept open when what remains of the request is small (its body is then
+    parsed past unread), closed when it is large or of unknown length."""
     start, body = _json_response(
-        429, "overloaded", "too many requests in flight; retry later (DUET_HTTP_MAX_INFLIGHT)"
+        429,
+        "overloaded",
+        "too many requests in flight; retry later "
+        "(DUET_HTTP_MAX_INFLIGHT, DUET_HTTP_QUEUE_TARGET_MS)",
     )
+    headers = dict(scope["headers"])
+    declared = headers.get(b"content-length", b"")
+    small = b"transfer-encoding" not in headers and (
+        declared == b"" or (declared.isdigit() and int(declared) <= KEEP_ALIVE_BODY)
+    )
+    if small:
+        start["headers"].remove((b"connection", b"close"))
     start["headers"].append((b"retry-after", b"1"))
     await send(start)
     await send(body)
@@ -119,16 +166,64 @@ def _uncounted() -> None:
     """What a 429 at the in-flight cap calls when nothing counts it."""
 
 
+class Pace:
+    """The in-flight cap that follows how fast this process answers: Little's law says
+    requests in flight = answers per second x the time each spends, so capping the ones in
+    flight at `rate x target_s` keeps an admitted request's wait near `target_s`, whatever
+    holds the process back (the GPU, or its own event loop: on an H100 host one process
+    answered ~500 req/s, and 512 clients queued 1.5 s in it while the engine's admission,
+    which prices model work only, saw no queue). The rate is read over the slots of the
+    last `window_s` that saw answers (so an idle spell does not make the next burst look
+    slow); with none, the fixed cap holds. Never below `floor`."""
+
+    SLOTS = 20
+
+    def __init__(self, target_s: float, floor: int = 16, window_s: float = 2.0) -> None:
+        self.target_s, self.floor = target_s, floor
+        self._slot_s = window_s / self.SLOTS
+        self._slots = [0] * self.SLOTS
+        self._at = 0  # the newest slot number (time // slot_s); _slots[n % SLOTS] counts n
+
+    def _roll(self, now: float) -> int:
+        slot = int(now / self._slot_s)
+        for n in range(max(self._at + 1, slot - self.SLOTS + 1), slot + 1):
+            self._slots[n % self.SLOTS] = 0
+        self._at = max(self._at, slot)
+        return slot
+
+    def done(self, now: float) -> None:
+        """One answer went out at `now` (time.monotonic())."""
+        self._slots[self._roll(now) % self.SLOTS] += 1
+
+    def rate(self, now: float) -> float:
+        """Answers per second in the slots of the window that had any (the newest, still
+        filling, only while it is the one); 0 when none had."""
+        slot = self._roll(now)
+        done = [self._slots[n % self.SLOTS] for n in range(slot - self.SLOTS + 1, slot)]
+        busy = [c for c in done if c]
+        if busy:
+            return sum(busy) / (len(busy) * self._slot_s)
+        newest = self._slots[slot % self.SLOTS]
+        return newest / max(now - slot * self._slot_s, self._slot_s / 10) if newest else 0.0
+
+    def cap(self, limit: int, now: float) -> int:
+        if self.target_s <= 0 or (rate := self.rate(now)) <= 0:
+            return limit
+        return max(self.floor, min(limit, int(rate * self.target_s)))
+
+
 @dataclass(frozen=True)
 class HttpLimits:
     """What `GuardedHttpToolsProtocol` enforces (the DUET_HTTP_* settings); `on_shed` is
-    called for every request answered 429 at the in-flight cap."""
+    called for every request answered 429 at the in-flight cap, `pace` moves that cap with
+    the process's answer rate."""
 
     header_timeout_s: float
     body_timeout_s: float
     max_header_bytes: int
     max_inflight: int
     on_shed: Callable[[], None] = _uncounted
+    pace: Pace = field(default_factory=lambda: Pace(0.0))
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -140,6 +235,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _header_bytes = 0
     _held = b""  # received; from `_at` on not parsed yet, while MAX_PIPELINED are queued
     _at = 0
+    _refusals = 0  # this connection's 429s at the in-flight cap not yet sent out
 
     def _arm(self, seconds: float, why: str) -> None:
         self._disarm()
@@ -194,6 +290,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        for _, app in self.pipeline:  # admitted, never to run
+            if isinstance(app, _Counted):
+                app.release()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -222,6 +321,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
 
     def on_response_complete(self) -> None:
+        if self._refusals:  # responses go out in the order their requests came
+            self._refusals -= 1
+        else:
+            self.limits.pace.done(time.monotonic())
         super().on_response_complete()  # starts the next queued request, resumes reading
         if self._held and not self.transport.is_closing():
             self._feed()
@@ -256,15 +359,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self._arm(self.limits.body_timeout_s, "body")
-        if len(self.tasks) >= self.limits.max_inflight and not self.url.startswith(_ALWAYS):
-            self.limits.on_shed()
-            app, self.app = self.app, _busy
-            try:
-                super().on_headers_complete()
-            finally:
-                self.app = app
-        else:
+        if self.url.startswith(_ALWAYS) or self.parser.should_upgrade():
             super().on_headers_complete()
+            return
+        cap = self.limits.pace.cap(self.limits.max_inflight, time.monotonic())
+        refused = _admitted[0] >= cap
+        if refused:
+            self.limits.on_shed()
+            self._refusals += 1  # not an answer: the pace counts what the app answers
+        app = self.app
+        self.app = _busy if refused else _Counted(app)
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
 
     def on_body(self, body: bytes) -> None:
         if not self.transport.is_closing():
@@ -282,14 +390,21 @@ def guarded_protocol(
     max_header_bytes: int,
     max_inflight: int,
     on_shed: Callable[[], None] = _uncounted,
+    queue_target_s: float = 0.0,
 ) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with a header deadline, a body deadline, a header cap and
     a cap on requests in flight (429 before the app, each one counted by `on_shed`; health,
-    readiness and metrics exempt)."""
+    readiness and metrics exempt), lowered to what this process answers in `queue_target_s`
+    when that is set (`Pace`)."""
 
     class Guarded(GuardedHttpToolsProtocol):
         limits = HttpLimits(
-            header_timeout_s, body_timeout_s, max_header_bytes, max_inflight, on_shed
+            header_timeout_s,
+            body_timeout_s,
+            max_header_bytes,
+            max_inflight,
+            on_shed,
+            Pace(queue_target_s),
         )
 
     return Guarded
@@ -297,7 +412,8 @@ def guarded_protocol(
 
 def uvicorn_options(settings: Any, metrics: Any = None) -> dict[str, Any]:
     """The uvicorn.run keywords that carry duet's HTTP limits; with the app's `metrics`, the
-    in-flight cap's 429s count as `duet_shed_requests_total{reason="inflight"}`."""
+    in-flight cap's 429s count as `duet_shed_requests_total{reason="inflight"}`. The queue
+    target as `duet serve` resolved it (`app.main.queue_target_ms`; `auto` left: none)."""
     shed = _uncounted if metrics is None else metrics.shed.labels(reason="inflight").inc
     return {
         "http": guarded_protocol(
@@ -306,6 +422,7 @@ def uvicorn_options(settings: Any, metrics: Any = None) -> dict[str, Any]:
             settings.http_max_header_bytes,
             settings.http_max_inflight,
             shed,
+            target / 1000 if isinstance(target := settings.http_queue_target_ms, float) else 0.0,
         ),
         "timeout_keep_alive": settings.http_keep_alive_s,
         "backlog": settings.http_backlog,

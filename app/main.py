@@ -92,6 +92,17 @@ def front_count(settings: Settings, model: object, cores: int | None = None) -> 
     return n if n >= 2 else 0
 
 
+AUTO_QUEUE_TARGET_MS = 500.0
+
+
+def queue_target_ms(settings: Settings, model: object) -> float:
+    """DUET_HTTP_QUEUE_TARGET_MS as served (`app.limits.Pace`): `auto` paces the in-flight
+    cap with the model on CUDA only."""
+    if settings.http_queue_target_ms != "auto":
+        return settings.http_queue_target_ms
+    return AUTO_QUEUE_TARGET_MS if _on_cuda(model) and settings.layout != "cpu" else 0.0
+
+
 def _pipeline(
     settings: Settings, res: Resources, cache: ResilientCache, metrics: Metrics
 ) -> SearchPipeline:

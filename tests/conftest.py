@@ -68,6 +68,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+class Placed:
+    """Where a model runs, all that the settings resolved by device (`app.main.front_count`,
+    `queue_target_ms`) read of it."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,7 +17,7 @@ import pytest
 
 from index_builder.build import build
 from models.builtin import BuiltinModel
-from tests.conftest import REPO, start_service, stop_service
+from tests.conftest import REPO, Placed, start_service, stop_service
 
 pytestmark = pytest.mark.slow
 
@@ -191,13 +191,6 @@ def test_serve_front_alone_says_how_it_starts() -> None:
     assert res.returncode == 2 and "DUET_FRONTENDS" in res.stderr
 
 
-class _Placed:
-    """Where a model runs: all `front_count` reads of it."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-
-
 @pytest.mark.parametrize(
     ("env", "device", "cores", "want"),
     [
@@ -219,7 +212,7 @@ def test_auto_fronts_only_where_the_model_is_on_cuda(
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert front_count(Settings(), _Placed(device), cores) == want
+    assert front_count(Settings(), Placed(device), cores) == want
 
 
 @pytest.mark.parametrize("bad", ["-1", "65", "many"])

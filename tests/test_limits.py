@@ -31,6 +31,7 @@ def service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         DUET_HTTP_HEADER_TIMEOUT_S="1",
         DUET_HTTP_BODY_TIMEOUT_S="2",
         DUET_HTTP_MAX_INFLIGHT=str(INFLIGHT),
+        DUET_HTTP_QUEUE_TARGET_MS="0",  # the fixed cap alone (the paced one: test_pace.py)
         DUET_MAX_IMAGE_BYTES="1000000",
     )
     yield svc
@@ -211,12 +212,17 @@ def test_inflight_cap_answers_429_and_health_passes(service: Service) -> None:
             r = c.post("/search/text", json={"query": "a red circle"})
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "overloaded"
+            # a small request's connection stays open for the retry (a fresh one is what a
+            # saturated server accepts late); a large one's is closed, its body unread
+            assert r.headers.get("connection") != "close"
             assert c.post("/search/text", json={"query": "a blue square"}).status_code == 429
+            big = c.post("/search/image", files={"image": ("x.png", b"\0" * 200_000)})
+            assert big.status_code == 429 and big.headers["connection"] == "close"
             assert c.get("/healthz").status_code == 200
             metrics = c.get("/metrics")
             assert metrics.status_code == 200
             shed = _metric(metrics.text, "duet_shed_requests_total", reason="inflight")
-            assert shed == before + 2
+            assert shed == before + 3
     finally:
         for s in held:
             s.close()

@@ -79,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from app.limits import uvicorn_options
     from app.liveness import Heartbeat, LivenessServer
-    from app.main import create_app, front_count, load_resources
+    from app.main import create_app, front_count, load_resources, queue_target_ms
 
     settings = load_settings(host=args.host, port=args.port, index_dir=args.index_dir)
     setup_logging(settings.log_level)
@@ -89,6 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             settings.host, settings.health_port, heartbeat, settings.health_stall_s
         ).start()
     resources = load_resources(settings)
+    paced = queue_target_ms(settings, resources.model)  # auto, resolved on the model's device
+    settings = settings.model_copy(update={"http_queue_target_ms": paced})
     app = create_app(settings, resources)
     app.state.heartbeat = heartbeat
     log.info(
@@ -148,6 +150,8 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
         SOCKET_ENV: path,
         OWNER_ENV: f"http://127.0.0.1:{owner.getsockname()[1]}",
         FD_ENV: str(public.fileno()),
+        # as this process resolved it: a front has no model to tell the device by
+        "DUET_HTTP_QUEUE_TARGET_MS": str(settings.http_queue_target_ms),
     }
     fronts = [
         subprocess.Popen(
