@@ -22,7 +22,7 @@ from app.pipeline import SearchPipeline
 log = logging.getLogger("duet.fronts")
 
 # the front's metrics the owner counts (its /metrics is the service's)
-FORWARDED = ("request_seconds", "cache_requests", "stage_seconds", "degraded")
+FORWARDED = ("request_seconds", "cache_requests", "stage_seconds", "degraded", "shed")
 
 
 async def send(writer: asyncio.StreamWriter, msg: object) -> None:

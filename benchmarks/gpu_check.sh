@@ -12,24 +12,26 @@
 #             the default process layout (DUET_FRONTENDS=auto: six fronts on 16 cores),
 #             1-512 clients over 8 load processes, 2,000 req/s offered, overload at 512
 #             -> serve_gpu.md/.png
-#   single    the A/B for the fronts: the same with one process (DUET_FRONTENDS=0) at 1, 64
-#             and 512 clients -> serve_single.md
-#   ceiling   ce_ceiling: plain forward / host runtime / device step / the step's cross-encoder,
-#             50 to 12,800 pairs a call, fp32 fp16 bf16 -> ceiling.md
-#   quality   step_quality: served R@1 on the test split through the device step in each
-#             precision against the host path in fp32 -> quality.md
 #   blip      the heavy re-ranker's row: a BLIP-ITM-base-shaped checkpoint with random weights
 #             (benchmarks/blip_base.py), the demo index built with it, duet against the plain
 #             script at 1 and 32 clients -> serve_blip.md (needs transformers, see below)
+#   single    the A/B for the fronts: the same with one process (DUET_FRONTENDS=0) at 1, 64
+#             and 512 clients -> serve_single.md
 #   ab        serve_load with DUET_LAYOUT=cpu (the host path, as before issue 35) at 1 and 64
 #             clients: the A/B for the layout -> serve_hostpath.md
 #   fp32      serve_load, GPU layout in fp32 at 1 and 64 clients -> serve_fp32.md
 #   workers1  serve_load, GPU layout with one worker thread at 1 and 64 -> serve_workers1.md
+#   ceiling   ce_ceiling: plain forward / host runtime / device step / the step's cross-encoder,
+#             50 to 12,800 pairs a call, fp32 fp16 bf16 -> ceiling.md
+#   quality   step_quality: served R@1 on the test split through the device step in each
+#             precision against the host path in fp32 -> quality.md
 #   tests     the other CUDA tests (model, search, builder, inference, training)
 #   build     duet build of 20,000 photo-sized JPEGs on the GPU, on 16 cores and on 2
 #             (benchmarks/build_devices.py: per-stage times, speed-ups, top-10 agreement;
 #             issue 38; JSON lines in log.txt)
 #   suite     the rest of the suite, as far as the budget goes (one line per test in suite.log)
+#   wheels    (not in the default steps) nothing but installing the wheels carried: the first
+#             call's .whl-base
 #   scale     (not in the default steps: a session of its own) issue 38's million: 20,000
 #             photo-sized JPEGs listed 50 times (benchmarks/repeat_corpus.py) built on the GPU,
 #             then `scale_serve` at 20k and 1M -> scale.json and the table in log.txt; on a GPU
@@ -54,7 +56,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
 WHEELS=${WHEELS:-.whl}
 BUDGET=${BUDGET:-560}
-STEPS=${STEPS:-sync index serve single ceiling quality blip ab fp32 workers1 tests build suite}
+STEPS=${STEPS:-sync index serve blip single ab fp32 workers1 ceiling quality tests build suite}
 DRY=${DRY:-0}
 DEV=cuda CELL=3 BUILD=(--devices cpu,cuda --images 20000 --cpus '0-15;0,1') BLIP=() CEIL=()
 QUAL=() SCALE=(20000 50)

@@ -303,3 +303,38 @@ def test_grouped_observations_count_as_one_by_one_would() -> None:
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key] == pytest.approx(value), key
+
+
+def test_a_fronts_429s_at_the_in_flight_cap_count_on_the_owners_metrics(
+    index_dir: Path, tmp_path: Path
+) -> None:
+    import socket
+
+    from tests.test_e2e import _metric
+
+    svc = start_service(
+        index_dir, tmp_path / "fronts.log", DUET_FRONTENDS="2", DUET_HTTP_MAX_INFLIGHT="2"
+    )
+    held: list[socket.socket] = []
+    try:
+        host, port = svc.url.removeprefix("http://").split(":")
+        for _ in range(10):  # bodies that never finish: each admitted one stays in flight
+            s = socket.create_connection((host, int(port)))
+            s.sendall(
+                b"POST /search/text HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n{"
+            )
+            held.append(s)
+        # two fronts admit two each at most: six or more were refused, by whichever front
+        deadline = time.monotonic() + 10
+        shed = 0.0
+        while time.monotonic() < deadline and shed < 6:
+            time.sleep(0.3)  # the fronts send their counts a few times a second
+            with svc.client() as c:
+                text = c.get("/metrics").text
+            shed = _metric(text, "duet_shed_requests_total", reason="inflight")
+        assert shed >= 6
+    finally:
+        for s in held:
+            s.close()
+        stop_service(svc)

@@ -111,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.access_log,
-        **uvicorn_options(settings, app.state.metrics),
+        **uvicorn_options(settings),
     )
     return 0
 
@@ -208,7 +208,8 @@ def cmd_serve_front(args: argparse.Namespace) -> int:
         app,
         log_level=settings.log_level,
         access_log=settings.access_log,
-        **uvicorn_options(settings),
+        # its 429s at the in-flight cap counted by the owner, as its other metrics
+        **uvicorn_options(settings, app.state.metrics),
     )
     uvicorn.Server(config).run(sockets=[sock])
     return 0
