@@ -108,13 +108,15 @@ class DeviceStepping:
         vectors = exact_vectors(index, text=True)
         if vectors is None or ids_of is None or not self.step.reranks:
             return None
-        rows = [ids_of(text) for text in index.store.all_texts()]
-        if any(r is None for r in rows):
-            return None
-        width = max((len(r) for r in rows), default=1)
-        need = len(rows) * (vectors.shape[1] + width) * 4  # float32 vectors, int32 ids
+        texts = list(index.store.all_texts())
+        if len(texts) != vectors.shape[0]:
+            raise ValueError(f"{vectors.shape[0]} caption vectors but {len(texts)} captions")
         free = self.step.free_bytes()  # what is left beside the image tables just copied
-        if free is not None and need > 0.8 * free:
+
+        def fits(width: int) -> bool:  # float32 vectors and int32 ids, with room to spare
+            need = len(texts) * (vectors.shape[1] + width) * 4
+            if free is None or need <= 0.8 * free:
+                return True
             log.warning(
                 "index %s's caption tables need %.1f GB of the device's %.1f GB free: image "
                 "queries take the host path",
@@ -122,10 +124,26 @@ class DeviceStepping:
                 need / 1e9,
                 free / 1e9,
             )
+            return False
+
+        if not fits(0):  # the vectors alone: known before any caption is tokenised
             return None
-        ids = np.zeros((len(rows), width), np.int32)
+        # each distinct caption tokenised once (corpora repeat captions: the 1M benchmark
+        # corpus lists each 50 times)
+        distinct: dict[str, int] = {}
+        which = np.fromiter(
+            (distinct.setdefault(t, len(distinct)) for t in texts), np.int64, len(texts)
+        )
+        rows = [ids_of(text) for text in distinct]
+        if any(r is None for r in rows):
+            return None
+        width = max((len(r) for r in rows), default=1)
+        if not fits(width):
+            return None
+        table = np.zeros((len(rows), width), np.int32)
         for i, r in enumerate(rows):
-            ids[i, : len(r)] = r
+            table[i, : len(r)] = r
+        ids = table[which]
         return CaptionTables(vectors, ids, self.step.device)
 
     def warm_step(self, index: IndexVersion, measure: bool, max_batch: int, seconds: float) -> None:
