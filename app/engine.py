@@ -32,16 +32,16 @@ import math
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from app.errors import DeadlineExceeded, DuetError, Overloaded, ShuttingDown
+from app.settle import settler
 
 log = logging.getLogger("duet.engine")
 
@@ -152,70 +152,17 @@ class Ticket(Generic[P, R]):
 
     def resolve(self, result: R) -> None:
         self._answered()
-        _settler(self.loop).add(self.future, result, None)
+        settler(self.loop).add(self.future, result, None)
 
     def fail(self, exc: BaseException) -> None:
         self._answered()
-        _settler(self.loop).add(self.future, None, exc)
+        settler(self.loop).add(self.future, None, exc)
 
     def _answered(self) -> None:
         if not self.answered:
             self.answered = True
             if self.on_answer is not None:
                 self.on_answer(self)
-
-
-class _Settler:
-    """Answers from worker threads to one event loop, settled together: the first answer of a
-    run wakes the loop, and the ones that arrive before it has run join that wake-up. A
-    batch of 64 answers costs the loop one wake-up (a write to its self-pipe and a callback),
-    not 64: in the process layout's owner, the per-answer wake-ups were a tenth of the event
-    loop's time (py-spy, docs/serving.md)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
-
-    def add(self, fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-        with self._lock:
-            self._items.append((fut, result, exc))
-            first = len(self._items) == 1
-        if first:
-            try:
-                self.loop.call_soon_threadsafe(self._drain)
-            except RuntimeError:  # the loop is closed: nobody waits for these any more
-                with self._lock:
-                    self._items.clear()
-                raise
-
-    def _drain(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-        for fut, result, exc in items:
-            _settle(fut, result, exc)
-
-
-_settlers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Settler] = (
-    weakref.WeakKeyDictionary()
-)
-_settlers_lock = threading.Lock()
-
-
-def _settler(loop: asyncio.AbstractEventLoop) -> _Settler:
-    with _settlers_lock:
-        if (found := _settlers.get(loop)) is None:
-            found = _settlers[loop] = _Settler(loop)
-        return found
-
-
-def _settle(fut: asyncio.Future[R], result: R | None, exc: BaseException | None) -> None:
-    if fut.done():  # cancelled by a caller that went away, or answered already
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)  # type: ignore[arg-type]
 
 
 BatchFn = Callable[[Sequence[Ticket[P, R]]], None]

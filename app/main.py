@@ -96,7 +96,7 @@ AUTO_QUEUE_TARGET_MS = 500.0
 
 
 def queue_target_ms(settings: Settings, model: object) -> float:
-    """DUET_HTTP_QUEUE_TARGET_MS as served (`app.limits.Pace`): `auto` paces the in-flight
+    """DUET_HTTP_QUEUE_TARGET_MS as served (`app.pace.Pace`): `auto` paces the in-flight
     cap with the model on CUDA only."""
     if settings.http_queue_target_ms != "auto":
         return settings.http_queue_target_ms

@@ -24,13 +24,11 @@ class Cell:
     refused: int = 0
     errors: int = 0
     late: int = 0  # open loop: offered in the window, unanswered `grace` seconds after it
-    # CPU seconds spent during the cell, by whom: "server" (the server's own process),
-    # "fronts" (its children: duet's front processes), "load" (the load generator's processes)
+    # CPU seconds in the cell: "server" (its process), "fronts" (its children), "load"
     cpu: dict[str, float] = field(default_factory=dict)
 
-    # duet's own account of the cell (its /metrics, read before and after): per stage of
-    # duet_stage_seconds, and "request" (duet_request_seconds of /search/*), [seconds, count]
-    stages: dict[str, list[float]] = field(default_factory=dict)
+    # duet's /metrics around the cell: [seconds, count] per duet_stage_seconds stage and
+    stages: dict[str, list[float]] = field(default_factory=dict)  # "request" (/search/*)
 
     def add_stages(self, before: dict[str, list[float]], after: dict[str, list[float]]) -> None:
         for name, (total, n) in after.items():

@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -379,42 +378,3 @@ async def _taken(eng: Engine[int, int], timeout_s: float = 10.0) -> None:
     while eng.depth and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
     await asyncio.sleep(0.01)
-
-
-async def test_a_batch_of_answers_wakes_the_event_loop_once() -> None:
-    loop = asyncio.get_running_loop()
-    wakes: list[object] = []
-    real = loop.call_soon_threadsafe
-
-    def counted(cb: Any, *args: Any, **kw: Any) -> Any:
-        wakes.append(cb)
-        return real(cb, *args, **kw)
-
-    loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
-    try:
-
-        def fn(tickets: Tickets) -> None:
-            for t in tickets:
-                t.resolve(t.payload * 10) if t.payload % 2 else t.fail(ValueError(t.payload))
-
-        gate = threading.Event()
-
-        def held(tickets: Tickets) -> None:
-            gate.wait(5)
-            fn(tickets)
-
-        eng = _engine(held)
-        eng.start()
-        futs = [asyncio.ensure_future(eng.submit(i, 0.001)) for i in range(1, 41)]
-        await asyncio.sleep(0.05)
-        wakes.clear()  # the submissions' own notifications
-        gate.set()
-        got = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 5)
-        eng.stop()
-    finally:
-        del loop.call_soon_threadsafe
-    for i, r in zip(range(1, 41), got, strict=True):  # each caller its own answer or error
-        assert r == i * 10 if i % 2 else (isinstance(r, ValueError) and r.args == (i,))
-    # 40 answers from at most two batches (the first may have run alone): at most one wake-up
-    # each, where each answer used to make its own
-    assert 1 <= len(wakes) <= 2, wakes

@@ -1,4 +1,4 @@
-"""The in-flight cap that follows the answer rate (`app.limits.Pace`, DUET_HTTP_QUEUE_TARGET_MS):
+"""The in-flight cap that follows the answer rate (`app.pace.Pace`, DUET_HTTP_QUEUE_TARGET_MS):
 the arithmetic, then real uvicorn over real sockets with a process that is itself the
 bottleneck, where a fixed cap lets admitted requests queue far past the target."""
 
@@ -16,7 +16,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from app.config import Settings
-from app.limits import Pace, uvicorn_options
+from app.limits import uvicorn_options
+from app.pace import Pace
 from tests.conftest import Placed, free_port
 
 LOOP = "auto"

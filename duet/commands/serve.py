@@ -111,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.access_log,
-        **uvicorn_options(settings),
+        **uvicorn_options(settings, app.state.metrics),
     )
     return 0
 
