@@ -9,8 +9,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -66,6 +68,40 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             or getattr(module, "__name__", "").rpartition(".")[2] in SLOW_MODULES
         ):
             item.add_marker(pytest.mark.slow)
+
+
+@contextmanager
+def uvicorn_thread(app: Any, settings: Any, **config: Any) -> Iterator[int]:
+    """`app` on real uvicorn in a thread, under duet's HTTP protocol and limits
+    (`uvicorn_options(settings)`), on a free port it yields once the server is up."""
+    import threading
+
+    import uvicorn
+
+    from app.limits import uvicorn_options
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="critical",
+            **config,
+            **uvicorn_options(settings),
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 class Placed:

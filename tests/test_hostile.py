@@ -21,21 +21,19 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from PIL import Image
 
 from app.config import Settings
 from app.errors import install_handlers
-from app.limits import uvicorn_options
 from duet.commands.serve import ONEDNN_CACHE_DEFAULT, ONEDNN_CACHE_ENV
 from tests.conftest import (
     CHILD_PYTHONPATH,
     REPO,
     Service,
-    free_port,
     start_service,
     stop_service,
+    uvicorn_thread,
 )
 
 DOCKERFILE = REPO / "Dockerfile"
@@ -118,20 +116,8 @@ def failing_server() -> Iterator[tuple[str, int]]:
 
     app.add_api_route("/boom", boom)
     app.add_api_route("/ok", ok)
-    port = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="critical", **uvicorn_options(Settings())
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield "127.0.0.1", port
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_thread(app, Settings()) as port:
+        yield "127.0.0.1", port
 
 
 def _response(sock: socket.socket) -> tuple[bytes, bytes]:

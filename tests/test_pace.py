@@ -5,20 +5,17 @@ bottleneck, where a fixed cap lets admitted requests queue far past the target."
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from app.config import Settings
-from app.limits import uvicorn_options
 from app.pace import Pace
-from tests.conftest import Placed, free_port
+from tests.conftest import Placed, uvicorn_thread
 
 LOOP = "auto"
 
@@ -67,29 +64,9 @@ def _bottleneck(target_ms: float) -> Iterator[int]:
         return {"ok": True}
 
     app.add_api_route("/search/text", work, methods=["POST"])
-    port = free_port()
     settings = Settings(http_queue_target_ms=target_ms, http_max_inflight=512)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=port,
-            log_level="critical",
-            loop=LOOP,
-            **uvicorn_options(settings),
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
+    with uvicorn_thread(app, settings, loop=LOOP) as port:
         yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 async def _load(port: int, clients: int, seconds: float) -> tuple[list[float], int]:
