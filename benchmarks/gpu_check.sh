@@ -94,7 +94,7 @@ echo "cores: $(nproc)" | tee -a "$LOG"
 # the wheels of benchmarks/gpu_wheels.sh (.whl-base, .whl, .whl-hf: whichever came), into
 # the host's Python; where its pip refuses or is missing, unpacked into a folder on PYTHONPATH
 wheels=$(compgen -G "$WHEELS-base/*.whl"; compgen -G "$WHEELS/*.whl"; compgen -G "$WHEELS-hf/*.whl") || true
-if [ -n "$wheels" ]; then
+if [ -n "$wheels" ] && [ "$DRY" != 1 ]; then # a rehearsal runs in the Python it is given
   # shellcheck disable=SC2086
   if ! PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir $wheels 2>&1 | tail -5 | tee -a "$LOG"; then

@@ -26,7 +26,7 @@ class Cell:
     late: int = 0  # open loop: offered in the window, unanswered `grace` seconds after it
     # CPU seconds in the cell: "server" (its process), "fronts" (its children), "load"
     cpu: dict[str, float] = field(default_factory=dict)
-
+    wall: float = 0.0  # seconds the cells took end to end, warm-up included (for `cores`)
     # duet's /metrics around the cell: [seconds, count] per duet_stage_seconds stage and
     stages: dict[str, list[float]] = field(default_factory=dict)  # "request" (/search/*)
 
@@ -46,8 +46,8 @@ class Cell:
         self.cpu[who] = self.cpu.get(who, 0.0) + seconds
 
     def cores(self, who: str) -> float:
-        """Cores `who` kept busy on average over the cell (CPU seconds / wall seconds)."""
-        return self.cpu.get(who, 0.0) / self.seconds if self.seconds else 0.0
+        """Cores `who` kept busy over the cells' whole `wall` time (as its CPU seconds)."""
+        return self.cpu.get(who, 0.0) / self.wall if self.wall else 0.0
 
     @property
     def throughput(self) -> float:

@@ -200,7 +200,7 @@ def run_grid(
                     told = srv == "duet" and c == 1  # where a lone request's time goes
                     stages0 = stage_totals(urls[srv]) if told else {}
                     before = cpu_seconds(pid) if pid else (0.0, 0.0)
-                    load0 = time.process_time()
+                    load0, wall0 = time.process_time(), time.monotonic()
                     if pool is not None:
                         pool.closed(urls[srv], c, args.seconds, rerank, args.candidates, cell)
                     else:
@@ -210,6 +210,7 @@ def run_grid(
                             )
                         )
                         cell.add_cpu("load", time.process_time() - load0)
+                    cell.wall += time.monotonic() - wall0
                     if pid:
                         after = cpu_seconds(pid)
                         cell.add_cpu("server", after[0] - before[0])

@@ -181,8 +181,9 @@ def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
     for mode in ("re-ranked", "dot only"):
         for c in levels:
             d = results[f"duet|{mode}|{c}"]
-            answers = len(d.latencies) + d.degraded
-            per = 1000 * d.cpu.get("server", 0.0) / answers if answers else float("nan")
+            # the server's cores over the full answers' rate (degraded ones counted too)
+            rate = (len(d.latencies) + d.degraded) / d.seconds if d.seconds else 0.0
+            per = 1000 * d.cores("server") / rate if rate else float("nan")
             lines.append(
                 f"| {mode} | {c} | {d.throughput:.1f} | {d.cores('server'):.2f} | "
                 f"{d.cores('fronts'):.2f} | {d.cores('load'):.2f} | {per:.2f} |"
