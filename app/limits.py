@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.errors import PayloadTooLarge, error_body
-from app.pace import Counted, Pace, admitted, busy, json_response
+from app.pace import Counted, Pace, busy, json_response
 
 # answered even when the in-flight cap is reached: probes and scrapes must see a busy server
 _ALWAYS = (b"/healthz", b"/readyz", b"/metrics")
@@ -109,6 +109,7 @@ class HttpLimits:
     max_inflight: int
     on_shed: Callable[[], None] = _uncounted
     pace: Pace = field(default_factory=lambda: Pace(0.0))
+    admitted: list[int] = field(default_factory=lambda: [0])  # in flight now (`Counted`)
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -248,12 +249,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             super().on_headers_complete()
             return
         cap = self.limits.pace.cap(self.limits.max_inflight, time.monotonic())
-        refused = admitted[0] >= cap
+        refused = self.limits.admitted[0] >= cap
         if refused:
             self.limits.on_shed()
             self._refusals += 1  # not an answer: the pace counts what the app answers
         app = self.app
-        self.app = busy if refused else Counted(app)
+        self.app = busy if refused else Counted(app, self.limits.admitted)
         try:
             super().on_headers_complete()
         finally:

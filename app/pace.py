@@ -78,26 +78,23 @@ class Pace:
 KEEP_ALIVE_BODY = 64 * 1024
 
 
-# requests this process admitted and has not finished (health, readiness and metrics apart):
-# what the in-flight cap counts. Not uvicorn's tasks, among which each 429 also sits until it
-# is out (a storm of refusals would then refuse everything)
-admitted = [0]
-
-
 class Counted:
-    """The app for one admitted request, counted in `admitted` from admission until it
-    returns, or until its connection is lost while it still waited its turn (pipelined)."""
+    """The app for one admitted request, counted in `admitted` (a server's count of the
+    requests it admitted and has not finished, health, readiness and metrics apart: what
+    the in-flight cap holds against; not uvicorn's tasks, among which each 429 also sits
+    until it is out, so a storm of refusals would refuse everything) from admission until
+    it returns, or until its connection is lost while it still waited its turn."""
 
-    __slots__ = ("app", "done")
+    __slots__ = ("admitted", "app", "done")
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app, self.done = app, False
+    def __init__(self, app: ASGIApp, admitted: list[int]) -> None:
+        self.app, self.admitted, self.done = app, admitted, False
         admitted[0] += 1
 
     def release(self) -> None:
         if not self.done:
             self.done = True
-            admitted[0] -= 1
+            self.admitted[0] -= 1
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
