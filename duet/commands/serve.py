@@ -93,16 +93,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings.model_copy(update={"http_queue_target_ms": paced})
     app = create_app(settings, resources)
     app.state.heartbeat = heartbeat
+    fronts = front_count(settings, resources.model)
     log.info(
-        "serving on http://%s:%d (index %s, model on %s, %s=%s)",
+        "serving on http://%s:%d (index %s, model on %s, %d front process(es), paced "
+        "in-flight cap: %s, %s=%s)",
         settings.host,
         settings.port,
         resources.index.version,
         getattr(resources.model, "device", "cpu"),
+        fronts,
+        f"{paced:g} ms of answers" if paced else "off",
         ONEDNN_CACHE_ENV,
         os.environ[ONEDNN_CACHE_ENV],
     )
-    if fronts := front_count(settings, resources.model):
+    if fronts:
         _serve_with_fronts(settings, app, fronts)
         return 0
     uvicorn.run(
