@@ -205,10 +205,10 @@ class EngineServer:
 
 def apply(target: Any, method: str, values: list[float]) -> None:
     """A front's grouped observations on the owner's metric: a counter's in one increment, a
-    histogram's binned at once into its buckets (what one `observe` per value would give,
-    for a fraction of the owner's time: replaying each value was a tenth of its event loop
-    under load). Through `observe` one by one where the histogram's layout is not the one
-    known (prometheus_client keeps `_upper_bounds`, `_buckets`, `_sum`)."""
+    histogram's binned at once into its buckets, as one `observe` per value would count
+    them (replaying each value held the GIL a tenth of the owner's busy time under load,
+    py-spy --gil). One by one where the histogram's layout is not the one known
+    (prometheus_client keeps `_upper_bounds`, `_buckets`, `_sum`)."""
     if method == "inc":
         target.inc(sum(values))
         return
