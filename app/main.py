@@ -75,6 +75,12 @@ def _on_cuda(model: object) -> bool:
     return str(getattr(model, "device", "cpu")).startswith("cuda")
 
 
+def _auto_gpu(settings: Settings, model: object) -> bool:
+    """What an `auto` serving setting (fronts, the paced cap) keys on: the model on CUDA
+    and the GPU layout not refused (DUET_LAYOUT=cpu)."""
+    return _on_cuda(model) and settings.layout != "cpu"
+
+
 AUTO_FRONTS_MAX = 6  # measured: six fronts on a 16-core H100 host (docs/gpu.md)
 
 
@@ -86,7 +92,7 @@ def front_count(settings: Settings, model: object, cores: int | None = None) -> 
     on an H100 host, whatever the mode). Fewer than two fronts are not worth the hop."""
     if settings.frontends != "auto":
         return settings.frontends
-    if not _on_cuda(model) or settings.layout == "cpu":
+    if not _auto_gpu(settings, model):
         return 0
     n = min(AUTO_FRONTS_MAX, (cores or available_cores()) // 2 - 1)
     return n if n >= 2 else 0
@@ -100,7 +106,7 @@ def queue_target_ms(settings: Settings, model: object) -> float:
     cap with the model on CUDA only."""
     if settings.http_queue_target_ms != "auto":
         return settings.http_queue_target_ms
-    return AUTO_QUEUE_TARGET_MS if _on_cuda(model) and settings.layout != "cpu" else 0.0
+    return AUTO_QUEUE_TARGET_MS if _auto_gpu(settings, model) else 0.0
 
 
 def _pipeline(
