@@ -246,7 +246,7 @@ class BatchWorker(DeviceStepping):
         of each query's candidates as fit the earliest deadline among them)."""
         share = self._affordable(chunk)
         texts: list[str] = []
-        tokens: list[np.ndarray] = []
+        tokens: list[Any] = []  # host arrays, or device rows of a resident version (`concat`)
         dots: list[np.ndarray] = []
         sizes = []
         for w in chunk:
@@ -277,10 +277,9 @@ class BatchWorker(DeviceStepping):
         `on_device`: a text query's states as a tensor on the model's device when the
         version keeps them resident there (the cross-encoder reads them so)."""
         if w.query.kind == "text":
-            rows = w.cand.rows[:n]
-            if on_device:
-                return [str(w.query.text)] * n, states_of(w.query.index, rows)
-            return [str(w.query.text)] * n, w.query.index.token_rows(rows)
+            index, rows = w.query.index, w.cand.rows[:n]
+            states = states_of(index, rows) if on_device else index.token_rows(rows)
+            return [str(w.query.text)] * n, states
         assert w.image_tokens is not None and w.texts is not None
         return [r.text for r in w.texts[:n]], np.repeat(w.image_tokens, n, axis=0)
 
