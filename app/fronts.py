@@ -9,13 +9,15 @@ HTTP parsing, validation, JSON and cache look-ups, while a GPU running the devic
   inference engine, exactly as a single-process service does, on a loopback port of its own,
   plus a Unix socket (`app.owner.EngineServer`) over which fronts hand it their searches'
   model work;
-* **N fronts** (`duet serve-front`), sharing the public listening socket (the kernel spreads
-  the connections among them). A front validates each search, decodes and checks an
-  uploaded image, tokenises, reads and writes the cache and writes the JSON; only the model
-  work (`SearchPipeline.run`: query in, ranked rows with scores and item metadata out) crosses
-  to the owner, as one length-prefixed pickle each way on one connection per front. Every
-  other path (`/readyz`, `/metrics`, `/admin/*`, `/images/*`, the page) is passed through to
-  the owner, so there is one readiness, one set of metrics and one reload for the service.
+* **N fronts** (`duet serve-front`) on the public port, each on a listening socket of its
+  own (SO_REUSEPORT: the kernel spreads new connections evenly among them; one shared
+  socket where the platform has none, `duet.commands.serve.public_sockets`). A front
+  validates each search, decodes and checks an uploaded image, tokenises, reads and writes
+  the cache and writes the JSON; only the model work (`SearchPipeline.run`: query in, ranked
+  rows with scores and item metadata out) crosses to the owner, as one length-prefixed
+  pickle each way on one connection per front. Every other path (`/readyz`, `/metrics`,
+  `/admin/*`, `/images/*`, the page) is passed through to the owner, so there is one
+  readiness, one set of metrics and one reload for the service.
 
 A front's own request metrics (`duet_request_seconds`, `duet_cache_requests`,
 `duet_stage_seconds`, `duet_degraded_requests`) are sent to the owner a few times a second and
@@ -58,7 +60,7 @@ log = logging.getLogger("duet.fronts")
 
 SOCKET_ENV = "DUET_FRONT_SOCKET"  # the owner's Unix socket, for a front
 OWNER_ENV = "DUET_FRONT_OWNER"  # the owner's loopback URL, for a front
-FD_ENV = "DUET_FRONT_FD"  # the shared public listening socket, inherited by a front
+FD_ENV = "DUET_FRONT_FD"  # the front's listening socket on the public port, inherited
 FLUSH_S = 0.25  # how often a front sends its metric observations to the owner
 # the upload a front's image search is answering (the owner decodes it for the model)
 _UPLOAD: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("upload", default=None)

@@ -3,9 +3,11 @@ sharing the public socket, the model work over the owner's Unix socket."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from duet.commands.serve import public_sockets
 from index_builder.build import build
 from models.builtin import BuiltinModel
 from tests.conftest import REPO, Placed, start_service, stop_service
@@ -67,6 +70,10 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
     try:
         kids = [p for p in _children(fronts.proc.pid) if "serve-front" in _cmdline(p)]
         assert len(kids) == 2
+        # each front accepts on a socket of its own (SO_REUSEPORT), not one they share
+        port = int(fronts.url.rsplit(":", 1)[1])
+        listening = [_listening(p, port) for p in kids]
+        assert all(len(s) == 1 for s in listening) and listening[0] != listening[1], listening
         with fronts.client() as f, single.client() as s:
             for body in QUERIES:
                 a, b = f.post("/search/text", json=body), s.post("/search/text", json=body)
@@ -154,6 +161,49 @@ def test_fronts_pass_on_overload_and_swaps(index_dir: Path, corpus: Path, tmp_pa
             assert c.post("/search/text", json=QUERIES[1]).json()["index_version"] == version
     finally:
         stop_service(svc)
+
+
+def _listening(pid: int, port: int) -> set[str]:
+    """The socket inodes process `pid` holds that listen on TCP `port` (from /proc)."""
+    held = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            held.add(os.readlink(fd))
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(table).read_text().splitlines()[1:]:
+                f = row.split()
+                listens = f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port
+                if listens and f"socket:[{f[9]}]" in held:
+                    out.add(f[9])
+    return out
+
+
+def test_each_front_has_a_socket_of_its_own_and_a_fair_share_of_connections() -> None:
+    """The fronts' public sockets: one per front on one port, and connections opened at once
+    spread among them (a shared socket gave one of six fronts 155 of 512, another 7)."""
+    socks = public_sockets("127.0.0.1", 0, 512, 3)
+    try:
+        assert len(socks) == 3 and len({s.getsockname()[1] for s in socks}) == 1
+        port = socks[0].getsockname()[1]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(150)]
+        counts = []
+        for s in socks:
+            s.setblocking(False)
+            n = 0
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    s.accept()[0].close()
+                    n += 1
+            counts.append(n)
+        for c in clients:
+            c.close()
+        # 50 each on average; beyond 25..75 is 4 standard deviations of an even spread
+        assert sum(counts) == 150 and min(counts) >= 25 and max(counts) <= 75, counts
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _cmdline(pid: int) -> str:
