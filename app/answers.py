@@ -1,18 +1,20 @@
 """What a search answer carries for a person besides the ranking: each hit's caption, whether
 its score reads as a fit, and a refusal for a query the model understood nothing of.
 
-These read the pipeline's answer after the fact (a cached answer gets them too), so the
-pipeline and its cache stay as they are.
+`hits_of` makes the API's hits from the engine's answer with all of it in them, and the
+cache keeps the response as served, so a cached answer has them too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from math import isfinite
 from typing import Any
 
 from app.errors import ValidationFailed
-from app.schemas import Hit, SearchResponse
+from app.schemas import Hit, image_url
+from app.work import Answer
 from models.fusion import DEFAULT_FUSION_LAMBDA, MATCH_THRESHOLD
 from models.shipped import caption_words
 
@@ -59,15 +61,14 @@ def served_match(plan_reranker: str, fusion: str, lam: float | None, model_name:
 def best_caption(query: str, captions: Sequence[str]) -> str | None:
     """The caption that shares most words with the query (the shorter on a tie, then the
     first): the one that shows best why the image came up."""
-    if not captions:
-        return None
     asked = _caption_words(query)[0]  # the same query for each of a search's hits
-
-    def fit(c: str) -> tuple[int, int]:
+    best, fit = None, None
+    for c in captions:  # a loop, not max(key=...): fifty captions a search, no call each
         words, length = _caption_words(c)
-        return (len(asked.intersection(words)), -length)
-
-    return max(captions, key=fit)
+        f = (len(asked & words), -length)
+        if fit is None or f > fit:
+            best, fit = c, f
+    return best
 
 
 @lru_cache(maxsize=1 << 16)
@@ -79,16 +80,37 @@ def _caption_words(caption: str) -> tuple[frozenset[str], int]:
     return frozenset(words), len(words)
 
 
-def annotate(resp: SearchResponse, *, judged: bool) -> SearchResponse:
-    """The answer with each hit's `match`, a caption hit's text as its `caption`, and a
-    `total` timing on a cached answer (the time it took: the cache lookup)."""
+def hits_of(answer: Answer, kind: str, reading: str | None, judged: bool) -> tuple[list[Hit], int]:
+    """The engine's answer as the API's hits, and how many were left out.
+
+    Each hit gets its image's URL, its `caption` (a caption hit's own text; an image hit's
+    caption nearest what the model read of the query) and its `match` (when `judged`: the
+    scores are the default fused ones `MATCH_THRESHOLD` was chosen for), once: copying
+    each hit afterwards to add them cost about as much as making it. A hit whose scores
+    JSON cannot carry (NaN, infinite: a model or index fault) is left out, the rest ranked
+    on."""
     hits: list[Hit] = []
-    for h in resp.hits:
-        text = h.meta.get("text")
-        caption = text if isinstance(text, str) else h.caption
-        match = (h.score >= MATCH_THRESHOLD) if judged else None
-        hits.append(h.model_copy(update={"caption": caption, "match": match}))
-    timings = dict(resp.timings_ms)
-    if "total" not in timings:
-        timings["total"] = round(sum(timings.values()), 3)
-    return resp.model_copy(update={"hits": hits, "timings_ms": timings})
+    for (_, dot, rr, score), (item_id, meta) in zip(answer.ranked, answer.meta, strict=True):
+        if not (isfinite(score) and isfinite(dot) and (rr is None or isfinite(rr))):
+            continue
+        text = meta.get("text")
+        if isinstance(text, str):
+            caption: str | None = text
+        elif kind == "text" and reading:
+            caption = best_caption(reading, answer.captions.get(item_id, ()))
+        else:
+            caption = None
+        hits.append(
+            Hit(
+                id=item_id,
+                score=score,
+                retrieval_score=dot,
+                rerank_score=rr,
+                rank=len(hits) + 1,
+                meta=meta,
+                image_url=image_url(item_id if kind == "text" else meta.get("image_id")),
+                caption=caption,
+                match=(score >= MATCH_THRESHOLD) if judged else None,
+            )
+        )
+    return hits, len(answer.ranked) - len(hits)

@@ -35,7 +35,8 @@ class CacheBackend(Protocol):
 def cache_key(**parts: object) -> str:
     """Stable key from the request's identity (model, index version, endpoint, query, options)."""
     blob = json.dumps(parts, sort_keys=True, separators=(",", ":"))
-    return "duet:v1:" + hashlib.sha256(blob.encode()).hexdigest()
+    # v2: an entry is the whole response as served (each hit's caption and match in it)
+    return "duet:v2:" + hashlib.sha256(blob.encode()).hexdigest()
 
 
 class LRUCache:
@@ -119,7 +120,9 @@ class ResilientCache:
 
     async def get(self, key: str) -> str | None:
         try:
-            value = await asyncio.wait_for(self.backend.get(key), self._timeout)
+            # asyncio.timeout, not wait_for: no task of its own for each call
+            async with asyncio.timeout(self._timeout):
+                value = await self.backend.get(key)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("get", exc)
             return None
@@ -128,7 +131,8 @@ class ResilientCache:
 
     async def set(self, key: str, value: str) -> None:
         try:
-            await asyncio.wait_for(self.backend.set(key, value), self._timeout)
+            async with asyncio.timeout(self._timeout):
+                await self.backend.set(key, value)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("set", exc)
 

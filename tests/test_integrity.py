@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.routes.search import _json
-from app.schemas import Hit, SearchResponse
+from app.answers import hits_of
+from app.schemas import SearchResponse
+from app.work import Answer
 from store import ann, integrity
 from store.indexio import (
     IMAGE_VECTORS,
@@ -196,14 +197,15 @@ def test_meta_damaged_after_verification_is_answered_per_item(
 
 
 def test_hits_with_scores_json_cannot_carry_are_left_out() -> None:
-    def hit(i: int, score: float) -> Hit:
-        return Hit(id=f"i{i}", score=score, retrieval_score=0.5, rerank_score=None, rank=i, meta={})
-
-    resp = SearchResponse(
-        hits=[hit(1, 0.9), hit(2, float("inf")), hit(3, float("nan")), hit(4, 0.1)],
-        timings_ms={},
-        index_version="v",
-        cached=False,
-    )
-    body = json.loads(bytes(_json(resp).body))
-    assert [(h["id"], h["rank"]) for h in body["hits"]] == [("i1", 1), ("i4", 2)]
+    ranked = [
+        (0, 0.5, 0.9, 0.9),
+        (1, 0.5, float("inf"), float("inf")),
+        (2, float("nan"), None, 0.3),
+        (3, 0.5, None, 0.1),
+    ]
+    answer = Answer(ranked, [(f"i{r}", {}) for r in range(4)], {}, None, degraded=False)
+    hits, dropped = hits_of(answer, "text", None, judged=False)
+    resp = SearchResponse(hits=hits, timings_ms={}, index_version="v", cached=False)
+    body = json.loads(resp.model_dump_json())
+    assert dropped == 2
+    assert [(h["id"], h["rank"]) for h in body["hits"]] == [("i0", 1), ("i3", 2)]

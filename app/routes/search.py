@@ -7,7 +7,6 @@ import base64
 import binascii
 import contextlib
 import logging
-import math
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -16,7 +15,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from app.answers import annotate, refuse_if_not_understood, served_match
+from app.answers import refuse_if_not_understood
 from app.deps import PipelineDep, SettingsDep
 from app.errors import (
     ClientGone,
@@ -26,10 +25,9 @@ from app.errors import (
     describe_errors,
     documented,
 )
-from app.pipeline import SearchPipeline
+from app.pipeline import Served
 from app.schemas import (
     FUSIONS,
-    Hit,
     ImageSearchJSON,
     SearchOptions,
     SearchResponse,
@@ -106,36 +104,10 @@ async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
     return task.result()
 
 
-def _finite(hit: Hit) -> bool:
-    scores = (hit.score, hit.retrieval_score, hit.rerank_score)
-    return all(s is None or math.isfinite(s) for s in scores)
-
-
-def _json(resp: SearchResponse) -> Response:
-    """The response as JSON, once: the pipeline built it as a `SearchResponse` already, so
-    FastAPI's dump-validate-serialise of `response_model` (kept for the OpenAPI document)
-    would only repeat the work. A hit whose score JSON cannot carry (NaN, infinite: a model
-    or index fault that verification did not catch) is left out and logged, not a 500."""
-    if not all(_finite(h) for h in resp.hits):
-        kept = [h for h in resp.hits if _finite(h)]
-        log.error(
-            "left out %d hits with non-finite scores (index %s)",
-            len(resp.hits) - len(kept),
-            resp.index_version,
-        )
-        hits = [h.model_copy(update={"rank": i}) for i, h in enumerate(kept, 1)]
-        resp = resp.model_copy(update={"hits": hits})
-    return Response(resp.model_dump_json(), media_type="application/json")
-
-
-def _for_people(
-    pipeline: SearchPipeline, resp: SearchResponse, opts: SearchOptions
-) -> SearchResponse:
-    """The pipeline's answer with each hit's `match` (app.answers); an image hit's caption
-    came with the answer (chosen by the pipeline, cached with it)."""
-    plan = pipeline.plan(opts)
-    judged = served_match(plan.reranker, plan.fusion, plan.lam, str(pipeline.model.fingerprint))
-    return annotate(resp, judged=judged)
+def _json(served: Served) -> Response:
+    """The response as the pipeline rendered it: FastAPI's dump-validate-serialise of
+    `response_model` (kept for the OpenAPI document) would only repeat the work."""
+    return Response(served.json, media_type="application/json")
 
 
 def _media_type(request: Request) -> str:
@@ -167,8 +139,7 @@ async def search_text(body: TextSearchRequest, request: Request, pipeline: Pipel
     """A sentence finds images (the body as `content-type: application/json`)."""
     refuse_if_not_understood(pipeline.model, body.query)
     opts = body.options()
-    resp = await _unless_gone(request, pipeline.search_text(body.query, opts))
-    return _json(_for_people(pipeline, resp, opts))
+    return _json(await _unless_gone(request, pipeline.search_text(body.query, opts)))
 
 
 def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOptions:
@@ -219,5 +190,4 @@ async def search_image(request: Request, pipeline: PipelineDep, settings: Settin
             'a file field "image", or application/json with "image_b64"'
         )
     image = await request.app.state.decoder.decode(data)
-    resp = await _unless_gone(request, pipeline.search_image(data, image, opts))
-    return _json(_for_people(pipeline, resp, opts))
+    return _json(await _unless_gone(request, pipeline.search_image(data, image, opts)))
