@@ -138,11 +138,11 @@ def pairs_per_second(
     return out
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) so far of process `pid` and of its children now alive (duet's
-    fronts), from /proc; (0, 0) where there is none."""
+def cpu_seconds(pid: int) -> tuple[float, dict[int, float]]:
+    """CPU seconds (user + system) so far of process `pid`, and of each of its children now
+    alive (duet's fronts), from /proc; (0, {}) where there is none."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    own, kids = 0.0, 0.0
+    own, kids = 0.0, {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
@@ -152,8 +152,20 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         if entry.name == str(pid):
             own = spent
         elif int(fields[1]) == pid:
-            kids += spent
+            kids[int(entry.name)] = spent
     return own, kids
+
+
+def add_server_cpu(
+    cell: Cell, before: tuple[float, dict[int, float]], after: tuple[float, dict[int, float]]
+) -> None:
+    """The server's CPU in a cell: its own ("server"), its fronts' together ("fronts") and
+    the busiest front's ("front max": one near a core caps the service while the others idle,
+    as when one listening socket handed most connections to one front)."""
+    cell.add_cpu("server", after[0] - before[0])
+    spent = [t - before[1].get(k, 0.0) for k, t in after[1].items()]
+    cell.add_cpu("fronts", sum(spent))
+    cell.add_cpu("front max", max(spent, default=0.0))
 
 
 def stage_totals(url: str) -> dict[str, list[float]]:
@@ -199,7 +211,7 @@ def run_grid(
                     pid = (pids or {}).get(srv)
                     told = srv == "duet" and c == 1  # where a lone request's time goes
                     stages0 = stage_totals(urls[srv]) if told else {}
-                    before = cpu_seconds(pid) if pid else (0.0, 0.0)
+                    before = cpu_seconds(pid) if pid else (0.0, {})
                     load0, wall0 = time.process_time(), time.monotonic()
                     if pool is not None:
                         pool.closed(urls[srv], c, args.seconds, rerank, args.candidates, cell)
@@ -212,9 +224,7 @@ def run_grid(
                         cell.add_cpu("load", time.process_time() - load0)
                     cell.wall += time.monotonic() - wall0
                     if pid:
-                        after = cpu_seconds(pid)
-                        cell.add_cpu("server", after[0] - before[0])
-                        cell.add_cpu("fronts", after[1] - before[1])
+                        add_server_cpu(cell, before, cpu_seconds(pid))
                     if told:
                         cell.add_stages(stages0, stage_totals(urls[srv]))
                     print(

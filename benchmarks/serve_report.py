@@ -172,11 +172,12 @@ def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
         "",
         "Where the cores went in duet's cells (CPU seconds / wall seconds; the server is "
         "the `duet serve` process, the one that owns the model; fronts are its front "
-        "processes, when there are any):",
+        "processes, when there are any; the busiest front near one core while the fronts' "
+        "total is well below their count: the connections are unevenly spread):",
         "",
-        "| mode | clients | duet req/s | server cores | fronts cores | load generator cores | "
-        "server CPU ms per answer |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | clients | duet req/s | server cores | fronts cores | busiest front cores | "
+        "load generator cores | server CPU ms per answer | fronts CPU ms per answer |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in ("re-ranked", "dot only"):
         for c in levels:
@@ -184,9 +185,11 @@ def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
             # the server's cores over the full answers' rate (degraded ones counted too)
             rate = (len(d.latencies) + d.degraded) / d.seconds if d.seconds else 0.0
             per = 1000 * d.cores("server") / rate if rate else float("nan")
+            fronts = 1000 * d.cores("fronts") / rate if rate else float("nan")
             lines.append(
                 f"| {mode} | {c} | {d.throughput:.1f} | {d.cores('server'):.2f} | "
-                f"{d.cores('fronts'):.2f} | {d.cores('load'):.2f} | {per:.2f} |"
+                f"{d.cores('fronts'):.2f} | {d.cores('front max'):.2f} | "
+                f"{d.cores('load'):.2f} | {per:.2f} | {fronts:.2f} |"
             )
     return lines
 

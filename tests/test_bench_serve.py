@@ -97,11 +97,14 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
         server, device, lookup = (float(row.split("|")[i]) for i in (3, 8, 10))
         assert server > 0 and device > 0 and lookup > 0, row
     dot_rows = [line.split("|") for line in report.splitlines() if line.startswith("| dot only")]
-    cores = [cells for cells in dot_rows if len(cells) == 9]  # the cores table's rows
+    cores = [cells for cells in dot_rows if len(cells) == 11]  # the cores table's rows
     assert len(cores) == 2
     for cells in cores:  # the owner, its two fronts and the load generator were each seen busy
-        server, fronts, load, per_answer = (float(cells[i]) for i in (4, 5, 6, 7))
-        assert server > 0 and fronts > 0 and load > 0 and per_answer > 0, cells
+        server, fronts, busiest, load, per_answer, fronts_per = (
+            float(cells[i]) for i in (4, 5, 6, 7, 8, 9)
+        )
+        assert server > 0 and load > 0 and per_answer > 0 and fronts_per > 0, cells
+        assert 0 < busiest <= fronts, cells  # one of the two fronts: at most their total
 
 
 async def test_open_loop_abandons_what_a_slow_server_has_not_answered_in_time() -> None:
