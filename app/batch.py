@@ -15,7 +15,6 @@ import itertools
 import logging
 import math
 import os
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +28,7 @@ from app.heavy import concat, heavy_reranker, make_resident, measure_pair_budget
 from app.metrics import Metrics
 from app.stepping import DeviceStepping
 from app.threads import SOLO_TEXTS, solo_threads
-from app.work import Answer, Candidates, Query, RerankPlan, Work, clock, ms
+from app.work import Answer, Candidates, Meta, Query, RerankPlan, Work, clock, items_of, ms
 from models.device_step import DeviceStep
 from models.fusion import fused_top_k
 from models.protocols import JointEncoder
@@ -330,25 +329,17 @@ class BatchWorker(DeviceStepping):
         q = w.query
         plan = q.plan
         ranked = fused_top_k(w.cand.rows, w.cand.dots, scores, plan.fusion, plan.lam, q.top_k)
-        with clock([w], "lookup"):
-            captions: dict[str, list[str]] = {}
-            if q.kind == "text":
-                rows = q.index.store.images([r for r, _, _, _ in ranked])
-                meta = [(r.id, {**r.meta, "image": r.path}) for r in rows]
-                try:  # a courtesy: an unreadable caption leaves the hit without one
-                    captions = q.index.store.captions([r.id for r in rows])
-                except sqlite3.Error:
-                    log.warning("captions of index %s unreadable", q.index.version)
-            else:
-                assert w.texts is not None
-                by_row = dict(zip(w.cand.rows.tolist(), w.texts, strict=True))
-                meta = [
-                    (
-                        by_row[r].id,
-                        {**by_row[r].meta, "text": by_row[r].text, "image_id": by_row[r].image_id},
-                    )
-                    for r, _, _, _ in ranked
-                ]
+        meta: list[Meta] = []
+        captions: dict[str, list[str]] = {}
+        if q.look_up:
+            with clock([w], "lookup"):
+                rows = [r for r, _, _, _ in ranked]
+                texts = None
+                if q.kind == "image":
+                    assert w.texts is not None
+                    by_row = dict(zip(w.cand.rows.tolist(), w.texts, strict=True))
+                    texts = [by_row[r] for r in rows]
+                meta, captions = items_of(q.index.store, q.kind, rows, texts)
         used = None if scores is None else len(scores)
         return Answer(
             ranked,

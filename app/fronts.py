@@ -13,11 +13,12 @@ HTTP parsing, validation, JSON and cache look-ups, while a GPU running the devic
   own (SO_REUSEPORT: the kernel spreads new connections evenly among them; one shared
   socket where the platform has none, `duet.commands.serve.public_sockets`). A front
   validates each search, decodes and checks an uploaded image, tokenises, reads and writes
-  the cache and writes the JSON; only the model work (`SearchPipeline.run`: query in, ranked
-  rows with scores and item metadata out) crosses to the owner, as one length-prefixed
-  pickle each way on one connection per front. Every other path (`/readyz`, `/metrics`,
-  `/admin/*`, `/images/*`, the page) is passed through to the owner, so there is one
-  readiness, one set of metrics and one reload for the service.
+  the cache, looks the hits' items up in the index version's item store and writes the
+  JSON; only the model work (`SearchPipeline.run`: query in, ranked rows with scores out)
+  crosses to the owner, as one length-prefixed pickle each way on one connection per front.
+  Every other path (`/readyz`, `/metrics`, `/admin/*`, `/images/*`, the page) is passed
+  through to the owner, so there is one readiness, one set of metrics and one reload for the
+  service.
 
 A front's own request metrics (`duet_request_seconds`, `duet_cache_requests`,
 `duet_stage_seconds`, `duet_degraded_requests`) are sent to the owner a few times a second and
@@ -36,10 +37,12 @@ import hashlib
 import itertools
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, cast
 
 import httpx
@@ -53,8 +56,9 @@ from app.errors import NotReady, ShuttingDown
 from app.metrics import Metrics
 from app.owner import FORWARDED, post, raise_error, recv, send
 from app.pipeline import SearchPipeline
+from app.work import items_of, ms
 from models.tokenizer import WordTokenizer
-from store.indexio import IndexVersion
+from store.indexio import ITEMS, IndexVersion, ItemStore
 
 log = logging.getLogger("duet.fronts")
 
@@ -62,6 +66,7 @@ SOCKET_ENV = "DUET_FRONT_SOCKET"  # the owner's Unix socket, for a front
 OWNER_ENV = "DUET_FRONT_OWNER"  # the owner's loopback URL, for a front
 FD_ENV = "DUET_FRONT_FD"  # the front's listening socket on the public port, inherited
 FLUSH_S = 0.25  # how often a front sends its metric observations to the owner
+KEPT_STORES = 3  # item stores of recent index versions a front keeps open
 # the upload a front's image search is answering (the owner decodes it for the model)
 _UPLOAD: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("upload", default=None)
 
@@ -235,6 +240,7 @@ class FrontPipeline(SearchPipeline):
         self.default_reranker = info["default_reranker"]
         self._unavailable = dict(info["unavailable"])
         self._served = _Version(info["version"])
+        self._stores: dict[str, ItemStore] = {}  # a version's path -> its item store
         remote.on_version = self._swapped
 
     def _swapped(self, version: str) -> None:
@@ -263,6 +269,7 @@ class FrontPipeline(SearchPipeline):
         m: int,
         top_k: int,
         ids: list[int] | None = None,
+        look_up: bool = True,
     ) -> tuple[Answer, str]:
         tok = self.remote_model.tokenizer
         reply = await self.remote.search(
@@ -279,13 +286,37 @@ class FrontPipeline(SearchPipeline):
             raise_error(reply["error"])
         if reply["version"] != self._served.version:
             self._served = _Version(reply["version"])
-        return reply["answer"], reply["version"]
+        answer: Answer = reply["answer"]
+        t0 = time.perf_counter()
+        rows = [r for r, _, _, _ in answer.ranked]
+        answer.meta, answer.captions = items_of(self._store(reply["path"]), kind, rows)
+        # with what the owner looked up for its re-ranker (an image query's captions)
+        answer.timings["lookup"] = answer.timings.get("lookup", 0.0) + ms(time.perf_counter() - t0)
+        return answer, reply["version"]
+
+    def _store(self, path: str) -> ItemStore:
+        """The item store of the version at `path`, opened the first time an answer names
+        it; the oldest of more than `KEPT_STORES` is closed (nothing awaits between taking
+        a store and reading it, so no search is using it)."""
+        store = self._stores.pop(path, None)
+        if store is None:
+            try:
+                store = ItemStore(Path(path) / ITEMS)
+            except sqlite3.Error as exc:
+                raise NotReady(f"the index version at {path} can no longer be read; retry") from exc
+        self._stores[path] = store  # the most recent last
+        while len(self._stores) > KEPT_STORES:
+            self._stores.pop(next(iter(self._stores))).close()
+        return store
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
         await self.cache.close()
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
 
 
 async def _orphaned(parent: int) -> None:
@@ -345,7 +376,7 @@ def create_front_app(settings: Any, socket_path: str, owner_url: str) -> FastAPI
         cache = ResilientCache(
             _cache_backend(settings), metrics, timeout_s=settings.redis_timeout_ms / 1000
         )
-        app.state.pipeline = FrontPipeline(remote, cache, metrics)
+        front = app.state.pipeline = FrontPipeline(remote, cache, metrics)
         watchdog = asyncio.create_task(_orphaned(os.getppid()), name="front-watchdog")
         log.info("front %d ready (owner %s)", os.getpid(), owner_url)
         try:
@@ -353,7 +384,7 @@ def create_front_app(settings: Any, socket_path: str, owner_url: str) -> FastAPI
         finally:
             watchdog.cancel()
             app.state.pipeline = None
-            await cache.close()
+            await front.stop()  # its cache and item stores
             await remote.close()
             await client.aclose()
             app.state.decoder.close()

@@ -181,9 +181,11 @@ class EngineServer:
                     msg["m"],
                     msg["top_k"],
                     ids=msg.get("ids"),
+                    look_up=False,  # the front looks the hits up in the version's item store
                 )
             reply["answer"] = answer
             reply["version"] = version
+            reply["path"] = str(index.path)
         except Exception as exc:
             if not isinstance(exc, DuetError):
                 log.exception("a front's search failed in the owner")

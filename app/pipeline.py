@@ -319,14 +319,16 @@ class SearchPipeline:
         m: int,
         top_k: int,
         ids: list[int] | None = None,
+        look_up: bool = True,
     ) -> tuple[Answer, str]:
         """The model work of one search on the engine (admission, batching, the worker):
         its answer and the index version it ran on. The process layout's fronts call it
         over their connection to the process that owns the model (`app.fronts`), with the
-        text's token ids (`ids`) already made."""
+        text's token ids (`ids`) already made, and look the hits' items up themselves
+        (`look_up` False: the answer's `meta` and `captions` are left empty)."""
         if ids is None or self.worker.step is None:
             ids = self._ids(text)
-        query = Query(kind, text, image, index, plan, m, top_k, ids)
+        query = Query(kind, text, image, index, plan, m, top_k, ids, look_up)
         if self.worker.steppable(query):  # a share of a device batch (its fixed part apart)
             cost = self.worker.batch_cost.ticket_s(query.pairs)
         else:

@@ -276,7 +276,9 @@ class DeviceStepping:
             n = w.query.m
             w.timings["device"] = ms(dt)
             w.cand = Candidates.of(out.dots[i, :n], out.rows[i, :n])
-            if w.query.kind == "image":  # the hits' captions, as the host path reads them
+            # an image query's hits' captions, as the host path reads them (unless the asker
+            # looks its hits up itself)
+            if w.query.kind == "image" and w.query.look_up:
                 with clock([w], "lookup"):
                     w.texts = w.query.index.store.texts([int(r) for r in w.cand.rows])
             # what the `ce` scorer answers: the logit's sigmoid (`models.rerankers._ce`)

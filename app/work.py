@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -14,7 +16,9 @@ from PIL import Image
 
 from app.engine import Ticket
 from models.fusion import Ranked
-from store.indexio import IndexVersion
+from store.indexio import IndexVersion, ItemStore, TextRow
+
+log = logging.getLogger("duet.pipeline")
 
 Meta = tuple[str, dict[str, Any]]  # a hit's id and meta
 
@@ -58,6 +62,9 @@ class Query:
     m: int  # candidates to retrieve (top_k when not re-ranking)
     top_k: int
     ids: list[int] | None = None  # the text's token ids, for the device step (GPU layout)
+    # False: the answer leaves the hits' items to the asker (a front of the process layout,
+    # `app.fronts`, looks them up itself: the process that owns the model does less per search)
+    look_up: bool = True
 
     @property
     def pairs(self) -> int:
@@ -76,6 +83,28 @@ class Answer:
     degraded: bool  # fewer than asked, because the deadline could not fit them
     # a text query's hits: each image's captions (the page shows the one nearest the query)
     captions: dict[str, list[str]] = field(default_factory=dict)
+
+
+def items_of(
+    store: ItemStore,
+    kind: Literal["text", "image"],
+    rows: Sequence[int],
+    texts: Sequence[TextRow] | None = None,
+) -> tuple[list[Meta], dict[str, list[str]]]:
+    """What a response shows of its hits besides the ranking: each hit's id and meta (an
+    image's with its path, a caption's with its text and image id) and, for image hits, each
+    image's captions. `texts`: an image query's caption rows already read, in `rows` order."""
+    if kind == "image":
+        found = store.texts(rows) if texts is None else texts
+        meta = [(t.id, {**t.meta, "text": t.text, "image_id": t.image_id}) for t in found]
+        return meta, {}
+    images = store.images(rows)
+    try:  # a courtesy: an unreadable caption leaves the hit without one
+        captions = store.captions([r.id for r in images])
+    except sqlite3.Error as exc:
+        log.warning("the hits' captions are unreadable (%s); answered without them", exc)
+        captions = {}
+    return [(r.id, {**r.meta, "image": r.path}) for r in images], captions
 
 
 @dataclass
