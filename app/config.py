@@ -127,7 +127,9 @@ class Settings(BaseSettings):
         "process's HTTP, not the GPU, capped the service), 0 on the CPU (where the engine's "
         "admission prices the bottleneck, the model's cores)",
     )
-    http_backlog: int = Field(2048, ge=1, description="the listening socket's accept backlog")
+    http_backlog: int = Field(
+        2048, ge=1, description="the listening socket's accept backlog (each front's, with fronts)"
+    )
     health_port: int = Field(
         0,
         ge=0,
