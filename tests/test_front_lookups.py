@@ -8,6 +8,8 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
+import pytest
+import torch
 from PIL import Image
 
 from app.cache import LRUCache, ResilientCache
@@ -16,11 +18,13 @@ from app.pipeline import SearchPipeline
 from app.schemas import SearchOptions
 from app.work import items_of
 from models.builtin import BuiltinModel
+from models.device_step import DeviceStep
 from store import indexio
 
 
+@pytest.mark.parametrize("layout", ["cpu", "gpu"])  # the host path; the device step (on the CPU)
 async def test_an_answer_without_look_ups_plus_the_fronts_look_up_is_the_whole_answer(
-    index_dir: Path, corpus: Path, model: BuiltinModel
+    index_dir: Path, corpus: Path, model: BuiltinModel, layout: str
 ) -> None:
     index = indexio.IndexVersion.open(indexio.resolve_current(index_dir))
     metrics = Metrics()
@@ -31,6 +35,8 @@ async def test_an_answer_without_look_ups_plus_the_fronts_look_up_is_the_whole_a
         metrics,
         fusion_lambda=0.1,
         timeout_s=30.0,
+        workers=2,
+        step=DeviceStep(model.model, torch.device("cpu"), "fp32") if layout == "gpu" else None,
     )
     await pipeline.start()
     image = Image.open(next((corpus.parent / "images").glob("*.png"))).convert("RGB")
@@ -40,6 +46,7 @@ async def test_an_answer_without_look_ups_plus_the_fronts_look_up_is_the_whole_a
             whole, _ = await pipeline.run(index, kind, text, img, plan, 20, 5)  # type: ignore[arg-type]
             bare, _ = await pipeline.run(index, kind, text, img, plan, 20, 5, look_up=False)  # type: ignore[arg-type]
             assert bare.ranked == whole.ranked and whole.meta
+            assert ("device" in whole.timings) == (layout == "gpu")  # the path meant
             assert bare.meta == [] and bare.captions == {}
             assert len(pickle.dumps(bare)) < len(pickle.dumps(whole)) / 3
             rows = [r for r, _, _, _ in bare.ranked]
