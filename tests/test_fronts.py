@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from duet.commands.serve import public_sockets
 from index_builder.build import build
 from models.builtin import BuiltinModel
 from tests.conftest import REPO, Placed, start_service, stop_service
@@ -178,32 +176,6 @@ def _listening(pid: int, port: int) -> set[str]:
                 if listens and f"socket:[{f[9]}]" in held:
                     out.add(f[9])
     return out
-
-
-def test_each_front_has_a_socket_of_its_own_and_a_fair_share_of_connections() -> None:
-    """The fronts' public sockets: one per front on one port, and connections opened at once
-    spread among them (a shared socket gave one of six fronts 155 of 512, another 7)."""
-    socks = public_sockets("127.0.0.1", 0, 512, 3)
-    try:
-        assert len(socks) == 3 and len({s.getsockname()[1] for s in socks}) == 1
-        port = socks[0].getsockname()[1]
-        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(150)]
-        counts = []
-        for s in socks:
-            s.setblocking(False)
-            n = 0
-            with contextlib.suppress(BlockingIOError):
-                while True:
-                    s.accept()[0].close()
-                    n += 1
-            counts.append(n)
-        for c in clients:
-            c.close()
-        # 50 each on average; beyond 25..75 is 4 standard deviations of an even spread
-        assert sum(counts) == 150 and min(counts) >= 25 and max(counts) <= 75, counts
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _cmdline(pid: int) -> str:

@@ -143,9 +143,17 @@ def public_sockets(host: str, port: int, backlog: int, count: int) -> list[Any]:
 
     if count < 2 or not sys.platform.startswith("linux") or not hasattr(socket, "SO_REUSEPORT"):
         return [_listen(host, port, backlog)]
-    first = _listen(host, port, backlog, reuse_port=True)
-    port = first.getsockname()[1]  # the port itself when DUET_PORT=0 chose one
-    return [first] + [_listen(host, port, backlog, reuse_port=True) for _ in range(count - 1)]
+    # A port is shared with any socket of this user that also asks to: a second duet (or
+    # an old one still stopping) would silently take part of the traffic. A plain bind
+    # first fails on a port anything listens on, as one shared socket would.
+    probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        port = probe.getsockname()[1]  # the port itself when DUET_PORT=0 chose one
+    finally:
+        probe.close()
+    return [_listen(host, port, backlog, reuse_port=True) for _ in range(count)]
 
 
 def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
@@ -160,8 +168,15 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
 
     from app.fronts import FD_ENV, OWNER_ENV, SOCKET_ENV
     from app.limits import uvicorn_options
+    from models.errors import UserError
 
-    public = public_sockets(settings.host, settings.port, settings.http_backlog, count)
+    try:
+        public = public_sockets(settings.host, settings.port, settings.http_backlog, count)
+    except OSError as exc:  # in use, or an address this host does not have
+        raise UserError(
+            f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}; stop "
+            "what listens there (another duet?) or set DUET_PORT / DUET_HOST"
+        ) from exc
     owner = _listen("127.0.0.1", 0, settings.http_backlog)
     run_dir = tempfile.mkdtemp(prefix="duet-")  # private (0700): the engine socket lives here
     path = os.path.join(run_dir, "engine.sock")
