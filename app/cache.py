@@ -35,7 +35,9 @@ class CacheBackend(Protocol):
 def cache_key(**parts: object) -> str:
     """Stable key from the request's identity (model, index version, endpoint, query, options)."""
     blob = json.dumps(parts, sort_keys=True, separators=(",", ":"))
-    # v2: an entry is the whole response as served (each hit's caption and match in it)
+    # v2: an entry is the whole response as served, each hit's caption and match in it: a
+    # change to how those are chosen (MATCH_THRESHOLD, app.answers.best_caption) for the same
+    # model and index needs a new prefix, or replicas sharing a Redis serve the old choice
     return "duet:v2:" + hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -37,12 +37,10 @@ import hashlib
 import itertools
 import logging
 import os
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, cast
 
 import httpx
@@ -56,9 +54,10 @@ from app.errors import NotReady, ShuttingDown
 from app.metrics import Metrics
 from app.owner import FORWARDED, post, raise_error, recv, send
 from app.pipeline import SearchPipeline
+from app.stores import Stores
 from app.work import items_of, ms
 from models.tokenizer import WordTokenizer
-from store.indexio import ITEMS, IndexVersion, ItemStore
+from store.indexio import IndexVersion
 
 log = logging.getLogger("duet.fronts")
 
@@ -66,7 +65,6 @@ SOCKET_ENV = "DUET_FRONT_SOCKET"  # the owner's Unix socket, for a front
 OWNER_ENV = "DUET_FRONT_OWNER"  # the owner's loopback URL, for a front
 FD_ENV = "DUET_FRONT_FD"  # the front's listening socket on the public port, inherited
 FLUSH_S = 0.25  # how often a front sends its metric observations to the owner
-KEPT_STORES = 3  # item stores of recent index versions a front keeps open
 # the upload a front's image search is answering (the owner decodes it for the model)
 _UPLOAD: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("upload", default=None)
 
@@ -113,7 +111,7 @@ class RemoteEngine:
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.on_version: Callable[[str], None] = lambda _: None
+        self.on_version: Callable[[str, str], None] = lambda _version, _path: None
 
     async def connect(self, wait_s: float = 600.0) -> None:
         """Connect and say hello, waiting while the owner loads (it opens the socket once
@@ -157,7 +155,7 @@ class RemoteEngine:
                         fut.set_result(msg)
                 elif msg["op"] == "version":
                     self.info["version"] = msg["version"]
-                    self.on_version(msg["version"])
+                    self.on_version(msg["version"], msg["path"])
         except (asyncio.IncompleteReadError, ConnectionError):
             log.warning("the owner process closed its socket; this front stops answering")
         finally:
@@ -240,11 +238,12 @@ class FrontPipeline(SearchPipeline):
         self.default_reranker = info["default_reranker"]
         self._unavailable = dict(info["unavailable"])
         self._served = _Version(info["version"])
-        self._stores: dict[str, ItemStore] = {}  # a version's path -> its item store
+        self.stores = Stores(info["path"])
         remote.on_version = self._swapped
 
-    def _swapped(self, version: str) -> None:
+    def _swapped(self, version: str, path: str) -> None:
         self._served = _Version(version)
+        self.stores.swapped(path)
 
     @property
     def index(self) -> IndexVersion:
@@ -289,34 +288,21 @@ class FrontPipeline(SearchPipeline):
         answer: Answer = reply["answer"]
         t0 = time.perf_counter()
         rows = [r for r, _, _, _ in answer.ranked]
-        answer.meta, answer.captions = items_of(self._store(reply["path"]), kind, rows)
+        with self.stores.use(reply["path"]) as store:
+            if store.holds(kind, rows):  # all decoded already: no reason to leave the loop
+                answer.meta, answer.captions = items_of(store, kind, rows)
+            else:  # SQLite reads: off the event loop, which other requests need meanwhile
+                answer.meta, answer.captions = await asyncio.to_thread(items_of, store, kind, rows)
         # with what the owner looked up for its re-ranker (an image query's captions)
         answer.timings["lookup"] = answer.timings.get("lookup", 0.0) + ms(time.perf_counter() - t0)
         return answer, reply["version"]
-
-    def _store(self, path: str) -> ItemStore:
-        """The item store of the version at `path`, opened the first time an answer names
-        it; the oldest of more than `KEPT_STORES` is closed (nothing awaits between taking
-        a store and reading it, so no search is using it)."""
-        store = self._stores.pop(path, None)
-        if store is None:
-            try:
-                store = ItemStore(Path(path) / ITEMS)
-            except sqlite3.Error as exc:
-                raise NotReady(f"the index version at {path} can no longer be read; retry") from exc
-        self._stores[path] = store  # the most recent last
-        while len(self._stores) > KEPT_STORES:
-            self._stores.pop(next(iter(self._stores))).close()
-        return store
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
         await self.cache.close()
-        for store in self._stores.values():
-            store.close()
-        self._stores.clear()
+        self.stores.close()
 
 
 async def _orphaned(parent: int) -> None:

@@ -102,8 +102,9 @@ class EngineServer:
         os.chmod(self.path, 0o600)
         loop = asyncio.get_running_loop()
 
-        def swapped(version: str) -> None:  # called where the swap runs
-            loop.call_soon_threadsafe(self._announce, version)
+        def swapped(version: str) -> None:  # called where the swap runs, once it has
+            path = str(self.pipeline.index.path)
+            loop.call_soon_threadsafe(self._announce, version, path)
 
         self.pipeline.swap_listeners.append(swapped)
         log.info("engine socket %s open for the fronts", self.path)
@@ -134,10 +135,11 @@ class EngineServer:
             "fusion_lambda": p.fusion_lambda,
             "theta": p.theta,
             "version": p.index.version,
+            "path": str(p.index.path),  # where a front reads the hits' items
         }
 
-    def _announce(self, version: str) -> None:
-        msg = {"op": "version", "version": version}
+    def _announce(self, version: str, path: str) -> None:
+        msg = {"op": "version", "version": version, "path": path}
         for w in list(self._writers):
             task = asyncio.ensure_future(send(w, msg))
             self._tasks.add(task)

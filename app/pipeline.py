@@ -377,6 +377,8 @@ class SearchPipeline:
         )
         # rendered once, for the client and the cache alike (pydantic's own serialiser)
         served = Served(resp, resp.model_dump_json())
-        if not answer.degraded:  # a later request with time to spare gets the full answer
+        # a later request with time to spare gets the full answer, and one whose scores
+        # have recovered (a hit left out for a non-finite score) gets every hit
+        if not answer.degraded and not dropped:
             await self.cache.set(key, served.json)
         return served

@@ -12,6 +12,8 @@ DEFAULT_FUSION_LAMBDA = 0.1
 # "this hit fits the query": the API's per-hit `match`, the page's "weak" below it. Chosen on
 # validation splits only (`python -m models.match_threshold`; docs/api.md has the figures);
 # 0.71 for the weights before issue 37's fine-tune (0a5f8cf5), 0.5 for those shipped since.
+# Cached answers carry `match`: a new value for the same weights needs a new cache-key prefix
+# (app.cache.cache_key).
 MATCH_THRESHOLD = 0.5
 
 

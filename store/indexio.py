@@ -199,6 +199,18 @@ class ItemStore:
             got = self._captions.get_many(list(image_ids), self._fetch_captions)
         return {k: list(v) for k, v in got.items() if v}
 
+    def holds(self, kind: str, rows: Sequence[int]) -> bool:
+        """Whether what `app.work.items_of` reads for these hits is all kept decoded already
+        (no SQLite read): text rows for an image query's hits (`kind` "image"), image rows
+        and their captions for a text query's."""
+        with self._lock:
+            if kind == "image":
+                return self._texts.holds([int(r) for r in rows])
+            found = [self._images.peek(int(r)) for r in rows]
+            if any(f is None for f in found):
+                return False
+            return self._captions.holds([f.id for f in found if f is not None])
+
     def all_texts(self, batch: int = 65536) -> Iterator[str]:
         """Every text's caption in row order, read in batches (the device step's caption
         table is made from them)."""

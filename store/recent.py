@@ -26,6 +26,14 @@ class Recent(Generic[K, V]):
     def clear(self) -> None:
         self._map.clear()
 
+    def holds(self, keys: Sequence[K]) -> bool:
+        """Whether every one of `keys` is held (their order of use unchanged)."""
+        return all(k in self._map for k in keys)
+
+    def peek(self, key: K) -> V | None:
+        """The entry of `key` if held, its order of use unchanged."""
+        return self._map.get(key)
+
     def get_many(self, keys: Sequence[K], fetch: Callable[[list[K]], dict[K, V]]) -> dict[K, V]:
         """The entries of `keys`: those held, and the rest from one `fetch(missing)` call
         (keys it does not answer are left out and not remembered)."""

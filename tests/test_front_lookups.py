@@ -6,6 +6,7 @@ for the one process every search crosses."""
 from __future__ import annotations
 
 import pickle
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,11 @@ import torch
 from PIL import Image
 
 from app.cache import LRUCache, ResilientCache
+from app.errors import NotReady
 from app.metrics import Metrics
 from app.pipeline import SearchPipeline
 from app.schemas import SearchOptions
+from app.stores import Stores
 from app.work import items_of
 from models.builtin import BuiltinModel
 from models.device_step import DeviceStep
@@ -56,3 +59,45 @@ async def test_an_answer_without_look_ups_plus_the_fronts_look_up_is_the_whole_a
     finally:
         await pipeline.stop()
         index.close()
+
+
+def test_the_store_says_when_a_look_up_needs_no_sqlite(index_dir: Path) -> None:
+    """What decides whether a front reads on its event loop or in a thread."""
+    path = indexio.resolve_current(index_dir)
+    store = indexio.ItemStore(path / indexio.ITEMS)
+    try:
+        assert not store.holds("text", [0, 1, 2]) and not store.holds("image", [0, 1])
+        items_of(store, "text", [0, 1, 2])
+        assert store.holds("text", [0, 1, 2]) and store.holds("text", [2])
+        assert not store.holds("text", [0, 3]) and not store.holds("image", [0, 1])
+        items_of(store, "image", [0, 1])
+        assert store.holds("image", [1, 0])
+    finally:
+        store.close()
+
+
+def test_a_front_keeps_the_current_versions_store_and_closes_the_others_when_unused(
+    index_dir: Path, tmp_path: Path
+) -> None:
+    current = str(indexio.resolve_current(index_dir))
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / indexio.ITEMS).write_bytes((Path(current) / indexio.ITEMS).read_bytes())
+    stores = Stores(current)
+    with stores.use(current) as a:
+        pass
+    with stores.use(current) as b:
+        assert a is b  # kept open between answers
+    with stores.use(str(old)) as late:  # an answer from before a swap
+        assert late.holds("text", []) and items_of(late, "text", [0])[0]
+    with pytest.raises(sqlite3.ProgrammingError):  # closed once no answer used it
+        late.images([1])
+    with stores.use(current) as a, stores.use(str(old)) as other:
+        stores.swapped(str(old))  # the owner swapped while both were in use
+        assert a.images([0]) and other.images([0])  # neither closed under its user
+    with pytest.raises(sqlite3.ProgrammingError):
+        a.images([1])  # the swapped-out version's, once unused
+    assert other.images([1])  # the current one's stays
+    stores.close()
+    with pytest.raises(NotReady), stores.use(str(tmp_path / "gone")):
+        pass

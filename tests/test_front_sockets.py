@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 
 import pytest
 
 from duet.commands.serve import public_sockets
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT spreads on Linux")
 def test_each_front_has_a_socket_of_its_own_and_a_fair_share_of_connections() -> None:
     """The fronts' public sockets: one per front on one port, and connections opened at once
     spread among them (a shared socket gave one of six fronts 155 of 512, another 7)."""

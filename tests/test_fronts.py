@@ -1,5 +1,5 @@
 """The process layout (DUET_FRONTENDS > 0, `app.fronts`): real `duet serve` processes, fronts
-sharing the public socket, the model work over the owner's Unix socket."""
+on the public port, the model work over the owner's Unix socket."""
 
 from __future__ import annotations
 

@@ -145,7 +145,8 @@ def public_sockets(host: str, port: int, backlog: int, count: int) -> list[Any]:
         return [_listen(host, port, backlog)]
     # A port is shared with any socket of this user that also asks to: a second duet (or
     # an old one still stopping) would silently take part of the traffic. A plain bind
-    # first fails on a port anything listens on, as one shared socket would.
+    # first fails on a port anything listens on, as one shared socket would. (Between the
+    # probe and the binds below the port could be taken: a start that fails, not a share.)
     probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -158,7 +159,8 @@ def public_sockets(host: str, port: int, backlog: int, count: int) -> list[Any]:
 
 def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
     """The process layout: this process owns the model and serves on a loopback port of its
-    own; `count` front processes (DUET_FRONTENDS) share the public socket (`app.fronts`)."""
+    own; `count` front processes (DUET_FRONTENDS) serve the public port, each on a socket
+    of its own where the platform allows (`public_sockets`, `app.fronts`)."""
     import os
     import shutil
     import subprocess
