@@ -206,10 +206,13 @@ class ItemStore:
         with self._lock:
             if kind == "image":
                 return self._texts.holds([int(r) for r in rows])
-            found = [self._images.peek(int(r)) for r in rows]
-            if any(f is None for f in found):
-                return False
-            return self._captions.holds([f.id for f in found if f is not None])
+            ids = []
+            for r in rows:
+                image = self._images.peek(int(r))
+                if image is None:
+                    return False
+                ids.append(image.id)
+            return self._captions.holds(ids)
 
     def all_texts(self, batch: int = 65536) -> Iterator[str]:
         """Every text's caption in row order, read in batches (the device step's caption

@@ -120,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> Any:
+def _bound(host: str, port: int, reuse_port: bool = False) -> Any:
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -128,7 +128,16 @@ def _listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> Any
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> Any:
+    sock = _bound(host, port, reuse_port)
     sock.listen(backlog)
     return sock
 
@@ -147,13 +156,9 @@ def public_sockets(host: str, port: int, backlog: int, count: int) -> list[Any]:
     # an old one still stopping) would silently take part of the traffic. A plain bind
     # first fails on a port anything listens on, as one shared socket would. (Between the
     # probe and the binds below the port could be taken: a start that fails, not a share.)
-    probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    try:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
-        port = probe.getsockname()[1]  # the port itself when DUET_PORT=0 chose one
-    finally:
-        probe.close()
+    probe = _bound(host, port)
+    port = probe.getsockname()[1]  # the port itself when DUET_PORT=0 chose one
+    probe.close()
     return [_listen(host, port, backlog, reuse_port=True) for _ in range(count)]
 
 
