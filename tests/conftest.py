@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -21,6 +21,9 @@ from index_builder.build import build
 from models.builtin import BuiltinModel
 from models.trainconfig import HELD_OUT_SEED_BASE
 from models.world import write_corpus
+
+if TYPE_CHECKING:
+    from app.pipeline import SearchPipeline
 
 # helper modules' asserts get pytest's detailed messages too
 pytest.register_assert_rewrite("tests.deploy_helpers", "tests.hf_wiring_helpers")
@@ -206,6 +209,19 @@ def index_dir(tmp_path_factory: pytest.TempPathFactory, corpus: Path, model: Bui
     out = tmp_path_factory.mktemp("indexes")
     build(corpus, out, model, progress=False)
     return out
+
+
+def in_process_pipeline(model: Any, index: Any, **settings: Any) -> SearchPipeline:
+    """A `SearchPipeline` over `model` and `index` in this process, as `duet serve` makes one:
+    its own metrics (`pipeline.metrics`), the embedded cache, duet's fusion weight; `settings`
+    its other keywords (workers, step, timeout_s, ...)."""
+    from app.cache import LRUCache, ResilientCache
+    from app.metrics import Metrics
+    from app.pipeline import SearchPipeline
+
+    metrics = Metrics()
+    cache = ResilientCache(LRUCache(1000, 60), metrics, timeout_s=1.0)
+    return SearchPipeline(model, index, cache, metrics, fusion_lambda=0.1, **settings)
 
 
 @dataclass

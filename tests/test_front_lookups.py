@@ -13,16 +13,14 @@ import pytest
 import torch
 from PIL import Image
 
-from app.cache import LRUCache, ResilientCache
 from app.errors import NotReady
-from app.metrics import Metrics
-from app.pipeline import SearchPipeline
 from app.schemas import SearchOptions
 from app.stores import Stores
 from app.work import items_of
 from models.builtin import BuiltinModel
 from models.device_step import DeviceStep
 from store import indexio
+from tests.conftest import in_process_pipeline
 
 
 @pytest.mark.parametrize("layout", ["cpu", "gpu"])  # the host path; the device step (on the CPU)
@@ -30,13 +28,9 @@ async def test_an_answer_without_look_ups_plus_the_fronts_look_up_is_the_whole_a
     index_dir: Path, corpus: Path, model: BuiltinModel, layout: str
 ) -> None:
     index = indexio.IndexVersion.open(indexio.resolve_current(index_dir))
-    metrics = Metrics()
-    pipeline = SearchPipeline(
+    pipeline = in_process_pipeline(
         model,
         index,
-        ResilientCache(LRUCache(100, 60), metrics, timeout_s=1.0),
-        metrics,
-        fusion_lambda=0.1,
         timeout_s=30.0,
         workers=2,
         step=DeviceStep(model.model, torch.device("cpu"), "fp32") if layout == "gpu" else None,

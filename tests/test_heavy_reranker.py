@@ -14,16 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from app.cache import LRUCache, ResilientCache
 from app.heavy import concat, heavy_reranker, make_resident, measure_pair_budget, states_of
-from app.metrics import Metrics
-from app.pipeline import SearchPipeline
 from app.schemas import SearchOptions
 from duet.cli import main
 from models.hf import HFBlipReranker, StateTable
 from models.loading import load_models
 from models.world import write_corpus
 from store import indexio
+from tests.conftest import in_process_pipeline
 from tests.hf_checkpoints import make_blip
 
 N_IMAGES = 120  # more than a request's 50 candidates
@@ -121,13 +119,9 @@ async def test_many_requests_are_answered_whole_in_calls_of_the_budget(
     blip_dir, out = built
     models = load_models("builtin", str(blip_dir))
     index = _open(out, models.fingerprint)
-    metrics = Metrics()
-    pipeline = SearchPipeline(
+    pipeline = in_process_pipeline(
         models,
         index,
-        ResilientCache(LRUCache(1000, 60), metrics, timeout_s=1.0),
-        metrics,
-        fusion_lambda=0.1,
         workers=1,
         rerank_max_batch=4096,
         timeout_s=10.0,
@@ -146,7 +140,7 @@ async def test_many_requests_are_answered_whole_in_calls_of_the_budget(
         await pipeline.stop()
     answers = [a for a, _ in done]
     assert all(not a.degraded and a.reranked == 50 for a in answers)
-    (family,) = list(metrics.rerank_batch_size.collect())
+    (family,) = list(pipeline.metrics.rerank_batch_size.collect())
     samples = {s.name: s.value for s in family.samples if "le" not in s.labels}
     # every pair scored, in calls cut at the measured budget
     assert samples["duet_rerank_batch_size_sum"] == 32 * 50
