@@ -363,6 +363,7 @@ def create_front_app(settings: Any, socket_path: str, owner_url: str) -> FastAPI
             _cache_backend(settings), metrics, timeout_s=settings.redis_timeout_ms / 1000
         )
         front = app.state.pipeline = FrontPipeline(remote, cache, metrics)
+        app.state.decoder.side = int(remote.info.get("decode_side", app.state.decoder.side))
         watchdog = asyncio.create_task(_orphaned(os.getppid()), name="front-watchdog")
         log.info("front %d ready (owner %s)", os.getpid(), owner_url)
         try:

@@ -5,53 +5,41 @@ takes across requests."""
 from __future__ import annotations
 
 import asyncio
-import io
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from app.errors import DuetError, ImageTooLarge, InvalidImage
-
-# Decoded images are kept at most this many pixels on a side (an integer box reduction, so a
-# 5000x5000 upload waits for its model call as 1250x1250): every model duet serves resizes to
-# 384 pixels or fewer, and a queued 25 MP RGB image would otherwise hold 75 MB.
-KEEP_SIDE = 1024
-
-# The only formats an upload is opened as. Pillow would otherwise try every plugin it has:
-# EPS then runs the host's Ghostscript on the upload (a PostScript `{ } loop` never ends), and
-# the rarer decoders (AVIF, ICNS, SPIDER, ...) raise exceptions nobody lists. A JPEG that
-# carries several pictures is read by the JPEG plugin as MPO (its first picture is used).
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "TIFF", "BMP")
+from models.images import KEEP_SIDE, open_rgb
 
 
-def decode_image(data: bytes, max_bytes: int, max_pixels: int) -> Image.Image:
+def decode_image(
+    data: bytes, max_bytes: int, max_pixels: int, side: int = KEEP_SIDE
+) -> Image.Image:
     """Bytes -> RGB image, upright per its EXIF orientation, at most about KEEP_SIDE pixels
-    on a side; or a 4xx DuetError saying what is wrong and what is allowed."""
+    on a side, a JPEG decoded at the DCT scale `side` allows, exactly as the builder decodes
+    the same file (`models.images.open_rgb`); or a 4xx DuetError saying what is wrong and what
+    is allowed."""
     if not data:
         raise InvalidImage("the image is empty")
     if len(data) > max_bytes:
         raise ImageTooLarge(
             f"image is {len(data)} bytes; the limit is {max_bytes} (DUET_MAX_IMAGE_BYTES)"
         )
+
+    def check(w: int, h: int) -> None:
+        if w * h > max_pixels:
+            raise ImageTooLarge(
+                f"image is {w}x{h} = {w * h} pixels; the limit is "
+                f"{max_pixels} (DUET_MAX_IMAGE_PIXELS)"
+            )
+
     try:
         with warnings.catch_warnings():
             # Pillow's decompression-bomb guard: its warning becomes an error here
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data), formats=FORMATS)
-            w, h = img.size
-            if w * h > max_pixels:
-                raise ImageTooLarge(
-                    f"image is {w}x{h} = {w * h} pixels; the limit is "
-                    f"{max_pixels} (DUET_MAX_IMAGE_PIXELS)"
-                )
-            if img.format == "JPEG":  # DCT scaling: decode at 1/2, 1/4 or 1/8 when that is enough
-                img.draft("RGB", (KEEP_SIDE, KEEP_SIDE))
-            img.load()
-            rgb = ImageOps.exif_transpose(img).convert("RGB")
-            del img
-            factor = max(rgb.size) // KEEP_SIDE
-            return rgb.reduce(factor) if factor >= 2 else rgb
+            return open_rgb(data, side, check)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageTooLarge(f"image rejected as a decompression bomb: {exc}") from exc
     except UnidentifiedImageError as exc:
@@ -76,12 +64,14 @@ class ImageDecoder:
     def __init__(self, max_bytes: int, max_pixels: int, pixels_in_flight: int) -> None:
         self.max_bytes = max_bytes
         self.max_pixels = max_pixels
+        # the smallest side the models read: set once they are loaded (`Models.decode_side`)
+        self.side = KEEP_SIDE
         self.threads = max(1, pixels_in_flight // max_pixels)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="duet-decode")
 
     async def decode(self, data: bytes) -> Image.Image:
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, decode_image, data, self.max_bytes, self.max_pixels
+            self._pool, decode_image, data, self.max_bytes, self.max_pixels, self.side
         )
 
     def close(self) -> None:

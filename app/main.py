@@ -25,6 +25,7 @@ from app.pipeline import SearchPipeline
 from app.reload import IndexReloader, load_checked
 from app.routes import admin, health, search, ui
 from models.device_step import step_for
+from models.images import side_of
 from models.loading import load_models
 from models.protocols import JointEncoder
 from store.indexio import IndexVersion, resolve_current
@@ -160,6 +161,8 @@ def _lifespan(
             _cache_backend(settings), metrics, timeout_s=settings.redis_timeout_ms / 1000
         )
         pipeline = _pipeline(settings, res, cache, metrics)
+        # uploads decoded as the builder decoded the corpus for these models
+        app.state.decoder.side = side_of(res.model)
         await pipeline.start()
         reloader = IndexReloader(pipeline, settings.index_dir, metrics, settings.index_poll_s)
         poller = (

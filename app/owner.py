@@ -136,6 +136,7 @@ class EngineServer:
             "theta": p.theta,
             "version": p.index.version,
             "path": str(p.index.path),  # where a front reads the hits' items
+            "decode_side": self.app.state.decoder.side,  # how an upload is decoded
         }
 
     def _announce(self, version: str, path: str) -> None:

@@ -4,7 +4,6 @@ processes (or this process), handed to the encoder in the plan's batches and ord
 from __future__ import annotations
 
 import hashlib
-import io
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import torch
 from PIL import Image
 
 from models.builtin import pixel_bytes
+from models.images import KEEP_SIDE, open_rgb, orientation, side_for
 
 # -- the work plan -----------------------------------------------------------------------
 
@@ -41,25 +41,28 @@ class Decoded:
     error: str
     seconds: float = 0.0  # what reading, hashing and decoding it took
     jpeg: bytes | None = None  # the file, left for the device to decode (`defer_jpeg`)
+    orientation: int = 1  # the left JPEG's EXIF orientation, for the device to turn it upright
 
 
 def decode(item: PlanItem, size: int, defer_jpeg: bool = False) -> Decoded:
-    """Read, hash, decode and resize one image; errors come back as text, not exceptions.
-    With `defer_jpeg`, a JPEG file is only read and hashed: its bytes come back for the GPU
-    to decode (`index_builder.device_decode`)."""
-    return _decode(item, lambda rgb: pixel_bytes([rgb], size)[0], defer_jpeg)
+    """Read, hash, decode and resize one image to `size`; errors come back as text, not
+    exceptions. Decoded as the service decodes an upload for the builtin model
+    (`models.images.open_rgb`, keeping `side_for(size)` a side). With
+    `defer_jpeg`, a JPEG file is only read and hashed: its bytes (and EXIF orientation) come
+    back for the GPU to decode (`index_builder.device_decode`)."""
+    return _decode(item, side_for(size), lambda rgb: pixel_bytes([rgb], size)[0], defer_jpeg)
 
 
 def decode_rgb(item: PlanItem) -> Decoded:
     """Read, hash and decode one image, not resized (a Hugging Face processor resizes it)."""
-    return _decode(item, lambda rgb: rgb)
+    return _decode(item, KEEP_SIDE, lambda rgb: rgb)
 
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
 
 def _decode(
-    item: PlanItem, convert: Callable[[Image.Image], Any], defer_jpeg: bool = False
+    item: PlanItem, side: int, convert: Callable[[Image.Image], Any], defer_jpeg: bool = False
 ) -> Decoded:
     start = time.perf_counter()
     assert item.image is not None
@@ -74,20 +77,20 @@ def _decode(
         )
     sha = hashlib.sha256(data).digest()
     if defer_jpeg and data.startswith(JPEG_MAGIC):
-        return Decoded(item.pos, None, sha, "", time.perf_counter() - start, jpeg=data)
-    got = decode_bytes(item, data, sha, convert)
+        turn = orientation(data)
+        return Decoded(item.pos, None, sha, "", time.perf_counter() - start, data, turn)
+    got = decode_bytes(item, data, sha, side, convert)
     return Decoded(got.pos, got.pixels, sha, got.error, time.perf_counter() - start)
 
 
 def decode_bytes(
-    item: PlanItem, data: bytes, sha: bytes, convert: Callable[[Image.Image], Any]
+    item: PlanItem, data: bytes, sha: bytes, side: int, convert: Callable[[Image.Image], Any]
 ) -> Decoded:
-    """Decode an image file's bytes on the CPU (PIL), `convert` the RGB image."""
+    """Decode an image file's bytes on the CPU (`models.images.open_rgb`, keeping `side`
+    pixels), `convert` the RGB image."""
     try:
-        img = Image.open(io.BytesIO(data))
-        img.load()
-        pix = convert(img.convert("RGB"))
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        pix = convert(open_rgb(data, side))
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
         return Decoded(
             item.pos, None, sha, f"cannot read image {item.image_rel!r} ({item.image}): {exc}"
         )

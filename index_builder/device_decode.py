@@ -6,9 +6,11 @@ not a dependency of duet, so without it every image is decoded by PIL in the loa
 The loader workers still read and hash every file (`decode(..., defer_jpeg=True)`); other
 formats are decoded there. A JPEG the device cannot decode (CMYK, progressive on some nvJPEG
 versions, a broken file) is decoded by PIL here instead, which names the file if it cannot
-either. nvJPEG's IDCT and the GPU resize differ from libjpeg and PIL by a level or so per
-pixel: vectors differ in the last digits, as autocast makes them (benchmarks/build_devices.py
-reports the agreement)."""
+either. The device turns each picture upright by the EXIF orientation the worker read from
+the file's headers, as PIL does on the CPU. nvJPEG decodes at full size (it has no DCT
+scaling) and its IDCT and the GPU resize differ from libjpeg's scaled decode and PIL's resize
+by a level or so per pixel: vectors differ in the last digits, as autocast makes them
+(benchmarks/build_devices.py reports the agreement)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from index_builder.decode import Decoded, DecodedBatch, PlanItem, decode_bytes
 from models.builtin import pixel_bytes
+from models.images import side_for, upright
 
 # file bytes (uint8 1-D CPU tensors) -> RGB images (3, H, W) uint8 on the device
 JpegDecoder = Callable[[list[torch.Tensor]], list[torch.Tensor]]
@@ -78,10 +81,14 @@ def resolve(
     keep = [True] * n
     for (row, d), img in zip(batch.deferred, images, strict=True):
         if img is not None:
-            out[row] = resize(img, size)
+            out[row] = resize(upright(img, d.orientation), size)
             continue
         got = decode_bytes(
-            plan[d.pos], d.jpeg or b"", d.sha256, lambda rgb: pixel_bytes([rgb], size)[0]
+            plan[d.pos],
+            d.jpeg or b"",
+            d.sha256,
+            side_for(size),
+            lambda rgb: pixel_bytes([rgb], size)[0],
         )
         if got.error:
             items[at[d.pos]] = Decoded(d.pos, None, d.sha256, got.error, d.seconds)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from models.device import resolve_device
 from models.errors import UserError
+from models.images import side_for
 from models.inference import CrossEncoderRuntime, Precision, PrecisionChoice
 from models.joint import JointConfig, JointModel
 from models.shipped import DEFAULT_WEIGHTS
@@ -111,6 +112,8 @@ class BuiltinModel:
         self.name = NAME
         self.dim = model.cfg.embed_dim
         self.token_shape = (model.cfg.grid * model.cfg.grid, model.cfg.d_model)
+        # the side a picture keeps when decoded for this model (`models.images.open_rgb`)
+        self.decode_side = side_for(model.cfg.image_size)
         self._lock = threading.Lock()
 
     @classmethod

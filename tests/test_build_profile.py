@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from app.imaging import decode_image
 from index_builder.build import build
 from index_builder.decode import DecodedBatch, PlanItem, decode
 from index_builder.device_decode import jpeg_decoder, resize, resolve
@@ -126,7 +127,8 @@ def test_a_jpeg_corpus_builds_and_the_model_sees_its_own_input_size(
     manifest = write_corpus(tmp_path / "c", 4, seed=9, progress=False, photo=PhotoStyle(tiles=1))
     report = build(manifest, tmp_path / "idx", model, progress=False, workers=0)
     vecs = np.load(report.path / "image_vectors.npy")
-    qvec, _ = model.encode_images([Image.open(tmp_path / "c" / "images" / "0002.jpg")])
+    data = (tmp_path / "c" / "images" / "0002.jpg").read_bytes()  # searched with, as uploaded
+    qvec, _ = model.encode_images([decode_image(data, 10**7, 10**8, model.decode_side)])
     np.testing.assert_allclose(vecs[2], qvec[0], atol=1e-5)
 
 

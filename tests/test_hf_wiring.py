@@ -25,6 +25,7 @@ from duet.cli import main
 from models.builtin import BuiltinModel
 from models.fusion import DEFAULT_FUSION_LAMBDA, sigmoid
 from models.hf import HFBlipReranker, HFDualEncoder
+from models.images import KEEP_SIDE, side_of
 from models.loading import ChoiceError, Models, load_models
 from models.rerankers import menu as reranker_menu
 from models.world import write_corpus
@@ -289,6 +290,7 @@ async def test_reranker_none_stores_no_tokens_and_serves_the_dot_order(
     assert manifest["model"]["reranker"] == {"name": "none", "fingerprint": "none"}
     models = load_models(str(ckpt["siglip"]), "none")
     assert models.fingerprint == manifest["model"]["fingerprint"]
+    assert side_of(models) == KEEP_SIDE  # a processor resizes from the whole picture
     default, ce, fused = await _ask(
         models, tmp_path, {"top_k": 3}, {"reranker": "ce"}, {"fusion": "add"}
     )

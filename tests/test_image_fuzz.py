@@ -20,7 +20,8 @@ import pytest
 from PIL import EpsImagePlugin, Image
 
 from app.errors import DuetError
-from app.imaging import FORMATS, decode_image
+from app.imaging import decode_image
+from models.images import FORMATS
 
 MUTATIONS = 1000  # per seed image
 BUDGET_S = 50.0  # the bound is 60 s in CI; a 2-core machine takes about 3
