@@ -41,7 +41,9 @@
 #   STEPS="serve ceiling" bash benchmarks/gpu_check.sh   # only these steps, in this order
 #   DRY=1 PATH=.venv/bin:$PATH bash benchmarks/gpu_check.sh   # a rehearsal on a machine with
 #       no GPU: every step on the CPU at toy sizes (1 s cells, a 400-image build, the tiny
-#       BLIP stand-in, no suite), so a GPU session does not spend its minutes on a typo
+#       BLIP stand-in, no suite; the serve step in the GPU's default layout: the device step
+#       on the CPU, two fronts, the paced cap), so a GPU session does not spend its minutes
+#       on a typo
 #
 # A host that reaches no package registry needs duet's packages as wheels for its Python:
 # `bash benchmarks/gpu_wheels.sh` here writes them to .whl-base (numpy, faiss, pillow), .whl
@@ -59,10 +61,12 @@ BUDGET=${BUDGET:-560}
 STEPS=${STEPS:-sync index serve blip single ab fp32 workers1 ceiling quality tests build suite}
 DRY=${DRY:-0}
 DEV=cuda CELL=3 BUILD=(--devices cpu,cuda --images 20000 --cpus '0-15;0,1') BLIP=() CEIL=()
-QUAL=() SCALE=(20000 50)
+QUAL=() SCALE=(20000 50) LAYOUT=()
 if [ "$DRY" = 1 ]; then
   DEV=cpu CELL=1 BUILD=(--devices cpu --images 400 --cpus '0,1;0') BLIP=(--tiny)
   CEIL=(--pairs 50,400) QUAL=(--images 100) SCALE=(400 5)
+  # the serve step as a GPU host runs it by default (the device step, fronts, the paced cap)
+  LAYOUT=(--duet-env DUET_LAYOUT=gpu,DUET_FRONTENDS=2,DUET_HTTP_QUEUE_TARGET_MS=500)
 fi
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
@@ -123,7 +127,7 @@ for s in $STEPS; do
     ;;
   serve)
     step serve 260 90 "${SERVE[@]}" --concurrency 1,8,64,256,512 --procs 8 --open-loop 2000 \
-      --overload 512 --out "$OUT/serve_gpu.md"
+      --overload 512 "${LAYOUT[@]}" --out "$OUT/serve_gpu.md"
     ;;
   single)
     step single 120 60 "${SERVE[@]}" --concurrency 1,64,512 --procs 6 --overload 0 --skip-bound \
