@@ -52,7 +52,9 @@ def _shard_key(
     h.update(
         json.dumps(
             {
-                "shard_format": 2,  # 2: captions encoded in batches sorted by length
+                # 2: captions encoded in batches sorted by length; 3: images decoded by
+                # models.images.open_rgb (upright by EXIF, JPEGs at a DCT scale)
+                "shard_format": 3,
                 "model": model.fingerprint,
                 "device": dev.type,
                 "autocast": str(autocast_dtype(dev)),
