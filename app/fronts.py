@@ -64,6 +64,7 @@ log = logging.getLogger("duet.fronts")
 SOCKET_ENV = "DUET_FRONT_SOCKET"  # the owner's Unix socket, for a front
 OWNER_ENV = "DUET_FRONT_OWNER"  # the owner's loopback URL, for a front
 FD_ENV = "DUET_FRONT_FD"  # the front's listening socket on the public port, inherited
+PARENT_ENV = "DUET_FRONT_PARENT"  # the owner's pid: a front stops once it is not its parent
 FLUSH_S = 0.25  # how often a front sends its metric observations to the owner
 # the upload a front's image search is answering (the owner decodes it for the model)
 _UPLOAD: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("upload", default=None)
@@ -115,13 +116,17 @@ class RemoteEngine:
 
     async def connect(self, wait_s: float = 600.0) -> None:
         """Connect and say hello, waiting while the owner loads (it opens the socket once
-        ready)."""
+        ready), but not for an owner that is gone: one killed while it loaded never stops
+        its fronts, which would otherwise hold the public port for `wait_s`."""
         deadline = time.monotonic() + wait_s
+        parent = owner_pid()
         while True:
             try:
                 self._io = await asyncio.open_unix_connection(self.path)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
+                if os.getppid() != parent:
+                    raise ShuttingDown("the owner process is gone; this front stops") from None
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)
@@ -305,6 +310,12 @@ class FrontPipeline(SearchPipeline):
         self.stores.close()
 
 
+def owner_pid() -> int:
+    """The pid of the owner that started this front (told, since it may be gone before the
+    front reads its own parent)."""
+    return int(os.environ.get(PARENT_ENV, os.getppid()))
+
+
 async def _orphaned(parent: int) -> None:
     """End this front (as SIGTERM would) once the owner that started it is gone."""
     import signal
@@ -364,7 +375,7 @@ def create_front_app(settings: Any, socket_path: str, owner_url: str) -> FastAPI
         )
         front = app.state.pipeline = FrontPipeline(remote, cache, metrics)
         app.state.decoder.side = int(remote.info.get("decode_side", app.state.decoder.side))
-        watchdog = asyncio.create_task(_orphaned(os.getppid()), name="front-watchdog")
+        watchdog = asyncio.create_task(_orphaned(owner_pid()), name="front-watchdog")
         log.info("front %d ready (owner %s)", os.getpid(), owner_url)
         try:
             yield

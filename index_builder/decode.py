@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from models.builtin import pixel_bytes
 from models.images import KEEP_SIDE, open_rgb, orientation, side_for
@@ -90,7 +90,15 @@ def decode_bytes(
     pixels), `convert` the RGB image."""
     try:
         pix = convert(open_rgb(data, side))
-    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
+    except UnidentifiedImageError:
+        return Decoded(
+            item.pos,
+            None,
+            sha,
+            f"cannot read image {item.image_rel!r} ({item.image}): not a PNG, JPEG, WebP, GIF, "
+            "TIFF or BMP file (the formats the service reads)",
+        )
+    except Exception as exc:  # whatever a decoder raises, the file is at fault (as an upload)
         return Decoded(
             item.pos, None, sha, f"cannot read image {item.image_rel!r} ({item.image}): {exc}"
         )

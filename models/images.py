@@ -58,7 +58,7 @@ def open_rgb(
     img = Image.open(io.BytesIO(data), formats=FORMATS)
     if check is not None:
         check(*img.size)
-    if img.format == "JPEG":
+    if img.format in ("JPEG", "MPO"):  # MPO: a phone's JPEG with more pictures after it
         img.draft("RGB", (min(side, KEEP_SIDE),) * 2)
     img.load()
     rgb = ImageOps.exif_transpose(img).convert("RGB")

@@ -5,12 +5,18 @@ something else listens on."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from duet.commands.serve import public_sockets
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT spreads on Linux")
@@ -57,3 +63,54 @@ def test_the_fronts_sockets_refuse_a_port_something_listens_on() -> None:
             public_sockets("127.0.0.1", plain.getsockname()[1], 16, 2)
     finally:
         plain.close()
+
+
+def test_a_front_whose_owner_died_while_loading_lets_go_of_the_port(tmp_path: Path) -> None:
+    """An owner killed before it opened its engine socket (SIGKILL while the model loads)
+    never stops its fronts; a front notices its owner is gone and exits, closing its public
+    socket, instead of waiting ten minutes for a socket that will never open."""
+    from app.fronts import FD_ENV, OWNER_ENV, PARENT_ENV, SOCKET_ENV
+
+    sock = public_sockets("127.0.0.1", 0, 16, 1)[0]
+    port = sock.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        SOCKET_ENV: str(tmp_path / "never.sock"),
+        OWNER_ENV: "http://127.0.0.1:9",
+        FD_ENV: str(sock.fileno()),
+    }
+    # a stand-in owner: starts the front (as `duet serve` does) and dies at once
+    owner = (
+        "import os, subprocess, sys; fd = int(os.environ[sys.argv[1]]); "
+        f"os.environ['{PARENT_ENV}'] = str(os.getpid()); "
+        "p = subprocess.Popen([sys.executable, '-m', 'duet.cli', 'serve-front'], pass_fds=(fd,), "
+        "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+        "print(p.pid, flush=True); os._exit(0)"
+    )
+    sock.set_inheritable(True)
+    out = subprocess.run(
+        [sys.executable, "-c", owner, FD_ENV],
+        env=env,
+        pass_fds=(sock.fileno(),),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    sock.close()
+    front = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{front}").exists() and _alive(front) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(front), "the front still runs without its owner"
+    with socket.socket() as probe:  # nothing holds the port now
+        probe.bind(("127.0.0.1", port))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -118,12 +118,51 @@ def test_the_device_path_turns_a_deferred_jpeg_upright(tmp_path: Path) -> None:
     assert int(diff.max()) <= 3 and float(diff.float().mean()) < 0.5
 
 
+def test_a_photo_the_device_decodes_whole_is_the_cpus_scaled_decode_to_a_level_or_so(
+    tmp_path: Path,
+) -> None:
+    """nvJPEG has no DCT scaling: a 512 x 384 photo decoded whole and resized on the device
+    against the CPU's decode at 1/2 and PIL's resize, both at the builtin model's 64."""
+    arr = np.asarray(Image.open(io.BytesIO(_jpeg(_photo(), quality=90))).convert("RGB"))
+    path = tmp_path / "p.jpg"
+    path.write_bytes(_jpeg(np.ascontiguousarray(np.rot90(arr, 1)), turn=6, quality=90))
+    item = PlanItem(0, "p", str(path), "p.jpg", 1, ())
+    deferred = DecodedBatch.collate([decode(item, 64, defer_jpeg=True)])
+
+    def whole(data: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [_stored(d.numpy().tobytes()) for d in data]
+
+    got = resolve(deferred, [item], 64, torch.device("cpu"), whole).pixels
+    cpu = DecodedBatch.collate([decode(item, 64)]).pixels
+    assert got is not None and cpu is not None
+    diff = (got.int() - cpu.int()).abs().float()
+    assert float(diff.max()) <= 3 and float(diff.mean()) < 0.5, (diff.max(), diff.mean())
+
+
+def _photo() -> np.ndarray:
+    """A smooth picture with fine grain, 512 x 384, as the JPEG demo corpus draws them."""
+    rng = np.random.default_rng(6)
+    y, x = np.mgrid[0:384, 0:512]
+    base = np.stack([x / 2, y / 1.5, (x + y) / 3.5], -1) % 256
+    return np.clip(base + rng.normal(0, 6, base.shape), 0, 255).astype(np.uint8)
+
+
 def test_the_builder_reads_only_the_formats_the_service_reads(tmp_path: Path) -> None:
     """An ICO (or EPS, which runs Ghostscript) in a corpus is an unreadable image, named."""
     ico = tmp_path / "x.ico"
     Image.new("RGB", (16, 16)).save(ico)
     got = decode(PlanItem(0, "x", str(ico), "x.ico", 1, ()), 16)
     assert got.pixels is None and "cannot read image 'x.ico'" in got.error
+    assert "not a PNG, JPEG, WebP, GIF, TIFF or BMP file" in got.error
+
+
+def test_a_phones_mpo_jpeg_is_decoded_at_a_dct_scale_too() -> None:
+    rng = np.random.default_rng(2)
+    frames = [Image.fromarray(rng.integers(0, 255, (384, 512, 3), dtype=np.uint8)) for _ in "ab"]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="MPO", save_all=True, append_images=frames[1:])
+    assert Image.open(io.BytesIO(buf.getvalue())).format == "MPO"
+    assert open_rgb(buf.getvalue(), 128).size == (256, 192)
 
 
 async def test_the_service_decodes_uploads_at_its_models_side(

@@ -173,7 +173,7 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
 
     import uvicorn
 
-    from app.fronts import FD_ENV, OWNER_ENV, SOCKET_ENV
+    from app.fronts import FD_ENV, OWNER_ENV, PARENT_ENV, SOCKET_ENV
     from app.limits import uvicorn_options
     from models.errors import UserError
 
@@ -191,6 +191,7 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
         **os.environ,
         SOCKET_ENV: path,
         OWNER_ENV: f"http://127.0.0.1:{owner.getsockname()[1]}",
+        PARENT_ENV: str(os.getpid()),
         # as this process resolved it: a front has no model to tell the device by
         "DUET_HTTP_QUEUE_TARGET_MS": str(settings.http_queue_target_ms),
     }
