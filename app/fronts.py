@@ -12,7 +12,8 @@ HTTP parsing, validation, JSON and cache look-ups, while a GPU running the devic
 * **N fronts** (`duet serve-front`) on the public port, each on a listening socket of its
   own (SO_REUSEPORT: the kernel spreads new connections evenly among them; one shared
   socket where the platform has none, `duet.commands.serve.public_sockets`). A front
-  validates each search, decodes and checks an uploaded image, tokenises, reads and writes
+  validates each search, decodes and checks an uploaded image (the owner gets the decoded
+  picture, at the side its models read, not the upload), tokenises, reads and writes
   the cache, looks the hits' items up in the index version's item store and writes the
   JSON; only the model work (`SearchPipeline.run`: query in, ranked rows with scores out)
   crosses to the owner, as one length-prefixed pickle each way on one connection per front.
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import hashlib
 import itertools
 import logging
@@ -66,8 +66,6 @@ OWNER_ENV = "DUET_FRONT_OWNER"  # the owner's loopback URL, for a front
 FD_ENV = "DUET_FRONT_FD"  # the front's listening socket on the public port, inherited
 PARENT_ENV = "DUET_FRONT_PARENT"  # the owner's pid: a front stops once it is not its parent
 FLUSH_S = 0.25  # how often a front sends its metric observations to the owner
-# the upload a front's image search is answering (the owner decodes it for the model)
-_UPLOAD: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("upload", default=None)
 
 
 # -- the front's side -----------------------------------------------------------------------
@@ -258,7 +256,6 @@ class FrontPipeline(SearchPipeline):
         return await self._search(self.index, "text", query, None, self._identity(query), opts)
 
     async def search_image(self, data: bytes, image: Image.Image, opts: Any) -> Any:
-        _UPLOAD.set(data)  # this request's task only
         return await self._search(
             self.index, "image", None, image, hashlib.sha256(data).hexdigest(), opts
         )
@@ -280,8 +277,9 @@ class FrontPipeline(SearchPipeline):
             kind=kind,
             text=text,
             ids=None if text is None or tok is None else tok.ids(text),  # tokenised here
-            # the upload as sent (checked here already): the owner decodes it for the model
-            image=_UPLOAD.get() if kind == "image" else None,
+            # the picture as decoded here, at the side the owner's models read (the owner's
+            # `decode_side`): the owner does not decode the upload again
+            image=None if image is None else (image.size, image.tobytes()),
             plan=plan,
             m=m,
             top_k=top_k,

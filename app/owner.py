@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import numpy as np
 from fastapi import FastAPI
+from PIL import Image
 
 from app import errors
 from app.errors import DuetError, NotReady
@@ -172,8 +173,9 @@ class EngineServer:
         try:
             p = self.pipeline
             image = None
-            if msg["kind"] == "image":
-                image = await self.app.state.decoder.decode(msg["image"])
+            if msg["kind"] == "image":  # decoded by the front, as this process would
+                size, pixels = msg["image"]
+                image = Image.frombytes("RGB", size, pixels)
             with p.indexes.lease() as index:
                 answer, version = await p.run(
                     index,

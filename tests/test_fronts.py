@@ -78,11 +78,13 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
                 assert a.status_code == b.status_code == 200, (a.text, b.text)
                 assert _hits(a.json()) == _hits(b.json()), body
                 assert a.json()["index_version"] == b.json()["index_version"]
-            upload = _an_image(index_dir)
-            a = f.post("/search/image", files={"image": ("q.png", upload)}, data={"top_k": "3"})
-            b = s.post("/search/image", files={"image": ("q.png", upload)}, data={"top_k": "3"})
-            assert a.status_code == 200, a.text
-            assert _hits(a.json()) == _hits(b.json())
+            # a PNG, and a photo-sized JPEG the front decodes at the DCT scale the owner's
+            # model reads: the owner gets the front's picture, not the upload, to encode
+            for name, upload in _an_image(index_dir):
+                a = f.post("/search/image", files={"image": (name, upload)}, data={"top_k": "3"})
+                b = s.post("/search/image", files={"image": (name, upload)}, data={"top_k": "3"})
+                assert a.status_code == 200, a.text
+                assert _hits(a.json()) == _hits(b.json()), name
             for q in ("crimson box", "zzz qqq"):  # nothing the model reads: refused alike
                 a, b = (
                     f.post("/search/text", json={"query": q}),
@@ -192,13 +194,20 @@ def _count(metrics: str, labels: str) -> float:
     return 0.0
 
 
-def _an_image(index_dir: Path) -> bytes:
-    """A PNG of the test corpus (the manifest's corpus folder holds its images)."""
+def _an_image(index_dir: Path) -> list[tuple[str, bytes]]:
+    """A PNG of the test corpus (the manifest's corpus folder holds its images), and the same
+    picture as a 512 x 384 JPEG."""
+    import io
     import json
+
+    from PIL import Image
 
     current = (index_dir / "current").resolve()
     corpus = Path(json.loads((current / "manifest.json").read_text())["corpus"]).parent
-    return next((corpus / "images").glob("*.png")).read_bytes()
+    png = next((corpus / "images").glob("*.png")).read_bytes()
+    photo = io.BytesIO()
+    Image.open(io.BytesIO(png)).convert("RGB").resize((512, 384)).save(photo, format="JPEG")
+    return [("q.png", png), ("q.jpg", photo.getvalue())]
 
 
 def test_serve_front_alone_says_how_it_starts() -> None:
