@@ -64,7 +64,7 @@ class ImageDecoder:
     def __init__(self, max_bytes: int, max_pixels: int, pixels_in_flight: int) -> None:
         self.max_bytes = max_bytes
         self.max_pixels = max_pixels
-        # the smallest side the models read: set once they are loaded (`Models.decode_side`)
+        # the side pictures keep for the models: set once they are loaded (`side_of`)
         self.side = KEEP_SIDE
         self.threads = max(1, pixels_in_flight // max_pixels)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="duet-decode")
