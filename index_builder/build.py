@@ -39,7 +39,7 @@ from index_builder.encode import (
 from index_builder.errors import BuildError
 from index_builder.plan import SHARDS_DIR, plan_shards
 from index_builder.publish import publish
-from index_builder.sources import _apply_delete, _check_duplicates, _load_base
+from index_builder.sources import _apply_delete, _check_duplicates, _load_base, decode_after
 from index_builder.stages import Stages
 from index_builder.write import IDENTICAL_FILES, _bytes_per_item, _factories
 from models.builtin import BuiltinModel
@@ -238,6 +238,7 @@ class _Build:
             _check_duplicates(self.items, self.kept_images, self.kept_texts)
         if self.factory is None and base is not None and base.manifest.build is not None:
             self.factory = base.manifest.build.factory_arg  # an append keeps the base's choice
+        self.decode = decode_after(base, opts.append)
         n_img = len(self.kept_images) + sum(1 for it in self.items if it.image is not None)
         n_txt = len(self.kept_texts) + sum(len(it.captions) for it in self.items)
         try:
@@ -387,6 +388,7 @@ class _Build:
                 encode_seconds=round(self.encode_seconds, 3),
                 items_per_s=rate,
                 stages=self.stages.as_json(),
+                decode=self.decode,
             ),
             files=files,
             bytes_per_item=_bytes_per_item(tmp, len(contents.image_rows), len(contents.text_rows)),

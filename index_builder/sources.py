@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from index_builder.corpus import CorpusItem, CorpusSelection
 from index_builder.encode import PlanItem, autocast_dtype, read_shard
 from index_builder.errors import BuildError
 from models.builtin import BuiltinModel
+from models.images import DECODE
 from models.loading import Models
 from store import indexio
 from store.manifest import Manifest
@@ -111,6 +113,25 @@ def _kept_items(
     for it in kept:
         content.update(json.dumps([it.id, it.image_rel, it.captions], sort_keys=True).encode())
     return kept, content.hexdigest()
+
+
+log = logging.getLogger("duet.build")
+
+
+def decode_after(base: _Base | None, appending: bool) -> int:
+    """The image decode a version records (`models.images.DECODE`): the older of its base's
+    and this build's, since it keeps the base's vectors; appending to an older one warns."""
+    if base is None:
+        return DECODE
+    old = base.manifest.build.decode if base.manifest.build is not None else 0
+    if old < DECODE and appending:
+        log.warning(
+            "%s was built before duet turned photos upright by their EXIF orientation: its "
+            "photos stored sideways stay sideways in the index (the appended ones are turned); "
+            "build a fresh index with --corpus to turn them all",
+            base.path.name,
+        )
+    return min(DECODE, old)
 
 
 def _load_base(out: Path) -> _Base:

@@ -29,6 +29,10 @@ KEEP_SIDE = 1024
 
 ORIENTATION = 0x0112  # the EXIF tag
 
+# which decode built an index version (its manifest's `build.decode`): 1 = `open_rgb`, photos
+# upright by EXIF; 0 (or absent) = before it, when the builder stored them as shot
+DECODE = 1
+
 
 def side_for(input_side: int) -> int:
     """The side a picture keeps when decoded for a model that reads `input_side` pixels a side:

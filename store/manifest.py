@@ -142,6 +142,8 @@ class BuildSettings:
     items_per_s: float = 0.0
     # wall seconds per build stage (`index_builder.stages`); empty in older manifests
     stages: dict[str, float] = field(default_factory=dict)
+    # the image decode that built its vectors (`models.images.DECODE`); 0 in older manifests
+    decode: int = 0
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from index_builder.build import build
 from index_builder.decode import DecodedBatch, PlanItem, decode
 from index_builder.device_decode import resolve
 from models.builtin import BuiltinModel, pixel_bytes
-from models.images import KEEP_SIDE, open_rgb, orientation, side_for, side_of, upright
+from models.images import DECODE, KEEP_SIDE, open_rgb, orientation, side_for, side_of, upright
 from models.world import PhotoStyle, write_corpus
 from store import indexio
 
@@ -188,3 +188,25 @@ async def test_the_service_decodes_uploads_at_its_models_side(
         r = await client.post("/search/image", files={"image": ("p.jpg", photo, "image/jpeg")})
     assert r.status_code == 200, r.text
     assert r.json()["hits"][0]["id"].split("#")[0] == first["id"]  # one of its captions
+
+
+def test_a_version_records_its_decode_and_an_append_to_an_older_one_warns(
+    tmp_path: Path, model: BuiltinModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    manifest = write_corpus(tmp_path / "c", 4, seed=3, progress=False)
+    lines = manifest.read_text().splitlines()
+    first, more = tmp_path / "c" / "first.jsonl", tmp_path / "c" / "more.jsonl"
+    first.write_text("\n".join(lines[:2]) + "\n")
+    more.write_text("\n".join(lines[2:]) + "\n")
+    out = tmp_path / "idx"
+    base = build(first, out, model, progress=False, workers=0)
+    assert base.manifest.build is not None and base.manifest.build.decode == DECODE
+    # as a version built before the one decode path reads (no `decode` in its manifest)
+    path = base.path / "manifest.json"
+    old = json.loads(path.read_text())
+    del old["build"]["decode"]
+    path.write_text(json.dumps(old))
+    with caplog.at_level("WARNING", logger="duet.build"):
+        added = build(more, out, model, progress=False, append=True, workers=0)
+    assert "built before duet turned photos upright" in caplog.text
+    assert added.manifest.build is not None and added.manifest.build.decode == 0
