@@ -102,11 +102,12 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
             while time.monotonic() < deadline:
                 metrics = f.get("/metrics").text
                 text = _count(metrics, 'endpoint="/search/text",status="200"')
-                if text >= len(QUERIES) and _count(metrics, 'endpoint="/search/image"') >= 1:
+                image = _count(metrics, 'endpoint="/search/image",status="200"')
+                if text >= len(QUERIES) and image >= 2:
                     break
                 time.sleep(0.2)
             assert _count(metrics, 'endpoint="/search/text",status="200"') == len(QUERIES)
-            assert _count(metrics, 'endpoint="/search/image",status="200"') == 1
+            assert _count(metrics, 'endpoint="/search/image",status="200"') == 2  # PNG, JPEG
             assert 'duet_stage_seconds_count{stage="rerank"}' in metrics
         fronts.proc.send_signal(signal.SIGTERM)
         fronts.proc.wait(timeout=30)
