@@ -372,7 +372,8 @@ def create_front_app(settings: Any, socket_path: str, owner_url: str) -> FastAPI
             _cache_backend(settings), metrics, timeout_s=settings.redis_timeout_ms / 1000
         )
         front = app.state.pipeline = FrontPipeline(remote, cache, metrics)
-        app.state.decoder.side = int(remote.info.get("decode_side", app.state.decoder.side))
+        # the owner encodes the picture this front decodes: at the side the owner's models read
+        app.state.decoder.side = int(remote.info["decode_side"])
         watchdog = asyncio.create_task(_orphaned(owner_pid()), name="front-watchdog")
         log.info("front %d ready (owner %s)", os.getpid(), owner_url)
         try:

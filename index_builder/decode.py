@@ -50,7 +50,16 @@ def decode(item: PlanItem, size: int, defer_jpeg: bool = False) -> Decoded:
     (`models.images.open_rgb`, keeping `side_for(size)` a side). With
     `defer_jpeg`, a JPEG file is only read and hashed: its bytes (and EXIF orientation) come
     back for the GPU to decode (`index_builder.device_decode`)."""
-    return _decode(item, side_for(size), lambda rgb: pixel_bytes([rgb], size)[0], defer_jpeg)
+    return _decode(item, side_for(size), _to(size), defer_jpeg)
+
+
+def decode_at(item: PlanItem, data: bytes, sha: bytes, size: int) -> Decoded:
+    """`decode_bytes` of a file already read, resized to `size` as `decode` resizes."""
+    return decode_bytes(item, data, sha, side_for(size), _to(size))
+
+
+def _to(size: int) -> Callable[[Image.Image], Any]:
+    return lambda rgb: pixel_bytes([rgb], size)[0]
 
 
 def decode_rgb(item: PlanItem) -> Decoded:

@@ -19,9 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from index_builder.decode import Decoded, DecodedBatch, PlanItem, decode_bytes
-from models.builtin import pixel_bytes
-from models.images import side_for, upright
+from index_builder.decode import Decoded, DecodedBatch, PlanItem, decode_at
+from models.images import upright
 
 # file bytes (uint8 1-D CPU tensors) -> RGB images (3, H, W) uint8 on the device
 JpegDecoder = Callable[[list[torch.Tensor]], list[torch.Tensor]]
@@ -83,13 +82,7 @@ def resolve(
         if img is not None:
             out[row] = resize(upright(img, d.orientation), size)
             continue
-        got = decode_bytes(
-            plan[d.pos],
-            d.jpeg or b"",
-            d.sha256,
-            side_for(size),
-            lambda rgb: pixel_bytes([rgb], size)[0],
-        )
+        got = decode_at(plan[d.pos], d.jpeg or b"", d.sha256, size)
         if got.error:
             items[at[d.pos]] = Decoded(d.pos, None, d.sha256, got.error, d.seconds)
             keep[row] = False

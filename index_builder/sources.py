@@ -25,6 +25,8 @@ from models.loading import Models
 from store import indexio
 from store.manifest import Manifest
 
+log = logging.getLogger("duet.build")
+
 
 @dataclass
 class _Base:
@@ -113,9 +115,6 @@ def _kept_items(
     for it in kept:
         content.update(json.dumps([it.id, it.image_rel, it.captions], sort_keys=True).encode())
     return kept, content.hexdigest()
-
-
-log = logging.getLogger("duet.build")
 
 
 def decode_after(base: _Base | None, appending: bool) -> int:
