@@ -42,6 +42,7 @@ import numpy as np
 
 from app.errors import DeadlineExceeded, DuetError, Overloaded, ShuttingDown
 from app.settle import settler
+from app.threadname import name_os_thread
 
 log = logging.getLogger("duet.engine")
 
@@ -331,6 +332,7 @@ class Engine(Generic[P, R]):
             self._running_cost = max(0.0, self._running_cost - ticket.cost_s)
 
     def _work(self) -> None:
+        name_os_thread()  # its cores tell apart from the event loop's (`top -H`, serve_load)
         if self._init_worker is not None:
             self._init_worker()
         while (taken := self._take()) is not None:

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from PIL import Image, UnidentifiedImageError
 
 from app.errors import DuetError, ImageTooLarge, InvalidImage
+from app.threadname import name_os_thread
 from models.images import KEEP_SIDE, open_rgb
 
 
@@ -67,7 +68,9 @@ class ImageDecoder:
         # the side pictures keep for the models: set once they are loaded (`side_of`)
         self.side = KEEP_SIDE
         self.threads = max(1, pixels_in_flight // max_pixels)
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="duet-decode")
+        self._pool = ThreadPoolExecutor(
+            self.threads, thread_name_prefix="duet-decode", initializer=name_os_thread
+        )
 
     async def decode(self, data: bytes) -> Image.Image:
         return await asyncio.get_running_loop().run_in_executor(

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -138,34 +139,70 @@ def pairs_per_second(
     return out
 
 
-def cpu_seconds(pid: int) -> tuple[float, dict[int, float]]:
-    """CPU seconds (user + system) so far of process `pid`, and of each of its children now
-    alive (duet's fronts), from /proc; (0, {}) where there is none."""
+@dataclass
+class CpuSnapshot:
+    """CPU seconds (user + system) so far: of the server process, of each of its children
+    now alive (duet's fronts) and of each of the server's threads (by thread id, with the
+    name the OS shows: duet names its engine and decode threads, `app.threadname`)."""
+
+    own: float = 0.0
+    kids: dict[int, float] = field(default_factory=dict)
+    threads: dict[int, tuple[str, float]] = field(default_factory=dict)
+
+
+def _spent(stat: Path, tick: float) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) from a /proc stat file; None when it is gone."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+
+
+def cpu_seconds(pid: int) -> CpuSnapshot:
+    """The server's CPU so far, from /proc (nothing where there is no /proc)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    own, kids = 0.0, {}
+    snap = CpuSnapshot()
     for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+        got = _spent(entry / "stat", tick)
+        if got is None:
             continue
-        spent = (int(fields[11]) + int(fields[12])) / tick
         if entry.name == str(pid):
-            own = spent
-        elif int(fields[1]) == pid:
-            kids[int(entry.name)] = spent
-    return own, kids
+            snap.own = got[1]
+        elif got[0] == pid:
+            snap.kids[int(entry.name)] = got[1]
+    for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+        got = _spent(task / "stat", tick)
+        with contextlib.suppress(OSError):
+            name = (task / "comm").read_text().strip()
+            if got is not None:
+                snap.threads[int(task.name)] = (name, got[1])
+    return snap
 
 
-def add_server_cpu(
-    cell: Cell, before: tuple[float, dict[int, float]], after: tuple[float, dict[int, float]]
-) -> None:
-    """The server's CPU in a cell: its own ("server"), its fronts' together ("fronts") and
-    the busiest front's ("front max": one near a core caps the service while the others idle,
-    as when one listening socket handed most connections to one front)."""
-    cell.add_cpu("server", after[0] - before[0])
-    spent = [t - before[1].get(k, 0.0) for k, t in after[1].items()]
+def add_server_cpu(cell: Cell, before: CpuSnapshot, after: CpuSnapshot, pid: int) -> None:
+    """The server's CPU in a cell: its own ("server"), its fronts' together ("fronts"), the
+    busiest front's ("front max": one near a core caps the service while the others idle,
+    as when one listening socket handed most connections to one front), and the server's
+    threads: its event loop ("server loop", the thread whose id is the pid), its busiest
+    engine thread ("engine max": the worker that feeds the model, or one of the CPU threads
+    torch starts for it, which inherit its name; on a GPU these have little to do) and all
+    the others ("server other": CUDA's own threads, the decoders, the loader). One thread
+    near a core is the ceiling however many cores the process uses in all."""
+    cell.add_cpu("server", after.own - before.own)
+    spent = [t - before.kids.get(k, 0.0) for k, t in after.kids.items()]
     cell.add_cpu("fronts", sum(spent))
     cell.add_cpu("front max", max(spent, default=0.0))
+    engine = [0.0]
+    for tid, (name, t) in after.threads.items():
+        d = t - before.threads.get(tid, (name, 0.0))[1]
+        if tid == pid:
+            cell.add_cpu("server loop", d)
+        elif name.startswith("duet-engine"):
+            engine.append(d)
+        else:
+            cell.add_cpu("server other", d)
+    cell.add_cpu("engine max", max(engine))
 
 
 def stage_totals(url: str) -> dict[str, list[float]]:
@@ -211,7 +248,7 @@ def run_grid(
                     pid = (pids or {}).get(srv)
                     told = srv == "duet" and c == 1  # where a lone request's time goes
                     stages0 = stage_totals(urls[srv]) if told else {}
-                    before = cpu_seconds(pid) if pid else (0.0, {})
+                    before = cpu_seconds(pid) if pid else CpuSnapshot()
                     load0, wall0 = time.process_time(), time.monotonic()
                     if pool is not None:
                         pool.closed(urls[srv], c, args.seconds, rerank, args.candidates, cell)
@@ -224,13 +261,15 @@ def run_grid(
                         cell.add_cpu("load", time.process_time() - load0)
                     cell.wall += time.monotonic() - wall0
                     if pid:
-                        add_server_cpu(cell, before, cpu_seconds(pid))
+                        add_server_cpu(cell, before, cpu_seconds(pid), pid)
                     if told:
                         cell.add_stages(stages0, stage_totals(urls[srv]))
                     print(
                         f"round {rnd + 1} {mode:9s} c={c:3d} {srv:8s} "
                         f"{cell.throughput:6.1f}/s p50 {cell.q(50):7.1f} ms "
                         f"(cores: {cell.cores('server'):.2f} server, "
+                        f"{cell.cores('server loop'):.2f} its loop, "
+                        f"{cell.cores('engine max'):.2f} its engine, "
                         f"{cell.cores('fronts'):.2f} fronts, {cell.cores('load'):.2f} load)",
                         flush=True,
                     )

@@ -163,21 +163,26 @@ def _stages(results: dict[str, Cell]) -> list[str]:
 
 
 def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
-    """Where duet's CPU went in each cell: a server process near one core busy is the one
-    that caps the service (one Python process, one GIL); the load generator's cores say
-    whether it, sharing the machine, held the load back."""
+    """Where duet's CPU went in each cell: a process, or one thread of it, near one core busy
+    is what caps the service (one GIL per process); the load generator's cores say whether
+    it, sharing the machine, held the load back."""
     if not any(c.cpu for c in results.values()):
         return []
     lines = [
         "",
         "Where the cores went in duet's cells (CPU seconds / wall seconds; the server is "
-        "the `duet serve` process, the one that owns the model; fronts are its front "
-        "processes, when there are any; the busiest front near one core while the fronts' "
-        "total is well below their count: the connections are unevenly spread):",
+        "the `duet serve` process, the one that owns the model, and of its threads the "
+        'event loop ("loop"), the busiest engine thread ("engine": a worker feeding the '
+        'model, or a CPU thread torch started for it) and the rest ("other": CUDA\'s '
+        "threads, the decoders); "
+        "fronts are its front processes, when there are any; the busiest front near one "
+        "core while the fronts' total is well below their count: the connections are "
+        "unevenly spread):",
         "",
-        "| mode | clients | duet req/s | server cores | fronts cores | busiest front cores | "
-        "load generator cores | server CPU ms per answer | fronts CPU ms per answer |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | clients | duet req/s | server cores | loop / engine / other | fronts cores | "
+        "busiest front cores | load generator cores | server CPU ms per answer | "
+        "fronts CPU ms per answer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in ("re-ranked", "dot only"):
         for c in levels:
@@ -186,8 +191,11 @@ def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
             rate = (len(d.latencies) + d.degraded) / d.seconds if d.seconds else 0.0
             per = 1000 * d.cores("server") / rate if rate else float("nan")
             fronts = 1000 * d.cores("fronts") / rate if rate else float("nan")
+            threads = " / ".join(
+                f"{d.cores(k):.2f}" for k in ("server loop", "engine max", "server other")
+            )
             lines.append(
-                f"| {mode} | {c} | {d.throughput:.1f} | {d.cores('server'):.2f} | "
+                f"| {mode} | {c} | {d.throughput:.1f} | {d.cores('server'):.2f} | {threads} | "
                 f"{d.cores('fronts'):.2f} | {d.cores('front max'):.2f} | "
                 f"{d.cores('load'):.2f} | {per:.2f} | {fronts:.2f} |"
             )

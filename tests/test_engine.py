@@ -57,6 +57,25 @@ async def test_waiting_requests_share_a_batch_and_get_their_own_answers() -> Non
     eng.stop()
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="names are read from /proc")
+async def test_the_workers_are_named_where_the_os_shows_threads() -> None:
+    """`top -H` and the benchmark's per-thread cores (serve_load) tell the engine's worker
+    from the event loop by the name the OS keeps for it, not Python's alone."""
+    seen: list[str] = []
+
+    def fn(tickets: Tickets) -> None:
+        tid = threading.get_native_id()
+        seen.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+        for t in tickets:
+            t.resolve(t.payload)
+
+    eng = _engine(fn, workers=2)
+    eng.start()
+    assert await asyncio.wait_for(eng.submit(1, 0.001), 5) == 1
+    eng.stop()
+    assert seen and seen[0] in ("duet-engine-0", "duet-engine-1"), seen
+
+
 async def test_a_failing_batch_fails_every_caller_and_unanswered_ones_too() -> None:
     def boom(tickets: Tickets) -> None:
         raise MemoryError("simulated")
