@@ -133,10 +133,15 @@ def error_body(code: str, message: str, **extra: object) -> dict[str, object]:
 
 
 def describe_errors(errors: Sequence[Mapping[str, object]]) -> str:
-    """One line from pydantic errors: `field: message; ...`."""
+    """One line from pydantic errors: `field: message; ...`. A location's first part when it
+    says where the field was (FastAPI's "body", "query", "path", "header") is left out, not a
+    field of that name: a text search's own `query` field is named."""
     parts = []
     for e in errors:
-        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query"))  # type: ignore[attr-defined]
+        where = list(e.get("loc", ()))  # type: ignore[call-overload]
+        if where and where[0] in ("body", "query", "path", "header"):
+            where = where[1:]
+        loc = ".".join(str(p) for p in where)
         msg = str(e.get("msg")).removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)

@@ -234,6 +234,7 @@ def create_app(
     install_handlers(app)
     search.refresh_docs()  # the re-rankers registered by now are the ones served
     app.include_router(search.router)
+    search.document_bodies(app)
     if not front:
         app.include_router(health.router)
         app.include_router(admin.router)

@@ -17,9 +17,10 @@ import time
 import unicodedata
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from PIL import Image
+from pydantic_core import to_json
 
 from app.answers import hits_of, served_match
 from app.batch import Answer, BatchWorker, Query, RerankPlan, pair_kind
@@ -41,10 +42,16 @@ log = logging.getLogger("duet.pipeline")
 
 
 class Served(NamedTuple):
-    """A search's answer and the JSON it is served as (and cached as, when complete)."""
+    """The JSON a search's answer is served as (and cached as, when complete)."""
 
-    response: SearchResponse
     json: str
+
+
+def render(**fields: Any) -> str:
+    """A `SearchResponse` as JSON from its fields as plain values (`hits_of`'s dicts): what
+    pydantic's `model_dump_json` of the model writes, by pydantic's own serialiser, without
+    making and checking the models first (tests/test_answers.py holds the two equal)."""
+    return to_json({name: fields[name] for name in SearchResponse.model_fields}).decode()
 
 
 class SearchPipeline:
@@ -294,7 +301,7 @@ class SearchPipeline:
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring an unreadable cache entry %s", key)
             return None
-        return Served(resp, resp.model_dump_json())
+        return Served(resp.model_dump_json())
 
     # -- endpoints (event loop) -------------------------------------------------------
     async def search_text(self, query: str, opts: SearchOptions) -> Served:
@@ -366,17 +373,18 @@ class SearchPipeline:
         if dropped:
             log.error("left out %d hits with non-finite scores (index %s)", dropped, version)
         timings["total"] = round((time.perf_counter() - t0) * 1000, 3)
-        resp = SearchResponse(
-            hits=hits,
-            timings_ms=timings,
-            index_version=version,
-            cached=False,
-            degraded=answer.degraded,
-            reranked=answer.reranked,
-            unknown_words=self._unknown(text),
+        # rendered once, for the client and the cache alike
+        served = Served(
+            render(
+                hits=hits,
+                timings_ms=timings,
+                index_version=version,
+                cached=False,
+                degraded=answer.degraded,
+                reranked=answer.reranked,
+                unknown_words=self._unknown(text),
+            )
         )
-        # rendered once, for the client and the cache alike (pydantic's own serialiser)
-        served = Served(resp, resp.model_dump_json())
         # a later request with time to spare gets the full answer, and one whose scores
         # have recovered (a hit left out for a non-finite score) gets every hit
         if not answer.degraded and not dropped:

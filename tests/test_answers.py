@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.answers import best_caption
+from app.answers import best_caption, hits_of
+from app.pipeline import render
+from app.schemas import Hit, SearchResponse
+from app.work import Answer
 from models.builtin import BuiltinModel
 from models.fusion import MATCH_THRESHOLD
 from models.match_threshold import choose, served_caption_hits, served_hits, sweep
@@ -122,6 +125,33 @@ def test_best_caption_shares_most_words_with_the_query() -> None:
     assert best_caption("red circle", caps) == "there is a red circle"  # tie: the shorter
     assert best_caption("a blue square", caps) == "a blue square"
     assert best_caption("anything", []) is None
+
+
+@pytest.mark.parametrize("kind", ["text", "image"])
+def test_a_rendered_answer_is_what_the_response_model_writes(kind: str) -> None:
+    """The pipeline renders its hits as dicts (`hits_of`, `render`), not as models: the JSON
+    must be, byte for byte, what `SearchResponse.model_dump_json()` writes of the same
+    answer, and each hit a valid `Hit` (a field added to the model and not to the dicts, or
+    in another order, fails here)."""
+    meta_text = {"text": "a red circle left of a blue square", "image_id": "img-1", "seed": 3}
+    meta_image = {"image": "images/img-1.png", "scene": {"kind": "pair", "position": None}}
+    ranked = [(0, 0.51, 0.25, 0.43), (1, 0.5, None, 0.125), (2, float("nan"), None, 0.1)]
+    meta = [(f"i{i}", dict(meta_text if kind == "image" else meta_image)) for i in range(3)]
+    captions = {"i0": ["a red circle", "a circle that is red and big"], "i1": []}
+    answer = Answer(ranked, meta, {"search": 1.5}, 2, degraded=True, captions=captions)
+    for judged in (True, False):
+        hits, dropped = hits_of(answer, kind, "red circle" if kind == "text" else None, judged)
+        assert dropped == 1 and [Hit.model_validate(h).rank for h in hits] == [1, 2]
+        fields = dict(
+            timings_ms={"search": 1.5, "total": 2.25},
+            index_version="20261127T000000Z-abc",
+            cached=False,
+            degraded=True,
+            reranked=2,
+            unknown_words=["zebra"],
+        )
+        model = SearchResponse(hits=[Hit.model_validate(h) for h in hits], **fields)
+        assert render(hits=hits, **fields) == model.model_dump_json()
 
 
 def test_threshold_choice_picks_the_best_balanced_accuracy() -> None:

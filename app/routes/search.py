@@ -6,17 +6,20 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import json
 import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from app.answers import refuse_if_not_understood
-from app.deps import PipelineDep, SettingsDep
+from app.deps import PipelineDep, SettingsDep, get_pipeline
 from app.errors import (
     ClientGone,
     InvalidImage,
@@ -74,6 +77,39 @@ def _image_body() -> dict[str, Any]:
 
 
 _IMAGE_BODY_DOC: dict[str, Any] = {"requestBody": _image_body()}
+# the text route reads its body itself (`_text_request`); the document still names the model
+# (`app.main` adds its schema to the document's components)
+_TEXT_BODY_DOC: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/TextSearchRequest"}}
+        },
+    }
+}
+
+
+def document_bodies(app: FastAPI) -> None:
+    """Put `TextSearchRequest` in `app`'s OpenAPI components, where the text route's body
+    schema points: FastAPI adds only the models its routes take as parameters, and that
+    route reads its body itself (`_text_request`). The schema is FastAPI's own, made from a
+    route that takes the model, as the text route did."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        doc = generate()  # made once, then kept by FastAPI (app.openapi_schema)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        if "TextSearchRequest" not in schemas:
+            shape = APIRouter()
+
+            @shape.post("/")
+            async def takes(body: TextSearchRequest) -> None: ...
+
+            made = get_openapi(title="", version="", routes=shape.routes)
+            schemas["TextSearchRequest"] = made["components"]["schemas"]["TextSearchRequest"]
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def refresh_docs() -> None:
@@ -116,11 +152,9 @@ def _media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
-async def _json_body(request: Request) -> None:
+def _json_body(request: Request) -> None:
     """415 unless the request says its body is JSON: a body sent as a form (curl -d without
-    -H) would otherwise be read as a string and refused with a message about dictionaries.
-    async though it never awaits: FastAPI runs a plain `def` dependency in its thread pool,
-    a thread hop on every text search (see `app.deps`)."""
+    -H) would otherwise be read as a string and refused with a message about dictionaries."""
     ctype = request.headers.get("content-type", "")
     if _media_type(request) != "application/json":
         raise UnsupportedMediaType(
@@ -129,14 +163,46 @@ async def _json_body(request: Request) -> None:
         )
 
 
+async def _text_request(request: Request) -> TextSearchRequest:
+    """The body of a text search, read and checked as FastAPI checks a `TextSearchRequest`
+    parameter: the same 422s, located under "body". Done here rather than by FastAPI's
+    parameter and dependency solving, which was a third of the HTTP stack's CPU around a
+    search (82 of 282 us; a front spends ~1.1 ms a request in all)."""
+    raw = await request.body()
+    if not raw:
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required"}
+        raise RequestValidationError([missing])
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error"}]
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise ValidationFailed("body is not valid JSON (it must be UTF-8 encoded)") from exc
+    except RecursionError as exc:  # '[' * 60000: Python's parser gives up, not the caller
+        raise ValidationFailed("body is not valid JSON: nested too deeply") from exc
+    try:
+        # from_attributes as FastAPI validates: a body that is no object is told so plainly
+        return TextSearchRequest.model_validate(data, from_attributes=True)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        ) from exc
+
+
 @router.post(
     "/search/text",
     response_model=SearchResponse,
     responses=documented(413, 415, 422, 429, 499, 503),
-    dependencies=[Depends(_json_body)],
+    openapi_extra=_TEXT_BODY_DOC,
 )
-async def search_text(body: TextSearchRequest, request: Request, pipeline: PipelineDep) -> Response:
+async def search_text(request: Request) -> Response:
     """A sentence finds images (the body as `content-type: application/json`)."""
+    # checked in the order FastAPI ran them as dependencies: 415, 503, then the body's 422
+    _json_body(request)
+    pipeline = await get_pipeline(request)
+    body = await _text_request(request)
     refuse_if_not_understood(pipeline.model, body.query)
     opts = body.options()
     return _json(await _unless_gone(request, pipeline.search_text(body.query, opts)))
