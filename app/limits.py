@@ -8,7 +8,9 @@ size; a 300 MB chunked body was buffered before any handler could refuse it. Her
   spooled to disk. A declared Content-Length above the limit is refused unread.
 - `guarded_protocol` makes uvicorn's httptools protocol close a connection whose request
   headers are not complete within `header_timeout_s` (408), whose body has not arrived within
-  `body_timeout_s`, or whose request line and headers pass `max_header_bytes` (431).
+  `body_timeout_s`, or whose request line and headers pass `max_header_bytes` (431). It
+  also tells a request whose client has gone at once (`GONE`), so the search routes stop
+  waiting for model work nobody will read.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ _ALWAYS = (b"/healthz", b"/readyz", b"/metrics")
 # pipelining); beyond them the connection's bytes wait unparsed and the socket is not read
 MAX_PIPELINED = 16
 PARSE_SLICE = 4096  # bytes parsed at a time, so the queue overshoots by a slice at most
+# in each request's scope: callbacks the connection calls once its client is gone before the
+# answer was sent (`app.routes.search._unless_gone` cancels its request with one)
+GONE = "duet.gone"
 
 
 class _TooLarge(Exception):
@@ -179,6 +184,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         for _, app in self.pipeline:  # admitted, never to run
             if isinstance(app, Counted):
                 app.release()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            hooks: list[Callable[[], None]] = cycle.scope.get(GONE, [])  # type: ignore[assignment]
+            for gone in list(hooks):
+                gone()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -217,6 +227,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[GONE] = []  # type: ignore[literal-required]
         self._header_bytes = 0
         if self._timer is None:  # a keep-alive connection's next request
             self._arm(self.limits.header_timeout_s, "headers")

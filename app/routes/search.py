@@ -8,7 +8,7 @@ import binascii
 import contextlib
 import json
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
@@ -28,6 +28,7 @@ from app.errors import (
     describe_errors,
     documented,
 )
+from app.limits import GONE
 from app.pipeline import Served
 from app.schemas import (
     FUSIONS,
@@ -120,7 +121,35 @@ def refresh_docs() -> None:
 
 async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
     """Await `work`, cancelling it if the client disconnects first: its queued model work is
-    then skipped by the engine instead of computed for nobody."""
+    then skipped by the engine instead of computed for nobody (499). duet's HTTP protocol
+    says when a client has gone (`app.limits.GONE`): the request's task is cancelled then,
+    at no cost before. Under another server, a task watches the request's `receive` (two
+    tasks and a wait a request: 70 of a front's 230 us of HTTP stack per search)."""
+    hooks: list[Callable[[], None]] | None = request.scope.get(GONE)
+    if hooks is None:
+        return await _watched(request, work)
+    me = asyncio.current_task()
+    assert me is not None
+    gone = False
+
+    def cancel() -> None:
+        nonlocal gone
+        gone = True
+        me.cancel()
+
+    hooks.append(cancel)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        me.uncancel()
+        raise ClientGone("the client closed the connection before the answer was ready") from None
+    finally:
+        hooks.remove(cancel)
+
+
+async def _watched(request: Request, work: Coroutine[Any, Any, T]) -> T:
     task = asyncio.ensure_future(work)
 
     async def gone() -> None:

@@ -1,0 +1,111 @@
+"""A client that closes its connection while its search waits: the search is cancelled at once
+(its queued model work is then skipped, `app.engine`), the request counts as a 499, and the
+requests of other clients and of a kept-alive connection are not touched. Real uvicorn over a
+real socket under duet's HTTP protocol, which tells the route the client has gone
+(`app.limits.GONE`); the pipeline behind the route is a search that waits to be cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+from prometheus_client import generate_latest
+
+from app.config import Settings
+from app.main import create_app
+from app.pipeline import Served
+from tests.conftest import uvicorn_thread
+
+ANSWER = json.dumps(
+    {
+        "hits": [],
+        "timings_ms": {},
+        "index_version": "v",
+        "cached": False,
+        "degraded": False,
+        "reranked": None,
+        "unknown_words": [],
+    }
+)
+
+
+class WaitingSearch:
+    """Answers "quick" at once; any other query waits (30 s) until it is cancelled."""
+
+    model = None  # knows no words: every query is let through
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.cancelled = threading.Event()
+
+    async def search_text(self, query: str, opts: Any) -> Served:
+        if query == "quick":
+            return Served(ANSWER)
+        self.started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return Served(ANSWER)
+
+
+def _post(query: str) -> bytes:
+    body = json.dumps({"query": query}).encode()
+    return (
+        b"POST /search/text HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body) + body
+    )
+
+
+def _status(sock: socket.socket) -> int:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(h[15:]) for h in head.lower().split(b"\r\n") if h.startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split(b" ", 2)[1])
+
+
+def test_a_search_whose_client_has_gone_is_cancelled_and_counted_as_499() -> None:
+    app = create_app(Settings())
+    search = WaitingSearch()
+    app.state.pipeline = search
+    with uvicorn_thread(app, Settings(), lifespan="off") as port:
+        kept = socket.create_connection(("127.0.0.1", port), timeout=10)
+        kept.sendall(_post("quick"))  # a kept-alive connection beside the one that goes
+        assert _status(kept) == 200
+
+        gone = socket.create_connection(("127.0.0.1", port), timeout=10)
+        gone.sendall(_post("a red circle"))
+        assert search.started.wait(10), "the search never started"
+        assert not search.cancelled.is_set()
+        t0 = time.monotonic()
+        gone.close()
+        assert search.cancelled.wait(5), "the search went on after its client had gone"
+        assert time.monotonic() - t0 < 2
+
+        for _ in range(3):  # its next requests are answered, none cancelled by the other's
+            kept.sendall(_post("quick"))
+            assert _status(kept) == 200
+        kept.close()
+
+        deadline = time.monotonic() + 5
+        counted = b""
+        while b'status="499"' not in counted and time.monotonic() < deadline:
+            time.sleep(0.05)
+            counted = generate_latest(app.state.metrics.registry)
+        line = next(
+            ln for ln in counted.splitlines() if b"request_seconds_count" in ln and b"499" in ln
+        )
+        assert line.endswith(b" 1.0"), line
