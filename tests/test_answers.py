@@ -71,6 +71,27 @@ def test_a_query_of_unknown_words_is_refused_plainly(
     assert "a red circle" in err["message"]  # says what to do instead
 
 
+def test_a_refused_body_names_the_field_and_says_what_is_wrong(service: Service) -> None:
+    """The text route reads its own body (app.routes.search._text_request): its 422s name
+    the field, `query` included (it was dropped as if it were FastAPI's location word)."""
+    cases = {
+        '{"query": ""}': "query: String should have at least 1 character",
+        "{}": "query: Field required",
+        '{"query": 5}': "query: Input should be a valid string",
+        '{"query": "x", "top_k": "5"}': "top_k: Input should be a valid integer",
+        '{"query": "x"': "JSON decode error",
+        "[" * 60000: "body is not valid JSON: nested too deeply",
+        "[]": "Input should be a valid dictionary or object to extract fields from",
+    }
+    with service.client() as c:
+        for body, says in cases.items():
+            r = c.post("/search/text", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 422, (body[:20], r.text)
+            assert says in r.json()["error"]["message"], (body[:20], r.text)
+        r = c.post("/search/text", content='{"query": "x"}', headers={"content-type": "text/plain"})
+        assert r.status_code == 415, r.text  # before the body is read, as before
+
+
 def test_a_query_with_one_known_content_word_is_answered(service: Service) -> None:
     with service.client() as c:
         r = c.post("/search/text", json={"query": "a big pink star", "top_k": 3})

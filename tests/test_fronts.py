@@ -140,6 +140,10 @@ def test_fronts_pass_on_overload_and_swaps(index_dir: Path, corpus: Path, tmp_pa
     try:
         with svc.client() as c:
             first = c.post("/search/text", json=QUERIES[0]).json()["index_version"]
+            # the API's documents are the owner's, every route in them, not a front's own
+            paths = c.get("/openapi.json").json()["paths"]
+            assert {"/search/text", "/healthz", "/admin/reload"} <= set(paths), sorted(paths)
+            assert c.get("/docs").status_code == 200
 
             def one(i: int) -> httpx.Response:
                 with httpx.Client(base_url=svc.url, timeout=30) as cc:

@@ -79,7 +79,7 @@ def _image_body() -> dict[str, Any]:
 
 _IMAGE_BODY_DOC: dict[str, Any] = {"requestBody": _image_body()}
 # the text route reads its body itself (`_text_request`); the document still names the model
-# (`app.main` adds its schema to the document's components)
+# (`document_bodies` adds its schema to the document's components)
 _TEXT_BODY_DOC: dict[str, Any] = {
     "requestBody": {
         "required": True,
@@ -124,7 +124,7 @@ async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
     then skipped by the engine instead of computed for nobody (499). duet's HTTP protocol
     says when a client has gone (`app.limits.GONE`): the request's task is cancelled then,
     at no cost before. Under another server, a task watches the request's `receive` (two
-    tasks and a wait a request: 70 of a front's 230 us of HTTP stack per search)."""
+    tasks and a wait a request: ~60 us in-process, ~20 us of a front's CPU under load)."""
     hooks: list[Callable[[], None]] | None = request.scope.get(GONE)
     if hooks is None:
         return await _watched(request, work)
@@ -195,8 +195,8 @@ def _json_body(request: Request) -> None:
 async def _text_request(request: Request) -> TextSearchRequest:
     """The body of a text search, read and checked as FastAPI checks a `TextSearchRequest`
     parameter: the same 422s, located under "body". Done here rather than by FastAPI's
-    parameter and dependency solving, which was a third of the HTTP stack's CPU around a
-    search (82 of 282 us; a front spends ~1.1 ms a request in all)."""
+    parameter and dependency solving, which was 52 of the HTTP stack's 282 us around a
+    search, in-process (a front spent ~1.1 ms a request in all; docs/serving.md)."""
     raw = await request.body()
     if not raw:
         missing = {"type": "missing", "loc": ("body",), "msg": "Field required"}
