@@ -127,6 +127,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _held = b""  # received; from `_at` on not parsed yet, while MAX_PIPELINED are queued
     _at = 0
     _refusals = 0  # this connection's 429s at the in-flight cap not yet sent out
+    _running: Any = None  # the request cycle whose application runs now
 
     def _arm(self, seconds: float, why: str) -> None:
         self._disarm()
@@ -184,12 +185,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         for _, app in self.pipeline:  # admitted, never to run
             if isinstance(app, Counted):
                 app.release()
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            hooks: list[Callable[[], None]] = cycle.scope.get(GONE, [])  # type: ignore[assignment]
-            for gone in list(hooks):
-                gone()
+        # the request being answered: uvicorn's `cycle` is the last one parsed, a later one
+        # when the client pipelined (its hooks are none yet: it has not started)
+        for cycle in {id(c): c for c in (self._running, self.cycle) if c is not None}.values():
+            if not cycle.response_complete:
+                hooks: list[Callable[[], None]] = cycle.scope.get(GONE, [])  # type: ignore[assignment]
+                for gone in list(hooks):
+                    gone()
         super().connection_lost(exc)
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
 
     def data_received(self, data: bytes) -> None:
         """Parse what arrived a slice at a time, holding the rest (and reading no more) while

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any, Literal, NamedTuple
 
 from PIL import Image
-from pydantic_core import to_json
+from pydantic import ConfigDict, TypeAdapter
 
 from app.answers import hits_of, served_match
 from app.batch import Answer, BatchWorker, Query, RerankPlan, pair_kind
@@ -47,11 +47,16 @@ class Served(NamedTuple):
     json: str
 
 
+# JSON as pydantic writes a model's: a NaN or infinity (in an item's meta, say) as null, which
+# every JSON parser reads, not as NaN, which browsers' JSON.parse refuses
+_JSON = TypeAdapter(dict[str, Any], config=ConfigDict(ser_json_inf_nan="null"))
+
+
 def render(**fields: Any) -> str:
     """A `SearchResponse` as JSON from its fields as plain values (`hits_of`'s dicts): what
     pydantic's `model_dump_json` of the model writes, by pydantic's own serialiser, without
     making and checking the models first (tests/test_answers.py holds the two equal)."""
-    return to_json({name: fields[name] for name in SearchResponse.model_fields}).decode()
+    return _JSON.dump_json({name: fields[name] for name in SearchResponse.model_fields}).decode()
 
 
 class SearchPipeline:

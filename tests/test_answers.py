@@ -82,6 +82,7 @@ def test_a_refused_body_names_the_field_and_says_what_is_wrong(service: Service)
         '{"query": "x"': "JSON decode error",
         "[" * 60000: "body is not valid JSON: nested too deeply",
         "[]": "Input should be a valid dictionary or object to extract fields from",
+        '{"query": "x", "top_k": ' + "1" * 5000 + "}": "body is not valid JSON",  # not a 500
     }
     with service.client() as c:
         for body, says in cases.items():
@@ -154,8 +155,16 @@ def test_a_rendered_answer_is_what_the_response_model_writes(kind: str) -> None:
     must be, byte for byte, what `SearchResponse.model_dump_json()` writes of the same
     answer, and each hit a valid `Hit` (a field added to the model and not to the dicts, or
     in another order, fails here)."""
-    meta_text = {"text": "a red circle left of a blue square", "image_id": "img-1", "seed": 3}
-    meta_image = {"image": "images/img-1.png", "scene": {"kind": "pair", "position": None}}
+    meta_text: dict[str, object] = {
+        "text": "a red circle left of a blue square",
+        "image_id": "img-1",
+        "seed": 3,
+    }
+    meta_image: dict[str, object] = {
+        "image": "images/img-1.png",
+        "scene": {"kind": "pair", "position": None},
+    }
+    meta_text["odd"] = meta_image["odd"] = [float("nan"), float("inf")]  # JSON's null, not NaN
     ranked = [(0, 0.51, 0.25, 0.43), (1, 0.5, None, 0.125), (2, float("nan"), None, 0.1)]
     meta = [(f"i{i}", dict(meta_text if kind == "image" else meta_image)) for i in range(3)]
     captions = {"i0": ["a red circle", "a circle that is red and big"], "i1": []}
@@ -164,7 +173,7 @@ def test_a_rendered_answer_is_what_the_response_model_writes(kind: str) -> None:
         hits, dropped = hits_of(answer, kind, "red circle" if kind == "text" else None, judged)
         assert dropped == 1 and [Hit.model_validate(h).rank for h in hits] == [1, 2]
         fields = dict(
-            timings_ms={"search": 1.5, "total": 2.25},
+            timings_ms={"search": 1.5, "total": 2.25, "broken": float("nan")},
             index_version="20261127T000000Z-abc",
             cached=False,
             degraded=True,
@@ -173,6 +182,7 @@ def test_a_rendered_answer_is_what_the_response_model_writes(kind: str) -> None:
         )
         model = SearchResponse(hits=[Hit.model_validate(h) for h in hits], **fields)
         assert render(hits=hits, **fields) == model.model_dump_json()
+        assert "NaN" not in render(hits=hits, **fields)  # browsers' JSON.parse refuses it
 
 
 def test_threshold_choice_picks_the_best_balanced_accuracy() -> None:

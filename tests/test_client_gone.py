@@ -109,3 +109,19 @@ def test_a_search_whose_client_has_gone_is_cancelled_and_counted_as_499() -> Non
             ln for ln in counted.splitlines() if b"request_seconds_count" in ln and b"499" in ln
         )
         assert line.endswith(b" 1.0"), line
+
+
+def test_a_pipelined_clients_running_search_is_the_one_cancelled() -> None:
+    """A client that sent a second request behind the first (HTTP/1.1 pipelining) and then
+    went: the first, the one running, is cancelled (uvicorn's own idea of the connection's
+    request is the last one parsed, whose search has not started)."""
+    app = create_app(Settings())
+    search = WaitingSearch()
+    app.state.pipeline = search
+    with uvicorn_thread(app, Settings(), lifespan="off") as port:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(_post("a red circle") + _post("quick"))
+        assert search.started.wait(10), "the search never started"
+        time.sleep(0.2)  # the second is parsed and queued behind it
+        sock.close()
+        assert search.cancelled.wait(5), "the running search went on after its client had gone"
