@@ -115,6 +115,22 @@ class Placed:
         self.device = device
 
 
+def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """(head, body) of one response read off `sock` (Content-Length framed)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(h for h in head.lower().split(b"\r\n") if h.startswith(b"content-length:"))[15:]
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.lower(), body
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

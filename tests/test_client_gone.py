@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 from app.config import Settings
 from app.main import create_app
 from app.pipeline import Served
-from tests.conftest import uvicorn_thread
+from tests.conftest import read_response, uvicorn_thread
 
 ANSWER = json.dumps(
     {
@@ -63,18 +63,7 @@ def _post(query: str) -> bytes:
 
 
 def _status(sock: socket.socket) -> int:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed mid-response: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(
-        int(h[15:]) for h in head.lower().split(b"\r\n") if h.startswith(b"content-length:")
-    )
-    while len(body) < length:
-        body += sock.recv(65536)
-    return int(head.split(b" ", 2)[1])
+    return int(read_response(sock)[0].split(b" ", 2)[1])
 
 
 def test_a_search_whose_client_has_gone_is_cancelled_and_counted_as_499() -> None:

@@ -31,6 +31,7 @@ from tests.conftest import (
     CHILD_PYTHONPATH,
     REPO,
     Service,
+    read_response,
     start_service,
     stop_service,
     uvicorn_thread,
@@ -120,36 +121,20 @@ def failing_server() -> Iterator[tuple[str, int]]:
         yield "127.0.0.1", port
 
 
-def _response(sock: socket.socket) -> tuple[bytes, bytes]:
-    """(head, body) of one response read off `sock` (Content-Length framed)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed mid-response: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(
-        next(h for h in head.lower().split(b"\r\n") if h.startswith(b"content-length:"))[15:]
-    )
-    while len(body) < length:
-        body += sock.recv(65536)
-    return head.lower(), body
-
-
 def test_a_500_leaves_no_dead_keep_alive_connection(failing_server: tuple[str, int]) -> None:
     """Row 10: a 500 went out as keep-alive, then uvicorn closed the socket, so the client's
     next request on it failed. Now the 500 says `Connection: close` (and the socket closes),
     or the connection serves the next request."""
     with socket.create_connection(failing_server, timeout=10) as sock:
         sock.sendall(b"GET /boom HTTP/1.1\r\nhost: x\r\n\r\n")
-        head, body = _response(sock)
+        head, body = read_response(sock)
         assert head.startswith(b"http/1.1 500")
         assert json.loads(body)["error"]["code"] == "internal_error"
         if b"\r\nconnection: close" in head:
             assert sock.recv(1) == b""  # and the server closed it
         else:
             sock.sendall(b"GET /ok HTTP/1.1\r\nhost: x\r\n\r\n")
-            assert _response(sock)[0].startswith(b"http/1.1 200")
+            assert read_response(sock)[0].startswith(b"http/1.1 200")
     # a client that reuses connections never meets a dead one
     with httpx.Client(base_url=f"http://{failing_server[0]}:{failing_server[1]}") as c:
         for _ in range(20):
@@ -177,7 +162,7 @@ def test_malformed_http_gets_the_json_error(hostile: Hostile, raw: bytes) -> Non
     host, port = hostile.service.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(raw)
-        head, body = _response(sock)
+        head, body = read_response(sock)
         assert sock.recv(1) == b""  # closed after the answer
     assert head.startswith(b"http/1.1 400") and b"content-type: application/json" in head
     err = json.loads(body)["error"]
