@@ -186,12 +186,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if isinstance(app, Counted):
                 app.release()
         # the request being answered: uvicorn's `cycle` is the last one parsed, a later one
-        # when the client pipelined (its hooks are none yet: it has not started)
-        for cycle in {id(c): c for c in (self._running, self.cycle) if c is not None}.values():
-            if not cycle.response_complete:
-                hooks: list[Callable[[], None]] = cycle.scope.get(GONE, [])  # type: ignore[assignment]
-                for gone in list(hooks):
-                    gone()
+        # when the client pipelined (not started, so no hooks yet); `cycle` where this
+        # uvicorn starts its tasks without `_start_asgi_task`
+        running = self._running if self._running is not None else self.cycle
+        if running is not None and not running.response_complete:
+            hooks: list[Callable[[], None]] = running.scope.get(GONE, [])  # type: ignore[assignment]
+            for gone in list(hooks):
+                gone()
         super().connection_lost(exc)
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
