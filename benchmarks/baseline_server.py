@@ -56,7 +56,7 @@ def make_app(index_dir: Path, device: str = "cpu", reranker: Path | None = None)
             dots, rows = dots[0], rows[0]
             score = dots
             if q.rerank and blip is not None:  # the heavy re-ranker, its plain forward
-                ce = sigmoid(blip.score_pairs([q.query] * len(rows), tokens[rows]))
+                ce = sigmoid(blip.plain_scores([q.query] * len(rows), tokens[rows]))
                 score = DEFAULT_FUSION_LAMBDA * dots + (1 - DEFAULT_FUSION_LAMBDA) * ce
             elif q.rerank:
                 ids_t, pad = model.tokenizer.batch([q.query])  # the sentence once, shared

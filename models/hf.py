@@ -24,12 +24,15 @@ import numpy as np
 import torch
 from PIL import Image
 
+from models.blip_itm import BlipItmScorer
 from models.builtin import ModelLoadError
 from models.device import resolve_device
+from models.tokenizer import unique_texts
 
 DUAL_ENCODER_TYPES = ("clip", "siglip")
 RERANKER_TYPES = ("blip",)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+LENGTH_STEP = 8  # the BLIP scorer's sentence-length groups (tokens)
 
 
 def model_type(directory: Path) -> str:
@@ -99,6 +102,14 @@ def _tokenize(
         return tokenizer(list(texts), padding=padding, truncation=True, return_tensors="pt")
 
 
+def length_groups(lengths: np.ndarray, step: int = LENGTH_STEP) -> list[np.ndarray]:
+    """Pair positions grouped by sentence length rounded up to `step` tokens, so that a
+    group padded to its own longest spares a batch's short sentences its longest's length
+    (at most a few groups: a handful of kernel launches more per layer)."""
+    groups = (lengths + step - 1) // step
+    return [np.flatnonzero(groups == g) for g in np.unique(groups)]
+
+
 def _rgb(images: Sequence[Image.Image]) -> list[Image.Image]:
     return [img.convert("RGB") for img in images]
 
@@ -163,6 +174,8 @@ class HFBlipReranker:
         self.name = "hf-blip-itm"
         self.fingerprint = fingerprint("blip", Path(directory))
         self._tokenizing = threading.Lock()
+        # the text encoder restructured for scoring (models.blip_itm); None: the module's own
+        self.scorer = BlipItmScorer.of(self.model)
         vision = self.model.config.vision_config
         self.token_shape = ((vision.image_size // vision.patch_size) ** 2 + 1, vision.hidden_size)
 
@@ -206,6 +219,37 @@ class HFBlipReranker:
         self, texts: Sequence[str], image_tokens: np.ndarray | torch.Tensor
     ) -> np.ndarray:
         """ITM logit (match minus no-match) per (text, image tokens) pair."""
+        if len(texts) == 0:
+            return np.zeros(0, dtype=np.float32)
+        if self.scorer is None:
+            return self.plain_scores(texts, image_tokens)
+        unique, owner = unique_texts(texts)  # a request's sentence once, not per candidate
+        enc = _tokenize(self.processor.tokenizer, self._tokenizing, unique, True)
+        ids, mask = enc["input_ids"][owner], enc["attention_mask"][owner]
+        lengths = mask.sum(dim=1).numpy()
+        with torch.inference_mode():
+            image = self.states(image_tokens)
+            out = torch.empty(len(texts), device=self.device)
+            for pairs in length_groups(lengths):
+                n = int(lengths[pairs].max())
+                if len(pairs) == len(texts):  # one group: no gathering
+                    out = self.scorer.logits(
+                        ids[:, :n].to(self.device), mask[:, :n].to(self.device), image
+                    )
+                    break
+                at = torch.from_numpy(pairs).to(self.device)
+                rows = torch.from_numpy(pairs)
+                out[at] = self.scorer.logits(
+                    ids[rows, :n].to(self.device),
+                    mask[rows, :n].to(self.device),
+                    image.index_select(0, at),
+                )
+        return out.cpu().numpy()
+
+    def plain_scores(
+        self, texts: Sequence[str], image_tokens: np.ndarray | torch.Tensor
+    ) -> np.ndarray:
+        """The same logits by the model's own forward (the plain script's way)."""
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
         enc = _tokenize(self.processor.tokenizer, self._tokenizing, texts, True)

@@ -4,6 +4,8 @@ masked, the attention kernels pinned."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,17 @@ def sdpa_backends(device: torch.device) -> list[object]:
     if device.type == "cuda":
         return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def pinned_attention(device: torch.device) -> AbstractContextManager[object]:
+    """On CUDA, attention limited to `sdpa_backends` for what runs inside; elsewhere
+    nothing changes. The host path on a GPU (DUET_LAYOUT=cpu, a BLIP re-ranker) runs a new
+    shape per length bucket, each of which cuDNN's kernel would build a graph for."""
+    if device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(sdpa_backends(device))  # type: ignore[arg-type]
 
 
 class _Layer:

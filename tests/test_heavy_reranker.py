@@ -70,8 +70,11 @@ def test_states_in_float16_and_resident_rows_score_as_the_host_path(
     host = index.token_rows(rows)
     assert host.dtype == np.float16  # what the index stores and what travels
     texts = ["a small red circle left of a square"] * len(rows)
-    expected = _library_itm(blip, texts, host)
-    np.testing.assert_array_equal(blip.score_pairs(texts, host), expected)
+    # duet's scorer (models.blip_itm) against the library's forward: equal to rounding
+    np.testing.assert_allclose(
+        blip.score_pairs(texts, host), _library_itm(blip, texts, host), rtol=1e-4, atol=1e-6
+    )
+    expected = blip.score_pairs(texts, host)
     # a read-only memory map (the plain script's read) is scored alike, without a copy warning
     read_only = host.copy()
     read_only.flags.writeable = False
