@@ -170,6 +170,12 @@ class Settings(BaseSettings):
         description="torch threads per worker; empty = the cores shared among the "
         "workers busy at that moment (a lone request uses every core)",
     )
+    gc_freeze: bool = Field(
+        True,
+        description="freeze the start-up heap (gc.freeze) once serving starts, so Python's "
+        "full collections skip the ~240,000 objects that live as long as the process (a "
+        "full pass over them paused a process 87 ms on a 2-core CPU)",
+    )
     request_timeout_ms: float = Field(
         2000.0,
         gt=0,

@@ -17,6 +17,7 @@ from app.cache import CacheBackend, LRUCache, RedisCache, ResilientCache
 from app.config import Settings
 from app.engine import available_cores
 from app.errors import install_handlers
+from app.heap import freeze_startup_heap
 from app.imaging import ImageDecoder
 from app.limits import BodyLimit
 from app.liveness import Heartbeat
@@ -180,6 +181,7 @@ def _lifespan(
             await engine_server.start()
         beats = asyncio.create_task(app.state.heartbeat.run(), name="liveness-heartbeat")
         metrics.ready.set(1)
+        freeze_startup_heap(settings.gc_freeze)
         log.info(
             "duet ready (cache: %s, index poll: %s)",
             cache.backend.name,

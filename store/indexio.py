@@ -129,7 +129,7 @@ class ItemStore:
         self._lock = threading.Lock()
         self._images: Recent[int, ImageRow] = Recent(recent)
         self._texts: Recent[int, TextRow] = Recent(recent)
-        self._captions: Recent[str, list[str]] = Recent(recent)
+        self._captions: Recent[str, tuple[str, ...]] = Recent(recent)
 
     def _rows(self, sql: str, rows: Sequence[int]) -> dict[int, tuple[Any, ...]]:
         """Under the lock: row -> the row's other columns."""
@@ -181,14 +181,15 @@ class ItemStore:
             got = self._texts.get_many([int(r) for r in rows], self._fetch_texts)
         return [got[int(r)] for r in rows]
 
-    def _fetch_captions(self, image_ids: list[str]) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
+    def _fetch_captions(self, image_ids: list[str]) -> dict[str, tuple[str, ...]]:
+        # tuples of strings: kept, they are nothing the collector walks (app.heap)
+        out: dict[str, tuple[str, ...]] = {}
         for image_id in image_ids:  # one range of the unique id index per image (a scan otherwise)
             rows = self._con.execute(
                 "SELECT text FROM texts WHERE id >= ? AND id < ? AND image_id = ? ORDER BY row",
                 (f"{image_id}#", f"{image_id}$", image_id),  # "$" sorts right after "#"
             ).fetchall()
-            out[image_id] = [str(r[0]) for r in rows]
+            out[image_id] = tuple(str(r[0]) for r in rows)
         return out
 
     def captions(self, image_ids: Sequence[str]) -> dict[str, list[str]]:

@@ -59,12 +59,25 @@ def _hits(body: dict[str, object]) -> list[tuple[str, float, object, object]]:
     ]
 
 
+def _logged(log: Path, text: str, wait_s: float = 10.0) -> int:
+    """Lines of `log` holding `text`, once their count has stopped growing for a second."""
+    deadline, seen, since = time.monotonic() + wait_s, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        n = log.read_text(errors="replace").count(text)
+        if n != seen:
+            seen, since = n, time.monotonic()
+        elif time.monotonic() - since > 1.0:
+            break
+        time.sleep(0.1)
+    return seen
+
+
 def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> None:
     """Two fronts and an owner: the same answers as one process (text, image, every
     re-ranker), validation errors from the fronts, the rest passed through to the owner, the
     fronts' requests counted on the owner's /metrics, and SIGTERM ends every process."""
     fronts = start_service(index_dir, tmp_path / "fronts.log", DUET_FRONTENDS="2")
-    single = start_service(index_dir, tmp_path / "single.log")
+    single = start_service(index_dir, tmp_path / "single.log", DUET_GC_FREEZE="0")
     try:
         kids = [p for p in _children(fronts.proc.pid) if "serve-front" in _cmdline(p)]
         assert len(kids) == 2
@@ -109,6 +122,9 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
             assert _count(metrics, 'endpoint="/search/text",status="200"') == len(QUERIES)
             assert _count(metrics, 'endpoint="/search/image",status="200"') == 2  # PNG, JPEG
             assert 'duet_stage_seconds_count{stage="rerank"}' in metrics
+        # each process froze its start-up heap (app.heap), unless told not to
+        assert _logged(fronts.log, "start-up heap frozen") == 3  # the owner, two fronts
+        assert _logged(single.log, "start-up heap frozen") == 0
         fronts.proc.send_signal(signal.SIGTERM)
         fronts.proc.wait(timeout=30)
         deadline = time.monotonic() + 10
