@@ -13,8 +13,14 @@
 #             1-512 clients over 8 load processes, 2,000 req/s offered, overload at 512
 #             -> serve_gpu.md/.png
 #   blip      the heavy re-ranker's row: a BLIP-ITM-base-shaped checkpoint with random weights
-#             (benchmarks/blip_base.py), the demo index built with it, duet against the plain
-#             script at 1 and 32 clients -> serve_blip.md (needs transformers, see below)
+#             (benchmarks/blip_base.py), its scorer against its plain forward at 50 / 400 /
+#             1,600 pairs a call (benchmarks/blip_ceiling.py -> blip_ceiling.md), the demo
+#             index built with it, duet against the plain script at 1 and 32 clients
+#             -> serve_blip.md (needs transformers, see below)
+#   blipsync  the BLIP scorer's tests (models.blip_itm), the CUDA ones in fp16 and bf16
+#   open      2,000 re-ranked req/s offered (and 64 clients), the default layout -> serve_open.md
+#   gcoff     the same with DUET_GC_FREEZE=0: the A/B for freezing the start-up heap
+#             -> serve_gcoff.md
 #   single    the A/B for the fronts: the same with one process (DUET_FRONTENDS=0) at 1, 64
 #             and 512 clients -> serve_single.md
 #   ab        serve_load with DUET_LAYOUT=cpu (the host path, as before issue 35) at 1 and 64
@@ -61,10 +67,10 @@ BUDGET=${BUDGET:-560}
 STEPS=${STEPS:-sync index serve blip single ab fp32 workers1 ceiling quality tests build suite}
 DRY=${DRY:-0}
 DEV=cuda CELL=3 BUILD=(--devices cpu,cuda --images 20000 --cpus '0-15;0,1') BLIP=() CEIL=()
-QUAL=() SCALE=(20000 50) LAYOUT=()
+QUAL=() SCALE=(20000 50) LAYOUT=() BLIPPAIRS=50,400,1600 OFFER=2000
 if [ "$DRY" = 1 ]; then
   DEV=cpu CELL=1 BUILD=(--devices cpu --images 400 --cpus '0,1;0') BLIP=(--tiny)
-  CEIL=(--pairs 50,400) QUAL=(--images 100) SCALE=(400 5)
+  CEIL=(--pairs 50,400) QUAL=(--images 100) SCALE=(400 5) BLIPPAIRS=50 OFFER=100
   # the serve step as a GPU host runs it by default (the device step, fronts, the paced cap)
   LAYOUT=(--duet-env DUET_LAYOUT=gpu,DUET_FRONTENDS=2,DUET_HTTP_QUEUE_TARGET_MS=500)
 fi
@@ -118,7 +124,7 @@ SERVE=(python3 benchmarks/serve_load.py --device $DEV --index-dir indexes --roun
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -rfs)
 for s in $STEPS; do
   case $s in
-  sync) step sync 120 30 "${PYTEST[@]}" tests/test_device_step.py tests/test_fastpath.py ;;
+  sync) step sync 120 30 "${PYTEST[@]}" tests/test_device_step.py tests/test_fastpath.py tests/test_blip_itm.py ;;
   index) # on the GPU; if the builder's CUDA path fails, on the CPU, so the serving steps run
     step index 120 30 env DUET_DEVICE=$DEV python3 -m duet.cli demo-index --out indexes \
       --corpus-out data/demo --images 2000 --seed 7 --no-progress ||
@@ -140,17 +146,28 @@ for s in $STEPS; do
   blip)
     if python3 -c "import transformers" 2>/dev/null; then
       step blip-make 60 20 python3 benchmarks/blip_base.py --out /tmp/blip-base --device $DEV "${BLIP[@]}" &&
+        step blip-ceiling 60 20 python3 benchmarks/blip_ceiling.py /tmp/blip-base --device $DEV \
+          --pairs "$BLIPPAIRS" --seconds 0.5 --out "$OUT/blip_ceiling.md" &&
         step blip-index 90 30 python3 -m duet.cli build --corpus data/demo/manifest.jsonl \
           --out /tmp/idx-blip --reranker /tmp/blip-base --no-progress &&
-        step blip-serve 120 60 "${SERVE[@]}" --index-dir /tmp/idx-blip --reranker /tmp/blip-base \
-          --concurrency 1,32 --overload 0 --skip-bound --out "$OUT/serve_blip.md"
+        step blip-serve 120 40 "${SERVE[@]}" --index-dir /tmp/idx-blip --reranker /tmp/blip-base \
+          --concurrency 1,32 --modes re-ranked --overload 0 --skip-bound --out "$OUT/serve_blip.md"
     else
       el "blip skipped: transformers is not installed (add its wheels to WHEELS)"
     fi
     ;;
   ab)
-    step ab 100 50 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound \
-      --duet-env DUET_LAYOUT=cpu --out "$OUT/serve_hostpath.md"
+    step ab 100 40 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound \
+      --modes re-ranked --duet-env DUET_LAYOUT=cpu --out "$OUT/serve_hostpath.md"
+    ;;
+  blipsync) step blipsync 60 15 "${PYTEST[@]}" tests/test_blip_itm.py ;;
+  open | gcoff) # 2,000 req/s offered, re-ranked, the default layout; gcoff: DUET_GC_FREEZE=0
+    env=${LAYOUT[1]:-} # the rehearsal's layout settings (none on a GPU: its defaults)
+    if [ "$s" = gcoff ]; then env=${env:+$env,}DUET_GC_FREEZE=0; fi
+    envs=()
+    if [ -n "$env" ]; then envs=(--duet-env "$env"); fi
+    step "$s" 90 45 "${SERVE[@]}" --concurrency 64 --modes re-ranked --procs 8 --open-loop "$OFFER" \
+      --overload 0 --skip-bound "${envs[@]}" --out "$OUT/serve_$s.md"
     ;;
   fp32)
     step fp32 100 50 env DUET_PRECISION=fp32 "${SERVE[@]}" --concurrency 1,64 --procs 8 \

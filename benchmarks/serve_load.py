@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 PRECISION = os.environ.get("DUET_PRECISION") or "auto"
 # the repo first, then what this process was given (packages in a --target folder, say)
 CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+MODES = (("re-ranked", True), ("dot only", False))  # the closed loop's modes, in order
 sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 
 from benchmarks.load_client import Cell, LoadPool, Queries, closed_loop, overload  # noqa: E402
@@ -175,7 +176,9 @@ def run_grid(
     each cell as it ends."""
     for rnd in range(args.rounds):
         order = ["duet", "baseline"] if rnd % 2 == 0 else ["baseline", "duet"]
-        for mode, rerank in (("re-ranked", True), ("dot only", False)):
+        for mode, rerank in MODES:
+            if mode not in args.modes:
+                continue
             for c in levels:
                 for srv in order:
                     cell = results.setdefault(f"{srv}|{mode}|{c}", Cell())
@@ -271,6 +274,12 @@ def _args() -> argparse.Namespace:
         "--duet-env",
         default="",
         help="extra settings for duet, KEY=VALUE,... (e.g. DUET_LAYOUT=cpu to A/B the layouts)",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(m for m, _ in MODES),
+        type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
+        help="the closed-loop modes to run, comma-separated (default: both)",
     )
     p.add_argument("--skip-bound", action="store_true", help="skip the cross-encoder-alone figure")
     p.add_argument(

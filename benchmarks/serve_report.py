@@ -43,6 +43,8 @@ def plot(results: dict[str, Cell], levels: list[int], path: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for col, mode in enumerate(("re-ranked", "dot only")):
+        if mode not in ran(results, levels):
+            continue
         for srv, style in (("duet", "o-"), ("baseline", "s--")):
             cells = [results[f"{srv}|{mode}|{c}"] for c in levels]
             axes[0][col].plot(levels, [c.throughput for c in cells], style, label=srv)
@@ -98,7 +100,7 @@ def write_report(
         "script p50 ms | duet p99 ms | script p99 ms | duet degraded / 429 | script errors |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for mode in ("re-ranked", "dot only"):
+    for mode in ran(results, levels):
         for c in levels:
             d, b = results[f"duet|{mode}|{c}"], results[f"baseline|{mode}|{c}"]
             ratio = d.throughput / b.throughput if b.throughput else float("nan")
@@ -134,6 +136,11 @@ def write_report(
 
 
 STAGES = ("cache", "queue", "encode", "search", "device", "rerank", "lookup")
+
+
+def ran(results: dict[str, Cell], levels: list[int]) -> list[str]:
+    """The closed-loop modes measured (`serve_load --modes`), in order."""
+    return [m for m in ("re-ranked", "dot only") if f"duet|{m}|{levels[0]}" in results]
 
 
 def _stages(results: dict[str, Cell]) -> list[str]:
@@ -184,7 +191,7 @@ def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
         "fronts CPU ms per answer |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for mode in ("re-ranked", "dot only"):
+    for mode in ran(results, levels):
         for c in levels:
             d = results[f"duet|{mode}|{c}"]
             # the server's cores over the full answers' rate (degraded ones counted too)
