@@ -146,14 +146,16 @@ class BlipItmScorer:
         q = self._heads(F.linear(x, *w.xq))  # (n, heads, tokens, head dim)
         n, h, s, _ = q.shape
         if s < self.head_dim:  # the query carried to the states, no keys or values made
-            wide = torch.matmul(q, w.xk).reshape(n, h * s, -1)  # (n, heads x tokens, width)
+            # per head one product over every pair's tokens (einsum: a batch of heads, not
+            # of pairs x heads, and no copy of the weights per pair)
+            wide = torch.einsum("nhsd,hde->nhse", q, w.xk).reshape(n, h * s, -1)
             scores = torch.bmm(wide, states.transpose(1, 2)) * self.head_dim**-0.5
             mixed = torch.bmm(scores.softmax(dim=-1), states).view(n, h, s, -1)
-            a = torch.matmul(mixed, w.xv.transpose(1, 2)) + w.xv_bias
-        else:
-            k = torch.matmul(states.unsqueeze(1), w.xk.transpose(1, 2))
-            v = torch.matmul(states.unsqueeze(1), w.xv.transpose(1, 2)) + w.xv_bias
-            a = F.scaled_dot_product_attention(q, k, v)  # the key bias cancels, as above
+            a = torch.einsum("nhse,hde->nhsd", mixed, w.xv) + w.xv_bias
+        else:  # the key bias cancels, as above
+            k = self._heads(F.linear(states, w.xk.flatten(0, 1)))
+            v = self._heads(F.linear(states, w.xv.flatten(0, 1))) + w.xv_bias
+            a = F.scaled_dot_product_attention(q, k, v)
         return w.xnorm(F.linear(self._merge(a), *w.xout) + x)
 
     def _mlp(self, w: _Layer, x: torch.Tensor) -> torch.Tensor:
