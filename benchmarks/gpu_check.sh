@@ -166,7 +166,7 @@ for s in $STEPS; do
     if [ "$s" = gcoff ]; then env=${env:+$env,}DUET_GC_FREEZE=0; fi
     envs=()
     if [ -n "$env" ]; then envs=(--duet-env "$env"); fi
-    step "$s" 90 45 "${SERVE[@]}" --concurrency 64 --modes re-ranked --procs 8 --open-loop "$OFFER" \
+    step "$s" 110 60 "${SERVE[@]}" --concurrency 64 --modes re-ranked --procs 8 --open-loop "$OFFER" \
       --overload 0 --skip-bound "${envs[@]}" --out "$OUT/serve_$s.md"
     ;;
   fp32)
