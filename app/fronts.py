@@ -51,7 +51,7 @@ from starlette.routing import Route
 
 from app.batch import Answer, RerankPlan
 from app.errors import NotReady, ShuttingDown
-from app.heap import freeze_startup_heap
+from app.heap import freeze_startup_heap, thaw_heap
 from app.metrics import Metrics
 from app.owner import FORWARDED, post, raise_error, recv, send
 from app.pipeline import SearchPipeline
@@ -376,11 +376,12 @@ def create_front_app(settings: Any, socket_path: str, owner_url: str) -> FastAPI
         # the owner encodes the picture this front decodes: at the side the owner's models read
         app.state.decoder.side = int(remote.info["decode_side"])
         watchdog = asyncio.create_task(_orphaned(owner_pid()), name="front-watchdog")
-        freeze_startup_heap(settings.gc_freeze)
+        frozen = freeze_startup_heap(settings.gc_freeze)
         log.info("front %d ready (owner %s)", os.getpid(), owner_url)
         try:
             yield
         finally:
+            thaw_heap(frozen)
             watchdog.cancel()
             app.state.pipeline = None
             await front.stop()  # its cache and item stores

@@ -7,7 +7,9 @@ process that answers in a few milliseconds, so a request that arrives then waits
 (and with the fronts, each process pauses on its own schedule). `gc.freeze()` at the end of
 start-up moves them to a permanent generation the collector skips: the same pass then takes
 well under a millisecond. Objects made later (requests, a swapped-in index) are collected as
-before. DUET_GC_FREEZE=0 leaves the collector as it is.
+before. DUET_GC_FREEZE=0 leaves the collector as it is. At shutdown the heap is thawed
+(`thaw_heap`): an app served in a process that goes on (the tests, an embedding program)
+would otherwise keep its pipeline and index, which sit in reference cycles, for good.
 """
 
 from __future__ import annotations
@@ -34,3 +36,10 @@ def freeze_startup_heap(enabled: bool = True) -> int:
         (time.perf_counter() - t0) * 1000,
     )
     return frozen
+
+
+def thaw_heap(frozen: int) -> None:
+    """Give what `freeze_startup_heap` froze (`frozen` objects, 0 for none) back to the
+    collector."""
+    if frozen:
+        gc.unfreeze()

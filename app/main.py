@@ -17,7 +17,7 @@ from app.cache import CacheBackend, LRUCache, RedisCache, ResilientCache
 from app.config import Settings
 from app.engine import available_cores
 from app.errors import install_handlers
-from app.heap import freeze_startup_heap
+from app.heap import freeze_startup_heap, thaw_heap
 from app.imaging import ImageDecoder
 from app.limits import BodyLimit
 from app.liveness import Heartbeat
@@ -181,7 +181,7 @@ def _lifespan(
             await engine_server.start()
         beats = asyncio.create_task(app.state.heartbeat.run(), name="liveness-heartbeat")
         metrics.ready.set(1)
-        freeze_startup_heap(settings.gc_freeze)
+        frozen = freeze_startup_heap(settings.gc_freeze)
         log.info(
             "duet ready (cache: %s, index poll: %s)",
             cache.backend.name,
@@ -190,6 +190,7 @@ def _lifespan(
         try:
             yield
         finally:
+            thaw_heap(frozen)
             # the fronts first: they drain their requests through the owner, still up
             stop_fronts = getattr(app.state, "stop_fronts", None)
             if stop_fronts is not None:

@@ -278,7 +278,7 @@ def _args() -> argparse.Namespace:
     p.add_argument(
         "--modes",
         default=",".join(m for m, _ in MODES),
-        type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
+        type=_modes,
         help="the closed-loop modes to run, comma-separated (default: both)",
     )
     p.add_argument("--skip-bound", action="store_true", help="skip the cross-encoder-alone figure")
@@ -292,6 +292,15 @@ def _args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "performance.md")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
     return p.parse_args()
+
+
+def _modes(text: str) -> list[str]:
+    """--modes: names of `MODES`, comma-separated."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    known = [m for m, _ in MODES]
+    if not names or any(m not in known for m in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: use {', '.join(known)} (comma-separated)")
+    return names
 
 
 def _commands(

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from models.inference import Precision
 from models.joint import JointModel
-from models.masked_cross import DTYPES, MaskedCrossEncoder, sdpa_backends
+from models.masked_cross import DTYPES, MaskedCrossEncoder, pin_attention, sdpa_backends
 
 log = logging.getLogger("duet.device_step")
 
@@ -163,6 +163,7 @@ class DeviceStep:
         self.text_buckets = self.shapes.aligned_texts(self.image_tokens, self.max_len)
         self.cross = MaskedCrossEncoder(model, self.dtype)
         self.backends = sdpa_backends(device)
+        pin_attention(device)  # what `_kernels` restores on leaving, whichever worker leaves
 
     # -- tables ---------------------------------------------------------------------
     def free_bytes(self) -> int | None:

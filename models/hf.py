@@ -221,7 +221,10 @@ class HFBlipReranker:
         """ITM logit (match minus no-match) per (text, image tokens) pair."""
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
-        if self.scorer is None:
+        if len(image_tokens) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(image_tokens)} images' states")
+        # the scorer cuts each length group's columns from the right: right padding only
+        if self.scorer is None or self.processor.tokenizer.padding_side != "right":
             return self.plain_scores(texts, image_tokens)
         unique, owner = unique_texts(texts)  # a request's sentence once, not per candidate
         enc = _tokenize(self.processor.tokenizer, self._tokenizing, unique, True)

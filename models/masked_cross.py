@@ -31,15 +31,26 @@ def sdpa_backends(device: torch.device) -> list[object]:
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
-def pinned_attention(device: torch.device) -> AbstractContextManager[object]:
-    """On CUDA, attention limited to `sdpa_backends` for what runs inside; elsewhere
-    nothing changes. The host path on a GPU (DUET_LAYOUT=cpu, a BLIP re-ranker) runs a new
-    shape per length bucket, each of which cuDNN's kernel would build a graph for."""
+def pin_attention(device: torch.device) -> None:
+    """On CUDA, limit attention to `sdpa_backends` for the whole process, once. Process-wide
+    on purpose: `sdpa_kernel` sets torch's global flags on entry and restores them on exit,
+    so two workers entering and leaving it at different times could re-enable a kernel
+    under each other; with the flags pinned first, what each restores is the pinned set."""
     if device.type != "cuda":
-        return nullcontext()
-    from torch.nn.attention import sdpa_kernel
+        return
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(True)
+    torch.backends.cuda.enable_math_sdp(True)
 
-    return sdpa_kernel(sdpa_backends(device))  # type: ignore[arg-type]
+
+def pinned_attention(device: torch.device) -> AbstractContextManager[object]:
+    """Attention limited to `sdpa_backends` for what runs inside, on CUDA (`pin_attention`);
+    elsewhere nothing changes. The host path on a GPU (DUET_LAYOUT=cpu, a BLIP re-ranker)
+    runs a new shape per length bucket, each of which cuDNN's kernel would build a graph
+    for: on an H100 the host path answered 1 request a second at 64 clients."""
+    pin_attention(device)
+    return nullcontext()
 
 
 class _Layer:
