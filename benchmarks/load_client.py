@@ -7,54 +7,9 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass, field
 
-import numpy as np
-
+from benchmarks.cell import Cell
 from models import world
-
-
-@dataclass
-class Cell:
-    """One (server, mode, concurrency) measurement, summed over rounds."""
-
-    latencies: list[float] = field(default_factory=list)  # full answers only, seconds
-    seconds: float = 0.0
-    degraded: int = 0
-    refused: int = 0
-    errors: int = 0
-    late: int = 0  # open loop: offered in the window, unanswered `grace` seconds after it
-    # CPU seconds in the cell: "server" (its process), "fronts" (its children), "load"
-    cpu: dict[str, float] = field(default_factory=dict)
-    wall: float = 0.0  # seconds the cells took end to end, warm-up included (for `cores`)
-    # duet's /metrics around the cell: [seconds, count] per duet_stage_seconds stage and
-    stages: dict[str, list[float]] = field(default_factory=dict)  # "request" (/search/*)
-
-    def add_stages(self, before: dict[str, list[float]], after: dict[str, list[float]]) -> None:
-        for name, (total, n) in after.items():
-            was = before.get(name, [0.0, 0.0])
-            acc = self.stages.setdefault(name, [0.0, 0.0])
-            acc[0] += total - was[0]
-            acc[1] += n - was[1]
-
-    def stage_ms(self, name: str) -> float:
-        """Mean milliseconds of `name` per request that went through it (NaN: none did)."""
-        total, n = self.stages.get(name, [0.0, 0.0])
-        return 1000 * total / n if n else float("nan")
-
-    def add_cpu(self, who: str, seconds: float) -> None:
-        self.cpu[who] = self.cpu.get(who, 0.0) + seconds
-
-    def cores(self, who: str) -> float:
-        """Cores `who` kept busy over the cells' whole `wall` time (as its CPU seconds)."""
-        return self.cpu.get(who, 0.0) / self.wall if self.wall else 0.0
-
-    @property
-    def throughput(self) -> float:
-        return len(self.latencies) / self.seconds if self.seconds else 0.0
-
-    def q(self, p: float) -> float:
-        return float(np.percentile(self.latencies, p)) * 1000 if self.latencies else float("nan")
 
 
 class Queries:
@@ -236,10 +191,16 @@ _QUERIES: Queries | None = None
 
 def _init_worker(seed: int, n: int) -> None:
     """Each load process draws its own captions (seed + its pid: no two share a cache key)."""
+    import gc
     import os
 
     global _QUERIES
     _QUERIES = Queries(seed + os.getpid() % 10_000 * 1_000, n)
+    # its start-up heap (~27,000 objects, a 9 ms full pass) frozen as duet's is: a pause
+    # here would count as duet's latency in the open loop, which times from when each
+    # request was due
+    gc.collect()
+    gc.freeze()
 
 
 def _until(start_at: float) -> None:

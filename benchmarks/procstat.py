@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.load_client import Cell
+from benchmarks.cell import Cell
 
 
 @dataclass

@@ -27,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.load_client import Cell, LoadPool  # noqa: E402
+from benchmarks.cell import Cell  # noqa: E402
+from benchmarks.load_client import LoadPool  # noqa: E402
 from benchmarks.serve_load import server  # noqa: E402
 
 # what a version folder holds, by what it is for (bytes per image are summed per group)

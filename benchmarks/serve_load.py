@@ -39,7 +39,13 @@ CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTH
 MODES = (("re-ranked", True), ("dot only", False))  # the closed loop's modes, in order
 sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 
-from benchmarks.load_client import Cell, LoadPool, Queries, closed_loop, overload  # noqa: E402
+from benchmarks.cell import Cell  # noqa: E402
+from benchmarks.duet_metrics import (  # noqa: E402
+    bucket_quantile,
+    request_buckets,
+    stage_totals,
+)
+from benchmarks.load_client import LoadPool, Queries, closed_loop, overload  # noqa: E402
 from benchmarks.procstat import CpuSnapshot, add_server_cpu, cpu_seconds  # noqa: E402
 from benchmarks.serve_report import write_report  # noqa: E402
 
@@ -140,27 +146,6 @@ def pairs_per_second(
     return out
 
 
-def stage_totals(url: str) -> dict[str, list[float]]:
-    """duet's /metrics now: [seconds, count] of each stage of duet_stage_seconds and of
-    "request" (duet_request_seconds, /search/* endpoints)."""
-    import re
-
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out: dict[str, list[float]] = {}
-    line = re.compile(r"^duet_(stage|request)_seconds_(sum|count)\{([^}]*)\} (\S+)$", re.M)
-    for family, kind, labels, value in line.findall(text):
-        if family == "stage":
-            name = re.search(r'stage="([^"]+)"', labels)
-            key = name.group(1) if name else "?"
-        elif 'endpoint="/search/' in labels:
-            key = "request"
-        else:
-            continue
-        acc = out.setdefault(key, [0.0, 0.0])
-        acc[0 if kind == "sum" else 1] += float(value)
-    return out
-
-
 def run_grid(
     urls: dict[str, str],
     args: argparse.Namespace,
@@ -222,6 +207,7 @@ def run_open_loop(
     for rate in [float(r) for r in args.open_loop.split(",") if r]:
         for srv, url in urls.items():
             cell = out.setdefault(f"{srv}|{rate:g}", Cell())
+            own = request_buckets(url) if srv == "duet" else {}
             if pool is not None:
                 pool.open(url, rate, args.seconds, True, args.candidates, cell)
             else:
@@ -229,10 +215,13 @@ def run_open_loop(
                     open_loop(url, rate, args.seconds, True, args.candidates, queries, cell)
                 )
                 cell.seconds += args.seconds
+            if own:  # duet's own clock: bucket bounds of its request latency's quantiles
+                now = request_buckets(url)
+                cell.own = {f"p{q}": bucket_quantile(own, now, q / 100) for q in (50, 99)}
             print(
                 f"offered {rate:g}/s {srv:8s} answered {cell.throughput:6.1f}/s "
                 f"p50 {cell.q(50):7.1f} ms p99 {cell.q(99):7.1f} ms 429 {cell.refused} "
-                f"errors {cell.errors} late {cell.late}",
+                f"errors {cell.errors} late {cell.late} own {cell.own}",
                 flush=True,
             )
     return out

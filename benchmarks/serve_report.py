@@ -9,7 +9,7 @@ import platform
 import time
 from pathlib import Path
 
-from benchmarks.load_client import Cell
+from benchmarks.cell import Cell
 from models.fusion import DEFAULT_FUSION_LAMBDA
 
 REPO = Path(__file__).resolve().parent.parent
@@ -216,17 +216,19 @@ def _offered(args: argparse.Namespace, offered: dict[str, Cell]) -> list[str]:
     lines = [
         "",
         f"Offered load (open loop, re-ranked, {args.seconds:g} s; latency from when each "
-        "request was due):",
+        "request was due; duet's own: the bounds of the buckets of its `duet_request_seconds` "
+        "histogram that hold its p50 and p99, the time inside its request handling):",
         "",
-        "| server | offered req/s | answered req/s | p50 ms | p99 ms | 429 | errors | "
-        "unanswered 2 s after |",
-        "|---|---|---|---|---|---|---|---|",
+        "| server | offered req/s | answered req/s | p50 ms | p99 ms | duet's own p50 / p99 "
+        "ms (at most) | 429 | errors | unanswered 2 s after |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, oc in offered.items():
         srv, rate = key.split("|")
+        own = f"{oc.own['p50']:g} / {oc.own['p99']:g}" if oc.own else "-"
         lines.append(
             f"| {srv} | {rate} | {oc.throughput:.1f} | {oc.q(50):.1f} | {oc.q(99):.1f} | "
-            f"{oc.refused} | {oc.errors} | {oc.late} |"
+            f"{own} | {oc.refused} | {oc.errors} | {oc.late} |"
         )
     return lines
 

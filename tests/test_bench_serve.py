@@ -3,6 +3,7 @@ default does (same model, same index, the default ADD_λ), and the benchmark run
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -89,8 +90,11 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
     ]
     assert len(offered) == 2
     for line in offered:  # both answered about what was offered, without errors, in time
-        answered, errors, late = (line.split("|")[i] for i in (3, 7, 8))
+        answered, errors, late = (line.split("|")[i] for i in (3, 8, 9))
         assert float(answered) > 5 and int(errors) == 0 and int(late) == 0, line
+    # duet's own p50 and p99, read off its request histogram: bucket bounds, p50 <= p99
+    own = [float(x) for x in offered[0].split("|")[6].split("/")]
+    assert offered[0].startswith("| duet |") and 0 < own[0] <= own[1], offered[0]
     lone = report.split("A lone request (1 client)")[1].split("\n\n")[1].splitlines()[2:]
     assert [row.split("|")[1].strip() for row in lone] == ["re-ranked", "dot only"]
     for row in lone:  # the server's own account: its time, the device step's, the look-ups'
@@ -117,7 +121,8 @@ async def test_open_loop_abandons_what_a_slow_server_has_not_answered_in_time() 
     import asyncio
     import time
 
-    from benchmarks.load_client import Cell, Queries, finish_message, open_loop
+    from benchmarks.cell import Cell
+    from benchmarks.load_client import Queries, finish_message, open_loop
 
     async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -240,3 +245,15 @@ def test_scale_serve_measures_a_row_per_index(index_dir: Path, tmp_path: Path) -
     assert row["reranked_many"][0] > 0 and row["reranked_1"][1] >= row["reranked_1"][0]
     tokens = row["bytes_per_image"]["tokens"]  # fp16 states, plus the .npy header per image
     assert tokens >= 16 * 128 * 2
+
+
+def test_duets_own_quantiles_are_read_off_its_histograms_buckets() -> None:
+    from benchmarks.duet_metrics import bucket_quantile
+
+    before = {0.01: 5.0, 0.025: 5.0, 0.05: 5.0, math.inf: 5.0}
+    # 200 requests in between: 50 within 10 ms, 95 more within 25, 54 more within 50, 1 above
+    after = {0.01: 55.0, 0.025: 150.0, 0.05: 204.0, math.inf: 205.0}
+    assert bucket_quantile(before, after, 0.5) == 25.0
+    assert bucket_quantile(before, after, 0.99) == 50.0
+    assert bucket_quantile(before, after, 1.0) == math.inf
+    assert math.isnan(bucket_quantile(after, after, 0.5))  # nothing counted

@@ -1,0 +1,62 @@
+"""duet's own clock, read from its /metrics around a benchmark cell: the mean time of each
+stage (`duet_stage_seconds`) and of /search/* requests, and the request latency's
+histogram, whose buckets bound the quantiles as duet saw them: a client's p99 far above
+duet's own says the time went outside duet's request handling (the client, the sockets,
+a front's queue before the app)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import httpx
+
+_SUMS = re.compile(r"^duet_(stage|request)_seconds_(sum|count)\{([^}]*)\} (\S+)$", re.M)
+_BUCKETS = re.compile(r"^duet_request_seconds_bucket\{([^}]*)\} (\S+)$", re.M)
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def stage_totals(url: str) -> dict[str, list[float]]:
+    """duet's /metrics now: [seconds, count] of each stage of duet_stage_seconds and of
+    "request" (duet_request_seconds, /search/* endpoints)."""
+    out: dict[str, list[float]] = {}
+    for family, kind, labels, value in _SUMS.findall(_metrics(url)):
+        if family == "stage":
+            name = re.search(r'stage="([^"]+)"', labels)
+            key = name.group(1) if name else "?"
+        elif 'endpoint="/search/' in labels:
+            key = "request"
+        else:
+            continue
+        acc = out.setdefault(key, [0.0, 0.0])
+        acc[0 if kind == "sum" else 1] += float(value)
+    return out
+
+
+def request_buckets(url: str) -> dict[float, float]:
+    """Cumulative count of /search/* requests answered 200 per bucket bound, seconds (the
+    answers a client counts; a cell's window also holds any answer to the cell before it
+    that was still in flight when it began)."""
+    out: dict[float, float] = {}
+    for labels, value in _BUCKETS.findall(_metrics(url)):
+        le = re.search(r'le="([^"]+)"', labels)
+        if le and 'endpoint="/search/' in labels and 'status="200"' in labels:
+            bound = math.inf if le.group(1) == "+Inf" else float(le.group(1))
+            out[bound] = out.get(bound, 0.0) + float(value)
+    return out
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The upper bound, in ms, of the bucket holding the q-quantile of the requests counted
+    between `before` and `after` (inf: above the last bound; NaN: none counted)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return math.nan
+    for bound, cumulative in zip(bounds, counts, strict=True):
+        if cumulative >= q * counts[-1]:
+            return bound * 1000
+    return math.inf
