@@ -80,6 +80,12 @@ T0=$(date +%s)
 failed=0
 el() { echo "=== [$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
+duetlog() { # what duet's own log said in a serve_load step: warnings, start-up figures
+  local f=${TMPDIR:-/tmp}/duet-serve-load.log
+  [ -f "$f" ] || return 0
+  grep -E "WARNING|ERROR|device step:|pair budget|heap frozen|warm-up" "$f" | tail -n 12 |
+    sed "s/^/  duet ($1): /" | tee -a "$LOG"
+}
 step() { # step NAME CAP MIN CMD...: run it within min(CAP, what is left), or skip it
   local name=$1 cap=$2 min=$3 limit
   shift 3
@@ -92,6 +98,7 @@ step() { # step NAME CAP MIN CMD...: run it within min(CAP, what is left), or sk
   el "$name (at most ${limit}s)"
   timeout "$limit" "$@" 2>&1 | grep -v " INFO " | tail -60 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
+  case "$*" in *serve_load.py*) duetlog "$name" ;; esac
   [ "$rc" -eq 0 ] || { el "$name failed (exit $rc)" && failed=1; }
   return "$rc"
 }

@@ -303,7 +303,7 @@ def _commands(
         "DUET_DEVICE": args.device,
         "DUET_INDEX_POLL_S": "0",
         "DUET_REDIS_URL": "",
-        "DUET_LOG_LEVEL": "warning",
+        "DUET_LOG_LEVEL": "info",  # start-up figures and warnings, for gpu_check.sh's log
         **dict(kv.split("=", 1) for kv in args.duet_env.split(",") if kv),
         **({"DUET_RERANKER": str(args.reranker)} if args.reranker else {}),
     }
