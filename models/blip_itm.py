@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from models.masked_cross import pinned_attention
+from models.masked_cross import pin_attention
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -112,6 +112,7 @@ class BlipItmScorer:
         self.embed_norm = _Norm.of(enc.embeddings.LayerNorm)
         self.layers = [_Layer.of(layer, self.heads) for layer in enc.encoder.layer]
         self.itm = _wb(model.itm_head)
+        pin_attention(self.words.device)
 
     @staticmethod
     def of(model: Any) -> BlipItmScorer | None:
@@ -171,9 +172,8 @@ class BlipItmScorer:
         x = F.embedding(input_ids, self.words) + self.positions[:length]
         x = self.embed_norm(x)
         keep = attention_mask.bool()[:, None, None, :]
-        with pinned_attention(x.device):
-            for i, w in enumerate(self.layers):
-                x = self._self(w, x, keep, first=i == len(self.layers) - 1)
-                x = self._mlp(w, self._cross(w, x, states))
+        for i, w in enumerate(self.layers):
+            x = self._self(w, x, keep, first=i == len(self.layers) - 1)
+            x = self._mlp(w, self._cross(w, x, states))
         out = F.linear(x[:, 0], *self.itm).float()
         return out[:, 1] - out[:, 0]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.joint import JointModel
-from models.masked_cross import pinned_attention
+from models.masked_cross import pin_attention
 
 Precision = Literal["fp32", "fp16", "bf16"]
 # what a setting may ask for: auto = fp16 on a GPU, fp32 on the CPU (`BuiltinModel.load`)
@@ -107,6 +107,7 @@ class CrossEncoderRuntime:
         self.model = model
         self.precision = precision
         self.device = next(model.parameters()).device
+        pin_attention(self.device)  # the host path on a GPU: no cuDNN attention (masked_cross)
         heads = model.cfg.n_heads
         layers = list(model.fusion.layers)
         self.blocks = [_Block(layer, heads) for layer in layers]
@@ -127,18 +128,6 @@ class CrossEncoderRuntime:
         owner = owner.to(img.device)
         lens = torch.as_tensor(list(lengths), device=img.device)
         img = img.to(text_states.dtype)
-        with pinned_attention(img.device):
-            self._buckets(text_states, lens, owner, img, out)
-        return out
-
-    def _buckets(
-        self,
-        text_states: torch.Tensor,
-        lens: torch.Tensor,
-        owner: torch.Tensor,
-        img: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
         for length in torch.unique(lens).tolist():
             sentences = torch.nonzero(lens == length).squeeze(1)
             pairs = torch.nonzero(lens[owner] == length).squeeze(1)
@@ -150,6 +139,7 @@ class CrossEncoderRuntime:
             out[pairs] = self._bucket(
                 text_states[sentences, :length], local[owner[pairs]], img[pairs]
             ).float()
+        return out
 
     def _bucket(self, txt: torch.Tensor, owner: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
         m = self.model

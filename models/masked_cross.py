@@ -4,8 +4,6 @@ masked, the attention kernels pinned."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,25 +30,23 @@ def sdpa_backends(device: torch.device) -> list[object]:
 
 
 def pin_attention(device: torch.device) -> None:
-    """On CUDA, limit attention to `sdpa_backends` for the whole process, once. Process-wide
-    on purpose: `sdpa_kernel` sets torch's global flags on entry and restores them on exit,
-    so two workers entering and leaving it at different times could re-enable a kernel
-    under each other; with the flags pinned first, what each restores is the pinned set."""
+    """On CUDA, limit attention to `sdpa_backends` for the whole process; elsewhere nothing
+    changes. Called where a model that runs attention on the device is set up (the device
+    step, the host path's runtime, the BLIP scorer). Process-wide on purpose: `sdpa_kernel`
+    sets torch's global flags on entry and restores them on exit, so two workers entering
+    and leaving it at different times could re-enable a kernel under each other; with the
+    flags pinned first, what each restores is the pinned set. Without it the host path on
+    a GPU, a new shape per length bucket, met cuDNN's kernel, which builds a graph for each:
+    on an H100 it answered 1 request a second at 64 clients."""
     if device.type != "cuda":
         return
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(True)
-    torch.backends.cuda.enable_math_sdp(True)
+    from torch.nn.attention import SDPBackend
 
-
-def pinned_attention(device: torch.device) -> AbstractContextManager[object]:
-    """Attention limited to `sdpa_backends` for what runs inside, on CUDA (`pin_attention`);
-    elsewhere nothing changes. The host path on a GPU (DUET_LAYOUT=cpu, a BLIP re-ranker)
-    runs a new shape per length bucket, each of which cuDNN's kernel would build a graph
-    for: on an H100 the host path answered 1 request a second at 64 clients."""
-    pin_attention(device)
-    return nullcontext()
+    chosen = sdpa_backends(device)
+    torch.backends.cuda.enable_cudnn_sdp(SDPBackend.CUDNN_ATTENTION in chosen)
+    torch.backends.cuda.enable_flash_sdp(SDPBackend.FLASH_ATTENTION in chosen)
+    torch.backends.cuda.enable_mem_efficient_sdp(SDPBackend.EFFICIENT_ATTENTION in chosen)
+    torch.backends.cuda.enable_math_sdp(SDPBackend.MATH in chosen)
 
 
 class _Layer:

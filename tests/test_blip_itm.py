@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from models.blip_itm import BlipItmScorer
 from models.hf import HFBlipReranker, length_groups
-from models.masked_cross import pin_attention, pinned_attention
+from models.masked_cross import pin_attention
 from tests.hf_checkpoints import make_blip
 
 HEADS, HIDDEN, WIDTH, STATES = 4, 64, 48, 17  # a head has 16 dimensions
@@ -145,13 +145,11 @@ def test_attention_is_pinned_for_the_process_on_cuda_only() -> None:
     it under another; on the CPU torch's own choice stays."""
     flags = torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()
     pin_attention(torch.device("cpu"))
-    with pinned_attention(torch.device("cpu")):
-        assert (
-            torch.backends.cuda.cudnn_sdp_enabled(),
-            torch.backends.cuda.flash_sdp_enabled(),
-        ) == flags
+    assert (
+        torch.backends.cuda.cudnn_sdp_enabled(),
+        torch.backends.cuda.flash_sdp_enabled(),
+    ) == flags
     if torch.cuda.is_available():
-        with pinned_attention(torch.device("cuda")):
-            pass
+        pin_attention(torch.device("cuda"))
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.mem_efficient_sdp_enabled()
