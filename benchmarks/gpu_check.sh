@@ -17,7 +17,6 @@
 #             1,600 pairs a call (benchmarks/blip_ceiling.py -> blip_ceiling.md), the demo
 #             index built with it, duet against the plain script at 1 and 32 clients
 #             -> serve_blip.md (needs transformers, see below)
-#   blipsync  the BLIP scorer's tests (models.blip_itm), the CUDA ones in fp16 and bf16
 #   open      2,000 re-ranked req/s offered (and 64 clients), the default layout -> serve_open.md
 #   gcoff     the same with DUET_GC_FREEZE=0: the A/B for freezing the start-up heap
 #             -> serve_gcoff.md
@@ -169,7 +168,6 @@ for s in $STEPS; do
     step ab 100 40 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound \
       --modes re-ranked --duet-env DUET_LAYOUT=cpu --out "$OUT/serve_hostpath.md"
     ;;
-  blipsync) step blipsync 60 15 "${PYTEST[@]}" tests/test_blip_itm.py ;;
   open | gcoff) # 2,000 req/s offered, re-ranked, the default layout; gcoff: DUET_GC_FREEZE=0
     env=${LAYOUT[1]:-} # the rehearsal's layout settings (none on a GPU: its defaults)
     if [ "$s" = gcoff ]; then env=${env:+$env,}DUET_GC_FREEZE=0; fi
