@@ -191,16 +191,16 @@ _QUERIES: Queries | None = None
 
 def _init_worker(seed: int, n: int) -> None:
     """Each load process draws its own captions (seed + its pid: no two share a cache key)."""
+    import gc
     import os
-
-    from app.heap import freeze_startup_heap
 
     global _QUERIES
     _QUERIES = Queries(seed + os.getpid() % 10_000 * 1_000, n)
-    # its start-up heap (~27,000 objects, a 9 ms full pass) frozen as duet's is: a pause
-    # here would count as duet's latency in the open loop, which times from when each
-    # request was due
-    freeze_startup_heap()
+    # its start-up heap (~27,000 objects, a 9 ms full pass) frozen as duet's is (app.heap,
+    # a floor above the benchmarks, so not imported): a pause here would count as duet's
+    # latency in the open loop, which times from when each request was due
+    gc.collect()
+    gc.freeze()
 
 
 def _until(start_at: float) -> None:
