@@ -176,6 +176,13 @@ class Settings(BaseSettings):
         "full collections skip the ~240,000 objects that live as long as the process (a "
         "full pass over them paused a process 87 ms on a 2-core CPU)",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="GPU layout on CUDA: each text shape the device step builds at warm-up "
+        "is also captured as a CUDA graph and replayed with one launch (the step of the "
+        "shipped model is bound by launching kernels); each graph is checked against the "
+        "eager step at capture, and one that disagrees turns them off; 0 = eager only",
+    )
     request_timeout_ms: float = Field(
         2000.0,
         gt=0,

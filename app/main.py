@@ -117,7 +117,7 @@ def _pipeline(
     """The search pipeline over the loaded model and index, sized for where the model runs."""
     on_gpu = _on_cuda(res.model)
     gpu_layout = settings.layout == "gpu" or (settings.layout == "auto" and on_gpu)
-    step = step_for(res.model) if gpu_layout else None
+    step = step_for(res.model, graphs=settings.cuda_graphs) if gpu_layout else None
     if gpu_layout and step is None:
         log.warning("DUET_LAYOUT=gpu needs the builtin model as encoder: host path only")
     # the GPU layout: two workers (one prepares and looks up while the other waits on the

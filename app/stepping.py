@@ -17,6 +17,7 @@ from models.builtin import pixel_bytes
 from models.device_step import CaptionTables, DeviceStep, ResidentTables, text_ids_of
 from models.fusion import sigmoid
 from models.protocols import JointEncoder
+from models.step_graphs import capture_shapes
 from store import ann
 from store.indexio import IMAGE_VECTORS, TEXT_VECTORS, IndexVersion
 
@@ -48,6 +49,7 @@ class DeviceStepping:
     declared here."""
 
     step: DeviceStep | None
+    step_shapes: Sequence[tuple[int, int, int, bool]] = ()  # the shapes warm_step built
     model: JointEncoder
     metrics: Metrics
     batch_cost: BatchCost
@@ -99,6 +101,9 @@ class DeviceStepping:
             index.resident.nbytes / 1e6,
             time.monotonic() - t0,
         )
+        if self.step_shapes and index.resident.graphs is not None:  # a version swapped in
+            n = capture_shapes(self.step, index.resident, self.step_shapes, 60.0)
+            log.info("index %s: %d shapes captured as CUDA graphs", index.version, n)
 
     def _captions(self, index: IndexVersion) -> CaptionTables | None:
         """The version's captions as the step's image queries read them (a Flat text index and
@@ -157,12 +162,15 @@ class DeviceStepping:
         shapes = self.step.shapes_within(self.rerank_max_batch, max_batch)
         t0 = time.monotonic()
         built = self.step.warm_up(tables, shapes, seconds)
+        self.step_shapes = shapes  # what a version swapped in later is captured at
+        captured = capture_shapes(self.step, tables, shapes, seconds)
         self._seed_cost(tables, max_batch)
         log.info(
-            "device step: %d of %d shapes built in %.1fs; pair budget %d",
+            "device step: %d of %d shapes built in %.1fs, %s; pair budget %d",
             built,
             len(shapes),
             time.monotonic() - t0,
+            f"{captured} as CUDA graphs" if tables.graphs is not None else "no CUDA graphs",
             self.rerank_max_batch,
         )
 

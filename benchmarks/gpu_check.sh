@@ -17,7 +17,10 @@
 #             1,600 pairs a call (benchmarks/blip_ceiling.py -> blip_ceiling.md), the demo
 #             index built with it, duet against the plain script at 1 and 32 clients
 #             -> serve_blip.md (needs transformers, see below)
-#   open      2,000 re-ranked req/s offered (and 64 clients), the default layout -> serve_open.md
+#   open      2,000 re-ranked req/s offered (and 1 and 64 clients, both modes), the default
+#             layout -> serve_open.md
+#   nograph   the same with DUET_CUDA_GRAPHS=0: the A/B for the step's CUDA graphs
+#             -> serve_nograph.md
 #   gcoff     the same with DUET_GC_FREEZE=0: the A/B for freezing the start-up heap
 #             -> serve_gcoff.md
 #   single    the A/B for the fronts: the same with one process (DUET_FRONTENDS=0) at 1, 64
@@ -130,7 +133,8 @@ SERVE=(python3 benchmarks/serve_load.py --device $DEV --index-dir indexes --roun
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -rfs)
 for s in $STEPS; do
   case $s in
-  sync) step sync 120 30 "${PYTEST[@]}" tests/test_device_step.py tests/test_fastpath.py tests/test_blip_itm.py ;;
+  sync) step sync 150 30 "${PYTEST[@]}" tests/test_device_step.py tests/test_step_graphs.py \
+    tests/test_fastpath.py tests/test_blip_itm.py ;;
   index) # on the GPU; if the builder's CUDA path fails, on the CPU, so the serving steps run
     step index 120 30 env DUET_DEVICE=$DEV python3 -m duet.cli demo-index --out indexes \
       --corpus-out data/demo --images 2000 --seed 7 --no-progress ||
@@ -168,12 +172,14 @@ for s in $STEPS; do
     step ab 100 40 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound \
       --modes re-ranked --duet-env DUET_LAYOUT=cpu --out "$OUT/serve_hostpath.md"
     ;;
-  open | gcoff) # 2,000 req/s offered, re-ranked, the default layout; gcoff: DUET_GC_FREEZE=0
+  open | gcoff | nograph) # 2,000 req/s offered, the default layout; gcoff: DUET_GC_FREEZE=0;
+    # nograph: DUET_CUDA_GRAPHS=0
     env=${LAYOUT[1]:-} # the rehearsal's layout settings (none on a GPU: its defaults)
     if [ "$s" = gcoff ]; then env=${env:+$env,}DUET_GC_FREEZE=0; fi
+    if [ "$s" = nograph ]; then env=${env:+$env,}DUET_CUDA_GRAPHS=0; fi
     envs=()
     if [ -n "$env" ]; then envs=(--duet-env "$env"); fi
-    step "$s" 110 60 "${SERVE[@]}" --concurrency 64 --modes re-ranked --procs 8 --open-loop "$OFFER" \
+    step "$s" 130 70 "${SERVE[@]}" --concurrency 1,64 --procs 8 --open-loop "$OFFER" \
       --overload 0 --skip-bound "${envs[@]}" --out "$OUT/serve_$s.md"
     ;;
   fp32)

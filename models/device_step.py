@@ -10,21 +10,18 @@ products and cross-encoder logits), with no synchronisation in between:
 * search is one matmul + top-k over the index's vectors, resident on the device;
 * the candidates' image states are gathered from a token table resident on the device
   (`ResidentTables`, made when a version is loaded or swapped in, released with it);
-* the cross-encoder runs at a few fixed shapes: queries, text length and candidates are
-  padded up to buckets (`StepShapes`) and the padding is masked, so every shape it will
-  meet can be built once at warm-up (cuDNN, autotuned kernels, allocator blocks) and no
-  request pays for a new one. Text lengths are chosen so that a pair's sequence length is a
-  multiple of 8, which masked attention kernels need to take their fast path;
-* its weights are cast once, at load, to the serving precision (autocast recasts every
-  weight on every call), and the attention backend is pinned (`SDPA_BACKENDS`).
+* the cross-encoder runs at a few fixed shapes (`StepShapes`: queries, text length and
+  candidates padded up to buckets, the padding masked), each built once at warm-up and, on
+  CUDA, captured as a graph (`models.step_graphs`); text lengths make a pair's sequence a
+  multiple of 8 positions, which masked attention kernels need for their fast path;
+* its weights are cast once, at load, to the serving precision, and the attention backend
+  is pinned (`sdpa_backends`).
 
-Fusion and top-k run on the host from the copied-out (queries x candidates) arrays: the same
-function (`models.fusion.fused_top_k`) as every other path, over 50 numbers a query.
-Image queries take the same step the other way round (`launch_images`): the image tower,
-search over the captions' vectors, the candidate captions' token ids gathered from a table
-resident with the version, the text tower and the cross-encoder over them. Not covered here
-(the host path serves them): re-rankers other than the cross-encoder, and indexes that are
-not Flat (IVF / HNSW search stays in FAISS).
+Fusion and top-k run on the host from the copied-out (queries x candidates) arrays
+(`models.fusion.fused_top_k`, as every other path). Image queries take the same step the
+other way round (`launch_images`): the image tower, search over the captions' vectors, the
+candidate captions' ids gathered from a resident table, the text tower and the
+cross-encoder. The host path serves re-rankers other than the cross-encoder.
 """
 
 from __future__ import annotations
@@ -43,6 +40,7 @@ import torch.nn.functional as F
 from models.inference import Precision
 from models.joint import JointModel
 from models.masked_cross import DTYPES, MaskedCrossEncoder, pin_attention, sdpa_backends
+from models.step_graphs import StepGraphs
 
 log = logging.getLogger("duet.device_step")
 
@@ -90,6 +88,7 @@ class ResidentTables:
             )
 
         self.captions: CaptionTables | None = None  # the caption side, for image queries
+        self.graphs: StepGraphs | None = None  # the text shapes' CUDA graphs over these
 
     @property
     def nbytes(self) -> int:
@@ -103,6 +102,9 @@ class ResidentTables:
         self.rows = 0
         if self.captions is not None:
             self.captions.release()
+        if self.graphs is not None:  # they read the tables just freed
+            self.graphs.drop()
+            self.graphs = None
 
 
 class CaptionTables:
@@ -150,6 +152,7 @@ class DeviceStep:
         precision: Precision,
         shapes: StepShapes | None = None,
         rerank: bool = True,
+        graphs: bool = False,
     ) -> None:
         self.model = model  # its towers run in fp32, as the index's vectors were made
         self.reranks = rerank  # whether the model's cross-encoder is the service's `ce`
@@ -164,6 +167,8 @@ class DeviceStep:
         self.cross = MaskedCrossEncoder(model, self.dtype)
         self.backends = sdpa_backends(device)
         pin_attention(device)  # what `_kernels` restores on leaving, whichever worker leaves
+        # text shapes replayed as CUDA graphs (`models.step_graphs`); on CUDA only
+        self.graphs = graphs and device.type == "cuda"
 
     # -- tables ---------------------------------------------------------------------
     def free_bytes(self) -> int | None:
@@ -173,7 +178,10 @@ class DeviceStep:
         return None
 
     def tables(self, vectors: np.ndarray, tokens: np.ndarray) -> ResidentTables:
-        return ResidentTables(vectors, tokens, self.device, self.dtype)
+        made = ResidentTables(vectors, tokens, self.device, self.dtype)
+        if self.graphs:
+            made.graphs = StepGraphs(self.device)
+        return made
 
     # -- shapes -----------------------------------------------------------------------
     def padded(self, queries: int, longest: int, candidates: int) -> tuple[int, int, int]:
@@ -208,6 +216,8 @@ class DeviceStep:
         b, length, m = self.padded(len(ids), max(len(r) for r in ids), candidates)
         m = min(m, tables.rows)
         host = self.pack(ids, length, b)
+        if tables.graphs is not None and (graph := tables.graphs.get((b, length, m, rerank))):
+            return tables.graphs.replay(graph, host)
         tok = host.to(self.device, non_blocking=True)
         return self.run(tables, tok, length, m, rerank)
 
@@ -375,7 +385,9 @@ def text_ids_of(model: object) -> Callable[[str], list[int]] | None:
     return ids if callable(ids) else None
 
 
-def step_for(models: object, shapes: StepShapes | None = None) -> DeviceStep | None:
+def step_for(
+    models: object, shapes: StepShapes | None = None, graphs: bool = False
+) -> DeviceStep | None:
     """The GPU layout's step over the service's models when the builtin model is their
     encoder (re-ranking too when it is also the cross-encoder); None otherwise."""
     joint: Any = getattr(models, "joint", None)
@@ -383,4 +395,6 @@ def step_for(models: object, shapes: StepShapes | None = None) -> DeviceStep | N
         return None
     builtin = cast(Any, joint)
     rerank = getattr(models, "cross", None) is builtin
-    return DeviceStep(builtin.model, builtin.device, builtin.cross.precision, shapes, rerank=rerank)
+    return DeviceStep(
+        builtin.model, builtin.device, builtin.cross.precision, shapes, rerank, graphs
+    )

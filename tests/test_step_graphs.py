@@ -1,0 +1,170 @@
+"""The device step's CUDA graphs (`models.step_graphs`): what runs on the CPU here (the
+check that compares a replay with the eager step, the ids it captures with, graphs off off
+CUDA), and on a CUDA host the graphs themselves against the eager step, without a sync, from
+two threads at once, and for a version swapped in."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.builtin import BuiltinModel
+from models.device_step import DeviceStep, ResidentTables
+from models.inference import Precision
+from models.step_graphs import agree, capture_shapes, varied_ids
+from tests.test_device_step import TEXTS, _table, _worker
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_agree_compares_rows_dots_and_logits() -> None:
+    rows = np.arange(200).reshape(4, 50)
+    dots = np.linspace(0, 1, 200, dtype=np.float32).reshape(4, 50)
+    logits = dots * 3
+    same = (rows, dots, logits)
+    assert agree(same, (rows.copy(), dots + 1e-5, logits - 1e-5))
+    assert not agree(same, (rows, dots, logits + 0.1))
+    assert not agree(same, (rows, dots + 0.1, logits))
+    assert not agree(same, (rows, dots, None))
+    assert agree((rows, dots, None), (rows, dots, None))
+    swapped = rows.copy()
+    swapped[0, [3, 4]] = swapped[0, [4, 3]]  # a tie swapped: 2 of 200 rows differ
+    assert agree(same, (swapped, dots, logits))
+    assert not agree(same, (rows[::-1].copy(), dots, logits))
+    assert not agree(same, (rows[:2], dots[:2], logits[:2]))
+
+
+def test_varied_ids_differ_by_row_and_fit_the_width_and_vocabulary() -> None:
+    ids = varied_ids(8, 16, 64)
+    assert len(ids) == 8 and len({tuple(r) for r in ids}) == 8
+    assert all(1 <= len(r) <= 16 and r[0] == 2 for r in ids)
+    assert all(0 < t < 64 for r in ids for t in r)
+
+
+def test_graphs_stay_off_off_cuda(model: BuiltinModel) -> None:
+    """Asked for graphs on the CPU device, the step has none and captures none: the eager
+    step answers."""
+    step = DeviceStep(model.model, torch.device("cpu"), "fp32", graphs=True)
+    assert not step.graphs
+    vecs, toks = _table()
+    tables = step.tables(vecs, toks)
+    assert tables.graphs is None
+    shapes = step.shapes_within(100, 2)
+    assert capture_shapes(step, tables, shapes, 10.0) == 0
+    ids = [model.tokenizer.ids(t) for t in TEXTS]
+    assert step(tables, ids, 20, True).logits is not None
+
+
+def _pair(
+    precision: Precision = "fp16",
+) -> tuple[DeviceStep, ResidentTables, DeviceStep, ResidentTables]:
+    """A step with graphs and one without, each over its own copy of the same tables."""
+    gpu = BuiltinModel.load(device="cuda", precision=precision)
+    vecs, toks = _table()
+    cuda_dev = torch.device("cuda")
+    graphed = DeviceStep(gpu.model, cuda_dev, precision, graphs=True)
+    eager = DeviceStep(gpu.model, cuda_dev, precision, graphs=False)
+    return graphed, graphed.tables(vecs, toks), eager, eager.tables(vecs, toks)
+
+
+def _batches(model: BuiltinModel) -> list[list[list[int]]]:
+    ids = [model.tokenizer.ids(t) for t in TEXTS]
+    return [ids[:1], ids[:3], ids, ids[1:3] * 2]
+
+
+@cuda
+def test_cuda_graphs_answer_as_the_eager_step(model: BuiltinModel) -> None:
+    """Every shape within the budget captured and checked; then batches of 1, 3, 4 and 5
+    queries (padded to 1, 4, 4, 8) answer through the graphs as the eager step does, both
+    re-ranked and not, and a shape never captured still answers (eagerly)."""
+    graphed, tables, eager, plain = _pair()
+    shapes = graphed.shapes_within(400, 8)
+    n = capture_shapes(graphed, tables, shapes, 120.0)
+    assert tables.graphs is not None and not tables.graphs.broken
+    assert n == len(tables.graphs) == len({(b, t, min(m, 300), r) for b, t, m, r in shapes})
+    for ids in _batches(model):
+        for m, rerank in ((50, True), (10, False), (20, True)):
+            got, want = graphed(tables, ids, m, rerank), eager(plain, ids, m, rerank)
+            np.testing.assert_array_equal(got.rows, want.rows)
+            np.testing.assert_allclose(got.dots, want.dots, atol=1e-5)
+            if rerank:
+                assert got.logits is not None and want.logits is not None
+                np.testing.assert_allclose(got.logits, want.logits, atol=1e-2)
+    big = [model.tokenizer.ids(TEXTS[0])] * 16  # 16 x 50 pairs: past the budget, not captured
+    got, want = graphed(tables, big, 50, True), eager(plain, big, 50, True)
+    assert got.logits is not None and want.logits is not None
+    np.testing.assert_allclose(got.logits, want.logits, atol=1e-2)
+
+
+@cuda
+def test_cuda_graph_replay_queues_without_a_sync(model: BuiltinModel) -> None:
+    graphed, tables, eager, plain = _pair()
+    shapes = [(4, t, 50, True) for t in graphed.text_buckets]
+    assert capture_shapes(graphed, tables, shapes, 60.0) == len(shapes)
+    ids = _batches(model)[1]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = graphed.launch(tables, ids, 50, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = graphed.collect(launched, len(ids))
+    want = eager(plain, ids, 50, True)
+    assert out.logits is not None and want.logits is not None
+    np.testing.assert_allclose(out.logits, want.logits, atol=1e-2)
+
+
+@cuda
+def test_cuda_graphs_from_two_threads_keep_their_answers_apart(model: BuiltinModel) -> None:
+    """Two workers replaying the same graph (and another) at once each get their own batch's
+    answer: a replay's input, run and outputs are not interleaved with another's."""
+    graphed, tables, eager, plain = _pair()
+    shapes = [(b, t, 50, True) for b in (1, 4) for t in graphed.text_buckets]
+    capture_shapes(graphed, tables, shapes, 60.0)
+    batches = [[model.tokenizer.ids(t)] for t in TEXTS] + [_batches(model)[1]]
+    want = [eager(plain, ids, 50, True).logits for ids in batches]
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        for i in range(60):
+            j = (i + k) % len(batches)
+            got = graphed(tables, batches[j], 50, True).logits
+            if got is None or not np.allclose(got, want[j], atol=1e-2):  # type: ignore[arg-type]
+                errors.append(f"thread {k}, batch {j}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+
+
+@cuda
+def test_a_version_swapped_in_is_captured_and_its_graphs_go_with_it(
+    index_dir: Path, model: BuiltinModel
+) -> None:
+    """Once warm_step has run, `prepare` captures a later version's shapes too; closing the
+    version drops its graphs."""
+    from store.indexio import IndexVersion, resolve_current
+
+    gpu = BuiltinModel.load(device="cuda", precision="fp16")
+    step = DeviceStep(gpu.model, torch.device("cuda"), "fp16", graphs=True)
+    worker = _worker(gpu, step)
+    first = IndexVersion.open(resolve_current(index_dir))
+    worker.prepare(first)
+    worker.warm_step(first, False, 4, 60.0)
+    assert first.resident is not None and first.resident.graphs is not None
+    assert len(first.resident.graphs) > 0 and worker.step_shapes
+    second = IndexVersion.open(resolve_current(index_dir))
+    worker.prepare(second)
+    tables = second.resident
+    assert tables is not None and tables.graphs is not None
+    assert len(tables.graphs) == len(first.resident.graphs)
+    second.close()
+    assert tables.graphs is None
+    first.close()
