@@ -13,6 +13,8 @@ class Cell:
     """One (server, mode, concurrency) measurement, summed over rounds."""
 
     latencies: list[float] = field(default_factory=list)  # full answers only, seconds
+    # open loop: when each of those answers' requests was due, seconds into the run
+    due: list[float] = field(default_factory=list)
     seconds: float = 0.0
     degraded: int = 0
     refused: int = 0
@@ -48,6 +50,20 @@ class Cell:
     @property
     def throughput(self) -> float:
         return len(self.latencies) / self.seconds if self.seconds else 0.0
+
+    def tail(self, share: float = 0.01, window: float = 0.1) -> tuple[int, int, int, float]:
+        """When the slowest `share` of an open loop's answers were due: (how many they are,
+        how many of the run's `window`-second windows hold any of them, how many windows the
+        run has, the share of them in the busiest window). A stall (a collection, a new
+        kernel, a slow step) puts the tail in a few windows; queueing spreads it."""
+        if not self.due or len(self.due) != len(self.latencies):
+            return 0, 0, 0, float("nan")
+        lat, due = np.asarray(self.latencies), np.asarray(self.due)
+        n = max(1, round(share * len(lat)))
+        slow = due[np.argsort(lat)[-n:]]
+        held = np.unique((slow // window).astype(int), return_counts=True)[1]
+        windows = int(np.ptp(due) // window) + 1
+        return n, len(held), windows, float(held.max()) / n
 
     def q(self, p: float) -> float:
         return float(np.percentile(self.latencies, p)) * 1000 if self.latencies else float("nan")

@@ -12,7 +12,8 @@ import re
 import httpx
 
 _SUMS = re.compile(r"^duet_(stage|request)_seconds_(sum|count)\{([^}]*)\} (\S+)$", re.M)
-_BUCKETS = re.compile(r"^duet_request_seconds_bucket\{([^}]*)\} (\S+)$", re.M)
+_BUCKETS = re.compile(r"^duet_(request|stage|device_step)_seconds_bucket\{([^}]*)\} (\S+)$", re.M)
+OWN = ("request", "queue", "device", "step")  # what `own_buckets` reads
 
 
 def _metrics(url: str) -> str:
@@ -36,16 +37,44 @@ def stage_totals(url: str) -> dict[str, list[float]]:
     return out
 
 
-def request_buckets(url: str) -> dict[float, float]:
-    """Cumulative count of /search/* requests answered 200 per bucket bound, seconds (the
-    answers a client counts; a cell's window also holds any answer to the cell before it
-    that was still in flight when it began)."""
-    out: dict[float, float] = {}
-    for labels, value in _BUCKETS.findall(_metrics(url)):
+def _own(family: str, labels: str) -> str | None:
+    """Which of `OWN` a histogram series counts: "request" (/search/* answered 200: the
+    answers a client counts), "queue" and "device" (those stages of `duet_stage_seconds`, per
+    request), "step" (`duet_device_step_seconds`, per device step); None for the rest."""
+    if family == "request":
+        ok = 'endpoint="/search/' in labels and 'status="200"' in labels
+        return "request" if ok else None
+    if family == "device_step":
+        return "step"
+    stage = re.search(r'stage="([^"]+)"', labels)
+    return stage.group(1) if stage and stage.group(1) in ("queue", "device") else None
+
+
+def own_buckets(url: str) -> dict[str, dict[float, float]]:
+    """duet's /metrics now: for each of `OWN`, the cumulative count per bucket bound (seconds).
+    A cell's window also holds any answer to the cell before it still in flight when it
+    began."""
+    out: dict[str, dict[float, float]] = {}
+    for family, labels, value in _BUCKETS.findall(_metrics(url)):
         le = re.search(r'le="([^"]+)"', labels)
-        if le and 'endpoint="/search/' in labels and 'status="200"' in labels:
+        name = _own(family, labels)
+        if le and name:
             bound = math.inf if le.group(1) == "+Inf" else float(le.group(1))
-            out[bound] = out.get(bound, 0.0) + float(value)
+            counts = out.setdefault(name, {})
+            counts[bound] = counts.get(bound, 0.0) + float(value)
+    return out
+
+
+def own_quantiles(
+    before: dict[str, dict[float, float]], after: dict[str, dict[float, float]]
+) -> dict[str, float]:
+    """The bucket bounds (ms) holding duet's own p50 and p99 of its requests, and the p99 of
+    each other histogram of `OWN`, counted between two `own_buckets` readings."""
+    out = {}
+    for name in OWN:
+        for q in (50, 99) if name == "request" else (99,):
+            key = f"p{q}" if name == "request" else f"{name} p{q}"
+            out[key] = bucket_quantile(before.get(name, {}), after.get(name, {}), q / 100)
     return out
 
 

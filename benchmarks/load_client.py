@@ -277,6 +277,7 @@ class LoadPool:
 def _merge(cell: Cell, parts: list[Cell], seconds: float) -> None:
     for p in parts:
         cell.latencies += p.latencies
+        cell.due += p.due
         cell.degraded += p.degraded
         cell.refused += p.refused
         cell.errors += p.errors
@@ -345,6 +346,7 @@ async def open_loop(
             cell.degraded += 1
         else:
             cell.latencies.append(time.perf_counter() - due)
+            cell.due.append(due - t0)
 
     tasks = []
     for i in range(total):

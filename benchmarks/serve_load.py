@@ -41,8 +41,8 @@ sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 
 from benchmarks.cell import Cell  # noqa: E402
 from benchmarks.duet_metrics import (  # noqa: E402
-    bucket_quantile,
-    request_buckets,
+    own_buckets,
+    own_quantiles,
     stage_totals,
 )
 from benchmarks.load_client import LoadPool, Queries, closed_loop, overload  # noqa: E402
@@ -207,7 +207,7 @@ def run_open_loop(
     for rate in [float(r) for r in args.open_loop.split(",") if r]:
         for srv, url in urls.items():
             cell = out.setdefault(f"{srv}|{rate:g}", Cell())
-            own = request_buckets(url) if srv == "duet" else {}
+            own = own_buckets(url) if srv == "duet" else {}
             if pool is not None:
                 pool.open(url, rate, args.seconds, True, args.candidates, cell)
             else:
@@ -215,9 +215,8 @@ def run_open_loop(
                     open_loop(url, rate, args.seconds, True, args.candidates, queries, cell)
                 )
                 cell.seconds += args.seconds
-            if own:  # duet's own clock: bucket bounds of its request latency's quantiles
-                now = request_buckets(url)
-                cell.own = {f"p{q}": bucket_quantile(own, now, q / 100) for q in (50, 99)}
+            if own:  # duet's own clock: bucket bounds of its histograms' quantiles
+                cell.own = own_quantiles(own, own_buckets(url))
             print(
                 f"offered {rate:g}/s {srv:8s} answered {cell.throughput:6.1f}/s "
                 f"p50 {cell.q(50):7.1f} ms p99 {cell.q(99):7.1f} ms 429 {cell.refused} "

@@ -119,6 +119,8 @@ def write_report(
         lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
     lines += _stages(results)
     lines += _cores(levels, results)
+    if offered:
+        plot_offered(offered, _open_png(args))
     lines += _offered(args, offered or {})
     if over is not None:
         lines += [
@@ -216,21 +218,63 @@ def _offered(args: argparse.Namespace, offered: dict[str, Cell]) -> list[str]:
     lines = [
         "",
         f"Offered load (open loop, re-ranked, {args.seconds:g} s; latency from when each "
-        "request was due; duet's own: the bounds of the buckets of its `duet_request_seconds` "
-        "histogram that hold its p50 and p99, the time inside its request handling):",
+        "request was due). duet's own: the bounds of the buckets of its histograms that hold "
+        "the quantile, the time inside its request handling (`duet_request_seconds`), and of "
+        "it the p99 of the queue before the engine and of the device step as each request saw "
+        "them (`duet_stage_seconds`), and of each device step (`duet_device_step_seconds`). "
+        "Slowest 1 %: when those answers' requests were due, in how many of the run's 100 ms "
+        "windows, and the busiest window's share (a stall puts them in a few windows, "
+        "queueing spreads them):",
         "",
         "| server | offered req/s | answered req/s | p50 ms | p99 ms | duet's own p50 / p99 "
-        "ms (at most) | 429 | errors | unanswered 2 s after |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "ms (at most) | its queue / device / step p99 ms (at most) | slowest 1 %: windows "
+        "(busiest share) | 429 | errors | unanswered 2 s after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    tail = ["", f"![each answer's latency by when it was due]({_open_png(args).name})"]
     for key, oc in offered.items():
         srv, rate = key.split("|")
-        own = f"{oc.own['p50']:g} / {oc.own['p99']:g}" if oc.own else "-"
+        o = oc.own
+        own = f"{o['p50']:g} / {o['p99']:g}" if o else "-"
+        parts = f"{o['queue p99']:g} / {o['device p99']:g} / {o['step p99']:g}" if o else "-"
+        n, held, windows, busiest = oc.tail()
+        spread = f"{n} in {held} of {windows} ({busiest:.0%})" if n else "-"
         lines.append(
             f"| {srv} | {rate} | {oc.throughput:.1f} | {oc.q(50):.1f} | {oc.q(99):.1f} | "
-            f"{own} | {oc.refused} | {oc.errors} | {oc.late} |"
+            f"{own} | {parts} | {spread} | {oc.refused} | {oc.errors} | {oc.late} |"
         )
-    return lines
+    return lines + tail
+
+
+def _open_png(args: argparse.Namespace) -> Path:
+    return args.out.with_name(f"{args.out.stem}_open.png")
+
+
+def plot_offered(offered: dict[str, Cell], path: Path) -> None:
+    """Each answer's latency against when its request was due, one panel per offered rate
+    (duet's answers; the script's beside them when it answered any)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({k.split("|")[1] for k in offered}, key=float)
+    fig, axes = plt.subplots(len(rates), 1, figsize=(10, 3.2 * len(rates)), squeeze=False)
+    for ax, rate in zip(axes[:, 0], rates, strict=True):
+        for srv, color in (("duet", "tab:blue"), ("baseline", "tab:orange")):
+            c = offered.get(f"{srv}|{rate}")
+            if c is not None and c.due and len(c.due) == len(c.latencies):
+                ms = [x * 1000 for x in c.latencies]
+                ax.scatter(c.due, ms, s=2, alpha=0.4, color=color, label=srv)
+                ax.axhline(c.q(99), color=color, lw=0.8, ls="--", label=f"{srv} p99")
+        ax.set_yscale("log")
+        ax.set_title(f"{rate} req/s offered: each answer's latency by when it was due")
+        ax.set_xlabel("seconds into the run")
+        ax.set_ylabel("ms")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, markerscale=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _write_json(

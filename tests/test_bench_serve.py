@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,11 +91,20 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
     ]
     assert len(offered) == 2
     for line in offered:  # both answered about what was offered, without errors, in time
-        answered, errors, late = (line.split("|")[i] for i in (3, 8, 9))
+        answered, errors, late = (line.split("|")[i] for i in (3, 10, 11))
         assert float(answered) > 5 and int(errors) == 0 and int(late) == 0, line
     # duet's own p50 and p99, read off its request histogram: bucket bounds, p50 <= p99
     own = [float(x) for x in offered[0].split("|")[6].split("/")]
     assert offered[0].startswith("| duet |") and 0 < own[0] <= own[1], offered[0]
+    # and of it the queue's, the device step's per request and per step: each counted
+    queue, device, step = (float(x) for x in offered[0].split("|")[7].split("/"))
+    assert 0 < queue <= own[1] and 0 < device <= own[1] and 0 < step <= own[1], offered[0]
+    # the slowest 1 % of the answers, placed in the run's 100 ms windows
+    slow = re.fullmatch(r" (\d+) in (\d+) of (\d+) \((\d+)%\) ", offered[0].split("|")[8])
+    assert slow, offered[0]
+    n, held, windows, share = (int(x) for x in slow.groups())
+    assert 1 <= held <= min(n, windows) and 0 < share <= 100, offered[0]
+    assert out.with_name("performance_open.png").stat().st_size > 10_000
     lone = report.split("A lone request (1 client)")[1].split("\n\n")[1].splitlines()[2:]
     assert [row.split("|")[1].strip() for row in lone] == ["re-ranked", "dot only"]
     for row in lone:  # the server's own account: its time, the device step's, the look-ups'
@@ -257,3 +267,19 @@ def test_duets_own_quantiles_are_read_off_its_histograms_buckets() -> None:
     assert bucket_quantile(before, after, 0.99) == 50.0
     assert bucket_quantile(before, after, 1.0) == math.inf
     assert math.isnan(bucket_quantile(after, after, 0.5))  # nothing counted
+
+
+def test_the_open_loops_tail_is_placed_in_time() -> None:
+    """The slowest 1 % of an open loop's answers: a stall puts them in one window, a tail
+    spread over the run in many."""
+    from benchmarks.cell import Cell
+
+    due = [1 + i / 1000 for i in range(2000)]  # 2 s at 1,000 req/s
+    stalled = Cell(latencies=[0.01] * 2000, due=due)
+    for i in range(710, 730):  # 20 answers due within 20 ms, each 100 ms late
+        stalled.latencies[i] = 0.1
+    assert stalled.tail() == (20, 1, 20, 1.0)
+    spread = Cell(latencies=[0.01 + (i % 100 == 50) for i in range(2000)], due=due)
+    n, held, windows, busiest = spread.tail()
+    assert (n, held, windows) == (20, 20, 20) and busiest == 1 / 20
+    assert Cell(latencies=[0.01]).tail()[0] == 0  # no due times (a closed loop): nothing
