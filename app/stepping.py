@@ -23,6 +23,8 @@ from store.indexio import IMAGE_VECTORS, TEXT_VECTORS, IndexVersion
 
 log = logging.getLogger("duet.pipeline")
 
+BUDGET_QUERY = (2, 3, 4, 5, 6, 7)  # the token ids of each query the pair budget is timed on
+
 
 def exact_vectors(index: IndexVersion, text: bool) -> np.ndarray | None:
     """The vectors the step searches exactly: a Flat index's own; for an approximate one
@@ -158,12 +160,14 @@ class DeviceStepping:
         if self.step is None or not isinstance(tables, ResidentTables) or not tables.rows:
             return
         if measure and self.step.reranks:
+            # timed as it will serve: with graphs, each batch size is captured first
+            capture_shapes(self.step, tables, self.budget_shapes(), seconds, check_syncs=True)
             self.rerank_max_batch = self.measure_budget(tables)
         shapes = self.step.shapes_within(self.rerank_max_batch, max_batch)
         t0 = time.monotonic()
         built = self.step.warm_up(tables, shapes, seconds)
         self.step_shapes = shapes  # what a version swapped in later is captured at
-        captured = capture_shapes(self.step, tables, shapes, seconds)
+        captured = capture_shapes(self.step, tables, shapes, seconds, check_syncs=True)
         self._seed_cost(tables, max_batch)
         log.info(
             "device step: %d of %d shapes built in %.1fs, %s; pair budget %d",
@@ -187,6 +191,15 @@ class DeviceStepping:
                 self.step(tables, [[2, 3, 4, 5, 6, 7]] * b, m, rerank)
                 self.batch_cost.observe(b, b * m if rerank else 0, time.perf_counter() - t0)
 
+    def budget_shapes(
+        self, candidates: int = 50, cap: int = 16384
+    ) -> list[tuple[int, int, int, bool]]:
+        """The shapes `measure_budget` times: its batches of 1, 2, 4, ... six-token queries."""
+        assert self.step is not None
+        longest = len(BUDGET_QUERY)
+        shapes = [self.step.padded(b, longest, candidates) for b in self.step.shapes.queries]
+        return [(b, n, m, True) for b, n, m in shapes if b * candidates <= cap]
+
     def measure_budget(self, tables: ResidentTables, candidates: int = 50, cap: int = 16384) -> int:
         """The pairs per batch past which the device gains under 10 % more pairs/s: batches
         of 1, 2, 4, ... queries of `candidates` each, timed (the batch cost model's first
@@ -196,7 +209,7 @@ class DeviceStepping:
         for b in self.step.shapes.queries:
             if b * candidates > cap:
                 break
-            ids = [[2, 3, 4, 5, 6, 7]] * b
+            ids = [list(BUDGET_QUERY)] * b
             self.step(tables, ids, candidates, True)  # builds the shape
             t0 = time.perf_counter()
             for _ in range(3):

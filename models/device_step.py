@@ -97,14 +97,14 @@ class ResidentTables:
 
     def release(self) -> None:
         """Free the device memory now (a swapped-out version's tables)."""
+        if self.graphs is not None:  # first: they read the tables
+            self.graphs.drop()
+            self.graphs = None
         self.vectors = self.vectors.new_zeros((0, self.vectors.shape[1]))
         self.tokens = self.tokens.new_zeros((0, *self.tokens.shape[1:]))
         self.rows = 0
         if self.captions is not None:
             self.captions.release()
-        if self.graphs is not None:  # they read the tables just freed
-            self.graphs.drop()
-            self.graphs = None
 
 
 class CaptionTables:
@@ -179,8 +179,7 @@ class DeviceStep:
 
     def tables(self, vectors: np.ndarray, tokens: np.ndarray) -> ResidentTables:
         made = ResidentTables(vectors, tokens, self.device, self.dtype)
-        if self.graphs:
-            made.graphs = StepGraphs(self.device)
+        made.graphs = StepGraphs(self.device) if self.graphs else None
         return made
 
     # -- shapes -----------------------------------------------------------------------
@@ -216,8 +215,9 @@ class DeviceStep:
         b, length, m = self.padded(len(ids), max(len(r) for r in ids), candidates)
         m = min(m, tables.rows)
         host = self.pack(ids, length, b)
-        if tables.graphs is not None and (graph := tables.graphs.get((b, length, m, rerank))):
-            return tables.graphs.replay(graph, host)
+        graphs = tables.graphs
+        if graphs is not None and (graph := graphs.get((b, length, m, rerank))):
+            return graphs.replay(graph, host)
         tok = host.to(self.device, non_blocking=True)
         return self.run(tables, tok, length, m, rerank)
 

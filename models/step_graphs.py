@@ -17,11 +17,20 @@ alive, so no other graph writes over them).
 
 Capture is checked: each graph is replayed once against the eager step's answer for the
 same ids, and a graph that disagrees (or a capture that fails) turns graphs off for the
-step, with a warning; the eager step then serves every shape, as it does without graphs.
+step, for this version and every later one, with a warning; the eager step then serves
+every shape, as it does without graphs. At start-up, before any request, each shape's warm
+run is made under `torch.cuda.set_sync_debug_mode("error")`, so a synchronisation that
+would break a capture fails before it begins. A capture that fails once begun leaves
+torch's allocator routing to its pool (its failed `capture_end` never ends that), so the
+graph is kept alive and the log says to restart with DUET_CUDA_GRAPHS=0. Swapped-in versions
+are captured while the workers serve the old one (on the default stream; the capture's
+stream is a non-blocking one, in thread-local mode), only once the start-up's captures
+succeeded. Graphs are replayed on the device's default stream, where the workers run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -41,6 +50,13 @@ Launched = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 # (tok on the device, bucketed text length, candidates, re-ranked) -> the step's outputs
 RunFn = Callable[[torch.Tensor, int, int, bool], Launched]
 Key = tuple[int, int, int, bool]  # (queries, text length, candidates, re-ranked), padded
+
+
+class CaptureBroke(RuntimeError):
+    """A capture failed after it began: torch's allocator may be left routing to its pool."""
+
+
+_BROKEN: list[torch.cuda.CUDAGraph] = []  # graphs whose capture failed, kept alive
 
 
 @dataclass
@@ -91,17 +107,21 @@ class StepGraphs:
     def replay(self, graph: _Graph, host: torch.Tensor) -> Launched:
         """The graph's answer for `host` ids ((queries, width) int64, pinned): device tensors
         of its own (clones of the static outputs), queued on the caller's stream."""
+        if torch.cuda.current_stream(self.device) != torch.cuda.default_stream(self.device):
+            raise RuntimeError("the step's CUDA graphs replay on the default stream only")
         with self.lock:
             graph.tok.copy_(host, non_blocking=True)
             graph.graph.replay()
             rows, dots, logits = graph.outputs
             return rows.clone(), dots.clone(), None if logits is None else logits.clone()
 
-    def capture(self, key: Key, host: torch.Tensor, run: RunFn) -> _Graph:
+    def capture(self, key: Key, host: torch.Tensor, run: RunFn, check_syncs: bool) -> _Graph:
         """Record `run` at `key` (its ids `host`, (queries, width) int64) as a graph: one warm
         run on the capture stream first (per-stream handles and workspaces are made outside
-        the capture), then the capture, in thread-local mode so the workers serving meanwhile
-        on other streams are not stopped."""
+        the capture; under sync debug mode "error" when `check_syncs`, which is process-wide:
+        only while nothing else runs), then the capture, in thread-local mode so the workers
+        serving meanwhile on the default stream are not stopped. Raises `CaptureBroke` when
+        the capture failed once begun."""
         _, length, m, rerank = key
         with self.lock:
             tok = torch.empty(host.shape, dtype=host.dtype, device=self.device)
@@ -109,22 +129,35 @@ class StepGraphs:
             self.stream.wait_stream(caller)
             with torch.cuda.stream(self.stream):
                 tok.copy_(host, non_blocking=True)
-                run(tok, length, m, rerank)
+                self.stream.synchronize()
+                if check_syncs:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    run(tok, length, m, rerank)
+                finally:
+                    if check_syncs:
+                        torch.cuda.set_sync_debug_mode("default")
                 self.stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     outputs = run(tok, length, m, rerank)
-                finally:
                     graph.capture_end()
+                except Exception as exc:
+                    _BROKEN.append(graph)  # the allocator may still point at it
+                    with contextlib.suppress(Exception):  # the first error says why
+                        graph.capture_end()
+                    raise CaptureBroke(str(exc)) from exc
             caller.wait_stream(self.stream)
             captured = _Graph(graph, tok, outputs)
             self._graphs[key] = captured
             return captured
 
     def drop(self) -> None:
-        """Forget every graph (their pool is freed once none is left)."""
+        """Forget every graph, and hand their pool back to the device (torch frees a graph
+        pool's blocks into its cache only; another version's capture may need them)."""
         self._graphs = {}
+        torch.cuda.empty_cache()
 
 
 def varied_ids(queries: int, width: int, vocab: int) -> list[list[int]]:
@@ -142,12 +175,15 @@ def capture_shapes(
     tables: ResidentTables,
     shapes: Sequence[tuple[int, int, int, bool]],
     seconds: float,
+    check_syncs: bool = False,
 ) -> int:
     """Capture a graph for each text shape in `shapes` (smallest work first, within
     `seconds`), each checked against the eager step; returns how many `tables` holds. A
-    failed or disagreeing capture turns its graphs off (`broken`) and returns 0."""
+    failed or disagreeing capture turns graphs off for the step (`step.graphs`: no later
+    version gets any) and for `tables`, and returns 0. `check_syncs`: see `StepGraphs.capture`
+    (start-up only)."""
     graphs = tables.graphs
-    if graphs is None or graphs.broken:
+    if graphs is None or graphs.broken or not step.graphs or not tables.rows:
         return 0
     t0 = time.monotonic()
     vocab = int(step.model.cfg.vocab_size)
@@ -163,22 +199,31 @@ def capture_shapes(
         def run(tok: torch.Tensor, n: int, k: int, r: bool) -> Launched:
             return step.run(tables, tok, n, k, r)
 
+        why = ""
         try:
             eager = step.collect(run(host.to(step.device), length, key[2], rerank), b)
-            graph = graphs.capture(key, host, run)
+            graph = graphs.capture(key, host, run, check_syncs)
             replayed = step.collect(graphs.replay(graph, host), b)
-            same = agree(
+            if not agree(
                 (eager.rows, eager.dots, eager.logits),
                 (replayed.rows, replayed.dots, replayed.logits),
+            ):
+                why = "replayed unlike the eager step"
+        except CaptureBroke as exc:
+            log.error(
+                "CUDA graphs off: capturing shape %s failed once begun (%s); torch's allocator "
+                "may be left in capture mode: restart with DUET_CUDA_GRAPHS=0",
+                key,
+                exc,
             )
+            why = "failed"
         except Exception as exc:
-            log.warning("CUDA graphs off: capturing shape %s failed: %s", key, exc)
-            same = False
-        else:
-            if not same:
-                log.warning("CUDA graphs off: shape %s replayed unlike the eager step", key)
-        if not same:
+            why = f"failed: {exc}"
+        if why:
+            log.warning("CUDA graphs off: shape %s %s; the eager step serves", key, why)
+            step.graphs = False
             graphs.broken = True
             graphs.drop()
-            return 0
+            break
+    torch.cuda.empty_cache()  # the capture stream's warm runs' blocks, a broken pool
     return len(graphs)

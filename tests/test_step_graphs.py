@@ -124,7 +124,7 @@ def test_cuda_graphs_from_two_threads_keep_their_answers_apart(model: BuiltinMod
     answer: a replay's input, run and outputs are not interleaved with another's."""
     graphed, tables, eager, plain = _pair()
     shapes = [(b, t, 50, True) for b in (1, 4) for t in graphed.text_buckets]
-    capture_shapes(graphed, tables, shapes, 60.0)
+    assert capture_shapes(graphed, tables, shapes, 60.0) == len(shapes)
     batches = [[model.tokenizer.ids(t)] for t in TEXTS] + [_batches(model)[1]]
     want = [eager(plain, ids, 50, True).logits for ids in batches]
     errors: list[str] = []
@@ -145,11 +145,12 @@ def test_cuda_graphs_from_two_threads_keep_their_answers_apart(model: BuiltinMod
 
 
 @cuda
-def test_a_version_swapped_in_is_captured_and_its_graphs_go_with_it(
+def test_a_version_swapped_in_is_captured_while_the_old_one_serves(
     index_dir: Path, model: BuiltinModel
 ) -> None:
-    """Once warm_step has run, `prepare` captures a later version's shapes too; closing the
-    version drops its graphs."""
+    """Once warm_step has run, `prepare` captures a later version's shapes too, while two
+    threads go on answering from the old version's graphs and eager shapes (each answer
+    checked); closing the version drops its graphs."""
     from store.indexio import IndexVersion, resolve_current
 
     gpu = BuiltinModel.load(device="cuda", precision="fp16")
@@ -158,13 +159,35 @@ def test_a_version_swapped_in_is_captured_and_its_graphs_go_with_it(
     first = IndexVersion.open(resolve_current(index_dir))
     worker.prepare(first)
     worker.warm_step(first, False, 4, 60.0)
-    assert first.resident is not None and first.resident.graphs is not None
-    assert len(first.resident.graphs) > 0 and worker.step_shapes
+    old = first.resident
+    assert old is not None and old.graphs is not None and len(old.graphs) > 0
+    assert worker.step_shapes and step.graphs
+    batches = _batches(gpu)[:3]  # 1, 3 and 5 queries: captured (1, 4) and eager (8 > 4)
+    want = [step(old, ids, 50, True) for ids in batches]
+    stop, errors = threading.Event(), []
+
+    def serve(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            i += 1
+            got = step(old, batches[i % 3], 50, True)
+            if not np.array_equal(got.rows, want[i % 3].rows):
+                errors.append(f"thread {k}: batch {i % 3}")
+
+    threads = [threading.Thread(target=serve, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
     second = IndexVersion.open(resolve_current(index_dir))
-    worker.prepare(second)
+    try:
+        worker.prepare(second)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:5]
     tables = second.resident
-    assert tables is not None and tables.graphs is not None
-    assert len(tables.graphs) == len(first.resident.graphs)
+    assert tables is not None and tables.graphs is not None and step.graphs
+    assert len(tables.graphs) == len(old.graphs)
     second.close()
     assert tables.graphs is None
     first.close()
