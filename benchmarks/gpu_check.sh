@@ -73,8 +73,9 @@ QUAL=() SCALE=(20000 50) LAYOUT=() BLIPPAIRS=50,400,1600 OFFER=2000
 if [ "$DRY" = 1 ]; then
   DEV=cpu CELL=1 BUILD=(--devices cpu --images 400 --cpus '0,1;0') BLIP=(--tiny)
   CEIL=(--pairs 50,400) QUAL=(--images 100) SCALE=(400 5) BLIPPAIRS=50 OFFER=100
-  # the serve step as a GPU host runs it by default (the device step, fronts, the paced cap)
-  LAYOUT=(--duet-env DUET_LAYOUT=gpu,DUET_FRONTENDS=2,DUET_HTTP_QUEUE_TARGET_MS=500)
+  # the serve step as a GPU host runs it by default (the device step, fronts, the paced cap;
+  # batches of at most 8 queries and a fixed pair budget: the CPU builds fewer shapes)
+  LAYOUT=(--duet-env DUET_LAYOUT=gpu,DUET_FRONTENDS=2,DUET_HTTP_QUEUE_TARGET_MS=500,DUET_MAX_BATCH=8,DUET_RERANK_MAX_BATCH=400)
 fi
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
