@@ -15,7 +15,7 @@ import torch
 from models.builtin import BuiltinModel
 from models.device_step import DeviceStep, ResidentTables
 from models.inference import Precision
-from models.step_graphs import agree, capture_shapes, varied_ids
+from models.step_graphs import CaptureBroke, StepGraphs, agree, capture_shapes, varied_ids
 from tests.test_device_step import TEXTS, _table, _worker
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -191,3 +191,48 @@ def test_a_version_swapped_in_is_captured_while_the_old_one_serves(
     second.close()
     assert tables.graphs is None
     first.close()
+
+
+class _Faulty(StepGraphs):
+    """Graphs that go wrong the way a real capture can (`how`: "raise" fails the capture once
+    begun, "differ" replays an answer unlike the eager step's): what `capture_shapes` does
+    then is under test, on the CPU."""
+
+    def __init__(self, step: DeviceStep, tables: ResidentTables, how: str) -> None:
+        self.device, self.lock, self._graphs, self.broken = step.device, threading.Lock(), {}, False
+        self.step, self.tables, self.how = step, tables, how
+
+    def capture(self, key, host, run, check_syncs):  # type: ignore[no-untyped-def]
+        if self.how == "raise":
+            raise CaptureBroke("operation not permitted when stream is capturing")
+        self._graphs[key] = key
+        return key
+
+    def replay(self, graph, host):  # type: ignore[no-untyped-def]
+        _, length, m, rerank = graph
+        rows, dots, logits = self.step.run(self.tables, host, length, m, rerank)
+        return rows, dots + 1.0, logits
+
+
+@pytest.mark.parametrize("how", ["raise", "differ"])
+def test_a_capture_that_fails_or_disagrees_turns_graphs_off(
+    model: BuiltinModel, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A capture that fails, or a graph whose replay differs from the eager step, turns
+    graphs off for the step (no later version gets any) and for these tables, with a
+    warning; the eager step then answers every shape."""
+    step = DeviceStep(model.model, torch.device("cpu"), "fp32")
+    vecs, toks = _table()
+    tables = step.tables(vecs, toks)
+    tables.graphs = faulty = _Faulty(step, tables, how)
+    step.graphs = True  # as on CUDA
+    shapes = [(1, step.text_buckets[0], 10, False), (2, step.text_buckets[0], 20, True)]
+    with caplog.at_level("WARNING", logger="duet.device_step"):
+        assert capture_shapes(step, tables, shapes, 10.0) == 0
+    assert "CUDA graphs off" in caplog.text
+    assert not step.graphs and faulty.broken and len(faulty) == 0
+    assert step.tables(vecs, toks).graphs is None  # a later version: none asked for
+    ids = [model.tokenizer.ids(t) for t in TEXTS[:2]]
+    eager = DeviceStep(model.model, torch.device("cpu"), "fp32")
+    got, want = step(tables, ids, 20, True), eager(eager.tables(vecs, toks), ids, 20, True)
+    np.testing.assert_array_equal(got.dots, want.dots)
