@@ -143,6 +143,10 @@ def describe_errors(errors: Sequence[Mapping[str, object]]) -> str:
             where = where[1:]
         loc = ".".join(str(p) for p in where)
         msg = str(e.get("msg")).removeprefix("Value error, ")
+        if e.get("type") == "json_invalid":  # FastAPI's location is the character's offset
+            at = f" at character {where[0]}" if where else ""
+            parts.append(f"body is not valid JSON{at} ({msg}); send a JSON object")
+            continue
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 

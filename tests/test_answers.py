@@ -79,7 +79,8 @@ def test_a_refused_body_names_the_field_and_says_what_is_wrong(service: Service)
         "{}": "query: Field required",
         '{"query": 5}': "query: Input should be a valid string",
         '{"query": "x", "top_k": "5"}': "top_k: Input should be a valid integer",
-        '{"query": "x"': "JSON decode error",
+        '{"query": "x"': "body is not valid JSON at character 13 (JSON decode error)",
+        "not json": "body is not valid JSON at character 0",
         "[" * 60000: "body is not valid JSON: nested too deeply",
         "[]": "Input should be a valid dictionary or object to extract fields from",
         '{"query": "x", "top_k": ' + "1" * 5000 + "}": "body is not valid JSON",  # not a 500
