@@ -11,6 +11,8 @@ Rows, each timed with the device synchronised, on the demo index's image states:
 * device step: `models.device_step.DeviceStep` (the GPU layout's whole step: ids in, text
   tower, search over the resident vectors, gather, cross-encoder, one copy out), at
   pairs / 50 queries of 50 candidates each;
+* device step, graphs: the same, replayed from a CUDA graph of its shape as the service runs
+  it on CUDA (`DUET_CUDA_GRAPHS=1`, `models.step_graphs`; "-" off CUDA);
 * step cross-encoder: the step's `MaskedCrossEncoder` alone on the same pairs (like for like
   with the plain forward).
 
@@ -88,6 +90,8 @@ class _Bench:
         self.plain = copy.deepcopy(self.model.model).to(self.dtype)
         self.step = DeviceStep(self.model.model, self.dev, prec)  # type: ignore[arg-type]
         self.tables = self.step.tables(vectors, tokens)
+        self.graphed = DeviceStep(self.model.model, self.dev, prec, graphs=True)  # type: ignore[arg-type]
+        self.graphed_tables = self.graphed.tables(vectors, tokens)
         ids, self.pad = self.model.tokenizer.batch([QUERY])
         self.ids, self.pad = ids.to(self.dev), self.pad.to(self.dev)
         self.q_ids = self.model.tokenizer.ids(QUERY)
@@ -121,6 +125,18 @@ class _Bench:
         def whole_step() -> object:
             return step(self.tables, [self.q_ids] * queries, 50, True)
 
+        graphed = None
+        if self.graphed.graphs:
+            from models.step_graphs import capture_shapes
+
+            shape = (*self.graphed.padded(queries, len(self.q_ids), 50), True)
+            if capture_shapes(self.graphed, self.graphed_tables, [shape], 60.0):
+                graphed = self.graphed
+
+        def graphed_step() -> object:
+            assert graphed is not None
+            return graphed(self.graphed_tables, [self.q_ids] * queries, 50, True)
+
         def step_ce() -> object:
             with torch.inference_mode(), step._kernels():
                 return step.cross.logits(bucket_text, keep, owner, img)
@@ -130,8 +146,12 @@ class _Bench:
             ("plain forward", forward, size),
             ("host runtime", runtime, size),
             ("device step", whole_step, queries * 50),
+            ("device step, graphs", graphed_step, queries * 50),
             ("step cross-encoder", step_ce, size),
         ):
+            if name == "device step, graphs" and graphed is None:
+                row[name] = "-"
+                continue
             try:
                 row[name] = round(_rate(fn, n, seconds, self.sync))
             except RuntimeError as exc:  # out of memory at the largest sizes
@@ -142,7 +162,13 @@ class _Bench:
 
 
 def report(rows: list[dict[str, object]], device: str, gpu: str) -> str:
-    cols = ["plain forward", "host runtime", "device step", "step cross-encoder"]
+    cols = [
+        "plain forward",
+        "host runtime",
+        "device step",
+        "device step, graphs",
+        "step cross-encoder",
+    ]
     out = [
         f"Cross-encoder pairs/s on {gpu or device} (`benchmarks/ce_ceiling.py`); "
         "device step = the whole GPU-layout step (text tower, search, gather, cross-encoder, "
