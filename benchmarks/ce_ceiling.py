@@ -91,7 +91,8 @@ class _Bench:
         self.step = DeviceStep(self.model.model, self.dev, prec)  # type: ignore[arg-type]
         self.tables = self.step.tables(vectors, tokens)
         self.graphed = DeviceStep(self.model.model, self.dev, prec, graphs=True)  # type: ignore[arg-type]
-        self.graphed_tables = self.graphed.tables(vectors, tokens)
+        # graphs run on CUDA only: elsewhere no second copy of the tables
+        self.graphed_tables = self.graphed.tables(vectors, tokens) if self.graphed.graphs else None
         ids, self.pad = self.model.tokenizer.batch([QUERY])
         self.ids, self.pad = ids.to(self.dev), self.pad.to(self.dev)
         self.q_ids = self.model.tokenizer.ids(QUERY)
@@ -126,7 +127,7 @@ class _Bench:
             return step(self.tables, [self.q_ids] * queries, 50, True)
 
         graphed = None
-        if self.graphed.graphs:
+        if self.graphed.graphs and self.graphed_tables is not None:
             from models.step_graphs import capture_shapes
 
             shape = (*self.graphed.padded(queries, len(self.q_ids), 50), True)
@@ -134,7 +135,7 @@ class _Bench:
                 graphed = self.graphed
 
         def graphed_step() -> object:
-            assert graphed is not None
+            assert graphed is not None and self.graphed_tables is not None
             return graphed(self.graphed_tables, [self.q_ids] * queries, 50, True)
 
         def step_ce() -> object:

@@ -60,7 +60,7 @@ class Cell:
             return 0, 0, 0, float("nan")
         lat, due = np.asarray(self.latencies), np.asarray(self.due)
         n = max(1, round(share * len(lat)))
-        slow = due[np.argsort(lat)[-n:]]
+        slow = due[np.argsort(lat)[-n:]] - due.min()
         held = np.unique((slow // window).astype(int), return_counts=True)[1]
         windows = int(np.ptp(due) // window) + 1
         return n, len(held), windows, float(held.max()) / n

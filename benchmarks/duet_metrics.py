@@ -54,8 +54,13 @@ def own_buckets(url: str) -> dict[str, dict[float, float]]:
     """duet's /metrics now: for each of `OWN`, the cumulative count per bucket bound (seconds).
     A cell's window also holds any answer to the cell before it still in flight when it
     began."""
+    return parse_own(_metrics(url))
+
+
+def parse_own(text: str) -> dict[str, dict[float, float]]:
+    """`own_buckets` from the text of a /metrics page."""
     out: dict[str, dict[float, float]] = {}
-    for family, labels, value in _BUCKETS.findall(_metrics(url)):
+    for family, labels, value in _BUCKETS.findall(text):
         le = re.search(r'le="([^"]+)"', labels)
         name = _own(family, labels)
         if le and name:

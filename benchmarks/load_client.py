@@ -215,16 +215,18 @@ def _part(
     rerank: bool,
     candidates: int,
     start_at: float,
+    phase: float = 0.0,
 ) -> Cell:
     """One load process's share from `start_at`: `clients` closed-loop clients, or requests
-    offered at `open_rate` per second when that is given."""
+    offered at `open_rate` per second when that is given, from `phase` seconds later (the
+    processes' sends interleaved, not in step)."""
     assert _QUERIES is not None
     cell = Cell()
-    _until(start_at)
+    _until(start_at + phase)
     if open_rate is None:
         run = closed_loop(url, clients, seconds, rerank, candidates, _QUERIES, cell)
     else:
-        run = open_loop(url, open_rate, seconds, rerank, candidates, _QUERIES, cell)
+        run = open_loop(url, open_rate, seconds, rerank, candidates, _QUERIES, cell, phase=phase)
     cpu0 = time.process_time()
     asyncio.run(run)
     cell.add_cpu("load", time.process_time() - cpu0)
@@ -234,6 +236,8 @@ def _part(
 class LoadPool:
     """Load-generating processes kept for a whole benchmark: `closed` and `open` split the
     clients (or the rate) among them, start them together and merge what they measured."""
+
+    LEAD = 0.5  # seconds from a cell's call to its processes' start
 
     def __init__(self, procs: int, seed: int, queries_each: int = 60_000) -> None:
         import multiprocessing as mp
@@ -263,10 +267,13 @@ class LoadPool:
     def open(
         self, url: str, rate: float, seconds: float, rerank: bool, candidates: int, cell: Cell
     ) -> None:
-        start = time.time() + 0.5
+        start = time.time() + self.LEAD
+        share = rate / self.procs
+        # process k sends k / rate after process 0: the whole stream evenly spaced, not the
+        # processes' requests in bursts of `procs` at once
         futs = [
-            self._pool.submit(_part, rate / self.procs, url, 0, seconds, rerank, candidates, start)
-            for _ in range(self.procs)
+            self._pool.submit(_part, share, url, 0, seconds, rerank, candidates, start, k / rate)
+            for k in range(self.procs)
         ]
         _merge(cell, [f.result() for f in futs], seconds)
 
@@ -298,6 +305,7 @@ async def open_loop(
     warmup: float = 1.0,
     max_conns: int = 512,
     grace: float = 2.0,
+    phase: float = 0.0,
 ) -> None:
     """Requests at a fixed `rate` per second whatever the answers do (offered load), each on
     an idle keep-alive connection (a new one while none is idle, up to `max_conns`); latency
@@ -305,7 +313,8 @@ async def open_loop(
     coordinated omission). Requests due in the first `warmup` seconds are not counted; one
     that finds no connection left counts as an error; one still unanswered `grace` seconds
     after the last was sent is abandoned and counted late (a server far below the rate
-    would otherwise hold the run for as long as its backlog takes)."""
+    would otherwise hold the run for as long as its backlog takes). Due times are recorded
+    from the start, plus `phase` (this process's offset among several)."""
     idle: list[Conn] = []
     opened = 0
     t0 = time.perf_counter()
@@ -346,7 +355,7 @@ async def open_loop(
             cell.degraded += 1
         else:
             cell.latencies.append(time.perf_counter() - due)
-            cell.due.append(due - t0)
+            cell.due.append(due - t0 + phase)
 
     tasks = []
     for i in range(total):

@@ -21,6 +21,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -207,7 +208,11 @@ def run_open_loop(
     for rate in [float(r) for r in args.open_loop.split(",") if r]:
         for srv, url in urls.items():
             cell = out.setdefault(f"{srv}|{rate:g}", Cell())
-            own = own_buckets(url) if srv == "duet" else {}
+            own: list[dict[str, dict[float, float]]] = []
+            if srv == "duet":  # duet's histograms once the loop's warm-up second is over
+                lead = 1.0 + (LoadPool.LEAD if pool is not None else 0.0)
+                reading = threading.Timer(lead, lambda u=url, o=own: o.append(own_buckets(u)))
+                reading.start()
             if pool is not None:
                 pool.open(url, rate, args.seconds, True, args.candidates, cell)
             else:
@@ -215,8 +220,11 @@ def run_open_loop(
                     open_loop(url, rate, args.seconds, True, args.candidates, queries, cell)
                 )
                 cell.seconds += args.seconds
-            if own:  # duet's own clock: bucket bounds of its histograms' quantiles
-                cell.own = own_quantiles(own, own_buckets(url))
+            if srv == "duet":  # duet's own clock: bucket bounds of its histograms' quantiles
+                reading.join()
+                time.sleep(0.5)  # the fronts send their observations every quarter second
+                if own:
+                    cell.own = own_quantiles(own[0], own_buckets(url))
             print(
                 f"offered {rate:g}/s {srv:8s} answered {cell.throughput:6.1f}/s "
                 f"p50 {cell.q(50):7.1f} ms p99 {cell.q(99):7.1f} ms 429 {cell.refused} "

@@ -96,9 +96,10 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
     # duet's own p50 and p99, read off its request histogram: bucket bounds, p50 <= p99
     own = [float(x) for x in offered[0].split("|")[6].split("/")]
     assert offered[0].startswith("| duet |") and 0 < own[0] <= own[1], offered[0]
-    # and of it the queue's, the device step's per request and per step: each counted
+    # and of it the queue's and the device step's per request (the request histogram's
+    # buckets), and per step (buckets of its own): each counted
     queue, device, step = (float(x) for x in offered[0].split("|")[7].split("/"))
-    assert 0 < queue <= own[1] and 0 < device <= own[1] and 0 < step <= own[1], offered[0]
+    assert 0 < queue <= own[1] and 0 < device <= own[1] and 0 < step < math.inf, offered[0]
     # the slowest 1 % of the answers, placed in the run's 100 ms windows
     slow = re.fullmatch(r" (\d+) in (\d+) of (\d+) \((\d+)%\) ", offered[0].split("|")[8])
     assert slow, offered[0]
@@ -285,3 +286,43 @@ def test_the_open_loops_tail_is_placed_in_time() -> None:
     n, held, windows, busiest = spread.tail()
     assert (n, held, windows) == (20, 20, 20) and busiest == 1 / 20
     assert Cell(latencies=[0.01]).tail()[0] == 0  # no due times (a closed loop): nothing
+
+
+def test_duets_own_histograms_are_read_off_its_metrics_page() -> None:
+    """What `own_buckets` reads of /metrics: /search/* answered 200 (both endpoints summed,
+    other statuses and paths left out), the queue and device stages, the device step."""
+    from benchmarks.duet_metrics import own_quantiles, parse_own
+
+    page = "\n".join(
+        [
+            'duet_request_seconds_bucket{endpoint="/search/text",le="0.025",status="200"} 90.0',
+            'duet_request_seconds_bucket{endpoint="/search/text",le="+Inf",status="200"} 100.0',
+            'duet_request_seconds_bucket{endpoint="/search/image",le="0.025",status="200"} 10.0',
+            'duet_request_seconds_bucket{endpoint="/search/image",le="+Inf",status="200"} 10.0',
+            'duet_request_seconds_bucket{endpoint="/search/text",le="0.025",status="429"} 7.0',
+            'duet_request_seconds_bucket{endpoint="/healthz",le="0.025",status="200"} 5.0',
+            'duet_stage_seconds_bucket{le="0.005",stage="queue"} 3.0',
+            'duet_stage_seconds_bucket{le="+Inf",stage="queue"} 4.0',
+            'duet_stage_seconds_bucket{le="0.005",stage="lookup"} 4.0',
+            'duet_stage_seconds_bucket{le="0.01",stage="device"} 4.0',
+            'duet_device_step_seconds_bucket{le="0.002"} 2.0',
+            "duet_device_step_seconds_count 2.0",
+        ]
+    )
+    got = parse_own(page)
+    assert got == {
+        "request": {0.025: 100.0, math.inf: 110.0},
+        "queue": {0.005: 3.0, math.inf: 4.0},
+        "device": {0.01: 4.0},
+        "step": {0.002: 2.0},
+    }
+    q = own_quantiles({}, got)
+    assert q["p50"] == 25.0 and q["p99"] == math.inf and q["queue p99"] == math.inf
+    assert q["device p99"] == 10.0 and q["step p99"] == 2.0
+
+
+def test_the_tail_is_binned_from_the_first_answer_due() -> None:
+    from benchmarks.cell import Cell
+
+    # two answers 20 ms apart, across a multiple of the window: one window, not two
+    assert Cell(latencies=[0.1, 0.2], due=[0.99, 1.01]).tail(share=1.0) == (2, 1, 1, 1.0)
