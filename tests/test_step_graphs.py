@@ -236,3 +236,74 @@ def test_a_capture_that_fails_or_disagrees_turns_graphs_off(
     eager = DeviceStep(model.model, torch.device("cpu"), "fp32")
     got, want = step(tables, ids, 20, True), eager(eager.tables(vecs, toks), ids, 20, True)
     np.testing.assert_array_equal(got.dots, want.dots)
+
+
+class _Recorded(StepGraphs):
+    """Graphs as the plumbing around them sees them, on the CPU: a capture keeps the step's
+    `run` and a static input, a replay copies the ids in and runs it again, counted by
+    shape. What is under test is everything but CUDA's recording: which shapes are captured
+    when, that the step's batches find them, and that their answers are the eager step's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.lock, self._graphs, self.broken = device, threading.Lock(), {}, False
+        self.replays: dict[tuple[int, int, int, bool], int] = {}
+
+    def capture(self, key, host, run, check_syncs):  # type: ignore[no-untyped-def]
+        self._graphs[key] = (key, host.clone(), run)  # type: ignore[assignment]
+        return self._graphs[key]
+
+    def replay(self, graph, host):  # type: ignore[no-untyped-def]
+        key, tok, run = graph
+        tok.copy_(host)
+        self.replays[key] = self.replays.get(key, 0) + 1
+        _, length, m, rerank = key
+        return run(tok, length, m, rerank)
+
+
+def test_the_workers_capture_at_warm_up_and_swap_and_batches_replay_them(
+    index_dir: Path, model: BuiltinModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU layout's worker with graphs (recorded ones, on the CPU): warm_step captures
+    every shape within the budget; batches of 1, 3 and 4 queries replay their shape's graph
+    and answer as the eager step does; the pair budget is timed on the graphs of the batches
+    it times; a version prepared later is captured at the same shapes."""
+    import models.device_step as device_step
+    from store.indexio import IndexVersion, resolve_current
+
+    monkeypatch.setattr(device_step, "StepGraphs", _Recorded)
+    step = DeviceStep(model.model, torch.device("cpu"), "fp32")
+    step.graphs = True  # as on CUDA
+    worker = _worker(model, step)
+    first = IndexVersion.open(resolve_current(index_dir))
+    worker.prepare(first)
+    worker.warm_step(first, False, 4, 120.0)  # the budget as set (200 pairs): 4 queries
+    tables = first.resident
+    assert tables is not None and isinstance(tables.graphs, _Recorded)
+    shapes = {(b, n, min(m, tables.rows), r) for b, n, m, r in worker.step_shapes}
+    assert shapes and set(tables.graphs._graphs) == shapes
+    eager = DeviceStep(model.model, torch.device("cpu"), "fp32")
+    plain = eager.tables(np.asarray(tables.vectors), np.asarray(first.image_tokens))
+    for ids in [*_batches(model)[:2], _batches(model)[3]]:
+        b, n, m = step.padded(len(ids), max(map(len, ids)), 50)
+        key = (b, n, min(m, tables.rows), True)
+        before = tables.graphs.replays.get(key, 0)
+        got, want = step(tables, ids, 50, True), eager(plain, ids, 50, True)
+        assert tables.graphs.replays.get(key, 0) == before + 1, key
+        np.testing.assert_array_equal(got.rows, want.rows)
+        assert got.logits is not None and want.logits is not None
+        np.testing.assert_allclose(got.logits, want.logits, atol=1e-5)
+    # the budget's batches (1 to 4 queries at a 200-pair cap here) timed on their graphs
+    budget = worker.budget_shapes(cap=200)
+    capture_shapes(step, tables, budget, 60.0)
+    replays = dict(tables.graphs.replays)
+    worker.measure_budget(tables, cap=200)
+    for b, n, m, r in budget:
+        assert tables.graphs.replays[(b, n, min(m, tables.rows), r)] > replays.get(
+            (b, n, min(m, tables.rows), r), 0
+        )
+    second = IndexVersion.open(resolve_current(index_dir))
+    worker.prepare(second)
+    assert second.resident is not None and isinstance(second.resident.graphs, _Recorded)
+    assert set(second.resident.graphs._graphs) == shapes
+    second.close()
+    first.close()
