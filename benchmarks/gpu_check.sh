@@ -33,6 +33,8 @@
 #             50 to 12,800 pairs a call, fp32 fp16 bf16 -> ceiling.md
 #   quality   step_quality: served R@1 on the test split through the device step in each
 #             precision against the host path in fp32 -> quality.md
+#   (the A/B steps, nograph gcoff single ab fp32 workers1, run duet alone: --no-baseline; the
+#   plain script's figures are open's and serve's, on the same machine)
 #   tests     the other CUDA tests (model, search, builder, inference, training)
 #   build     duet build of 20,000 photo-sized JPEGs on the GPU, on 16 cores and on 2
 #             (benchmarks/build_devices.py: per-stage times, speed-ups, top-10 agreement;
@@ -147,7 +149,7 @@ for s in $STEPS; do
       --overload 512 "${LAYOUT[@]}" --out "$OUT/serve_gpu.md"
     ;;
   single)
-    step single 120 60 "${SERVE[@]}" --concurrency 1,64,512 --procs 6 --overload 0 --skip-bound \
+    step single 120 60 "${SERVE[@]}" --concurrency 1,64,512 --procs 6 --overload 0 --skip-bound --no-baseline \
       --duet-env DUET_FRONTENDS=0 --out "$OUT/serve_single.md"
     ;;
   ceiling) step ceiling 120 40 python3 benchmarks/ce_ceiling.py --device $DEV --seconds 0.75 \
@@ -170,7 +172,7 @@ for s in $STEPS; do
     fi
     ;;
   ab)
-    step ab 100 40 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound \
+    step ab 100 40 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound --no-baseline \
       --modes re-ranked --duet-env DUET_LAYOUT=cpu --out "$OUT/serve_hostpath.md"
     ;;
   open | gcoff | nograph) # 2,000 req/s offered, the default layout; gcoff: DUET_GC_FREEZE=0;
@@ -180,15 +182,17 @@ for s in $STEPS; do
     if [ "$s" = nograph ]; then env=${env:+$env,}DUET_CUDA_GRAPHS=0; fi
     envs=()
     if [ -n "$env" ]; then envs=(--duet-env "$env"); fi
+    # the A/Bs against `open`, which ran the plain script: duet alone
+    if [ "$s" != open ]; then envs+=(--no-baseline); fi
     step "$s" 130 70 "${SERVE[@]}" --concurrency 1,64 --procs 8 --open-loop "$OFFER" \
       --overload 0 --skip-bound "${envs[@]}" --out "$OUT/serve_$s.md"
     ;;
   fp32)
     step fp32 100 50 env DUET_PRECISION=fp32 "${SERVE[@]}" --concurrency 1,64 --procs 8 \
-      --overload 0 --skip-bound --out "$OUT/serve_fp32.md"
+      --overload 0 --skip-bound --no-baseline --out "$OUT/serve_fp32.md"
     ;;
   workers1)
-    step workers1 100 50 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound \
+    step workers1 100 50 "${SERVE[@]}" --concurrency 1,64 --procs 8 --overload 0 --skip-bound --no-baseline \
       --duet-env DUET_WORKERS=1 --out "$OUT/serve_workers1.md"
     ;;
   tests)

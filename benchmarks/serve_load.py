@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -161,7 +162,8 @@ def run_grid(
     to `results`, with the CPU each server (`pids`) and the load generator spent, and prints
     each cell as it ends."""
     for rnd in range(args.rounds):
-        order = ["duet", "baseline"] if rnd % 2 == 0 else ["baseline", "duet"]
+        order = [s for s in ("duet", "baseline") if s in urls]
+        order = order if rnd % 2 == 0 else order[::-1]
         for mode, rerank in MODES:
             if mode not in args.modes:
                 continue
@@ -279,6 +281,12 @@ def _args() -> argparse.Namespace:
     )
     p.add_argument("--skip-bound", action="store_true", help="skip the cross-encoder-alone figure")
     p.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="duet alone, no plain script (an A/B of duet's settings against another run that "
+        "had the script: half the cells, and no second server to start)",
+    )
+    p.add_argument(
         "--reranker",
         type=Path,
         default=None,
@@ -344,15 +352,20 @@ def main() -> None:
     results: dict[str, Cell] = {}
     duet_port, base_port = _free_port(), _free_port()
     duet_cmd, duet_env, base_cmd = _commands(args, duet_port, base_port)
+    baseline = (
+        contextlib.nullcontext(None)
+        if args.no_baseline
+        else server(base_cmd, {}, base_port, logs / "baseline-serve-load.log")
+    )
     with (
         server(duet_cmd, duet_env, duet_port, logs / "duet-serve-load.log") as duet,
-        server(base_cmd, {}, base_port, logs / "baseline-serve-load.log") as base,
+        baseline as base,
     ):
-        urls = {"duet": duet.url, "baseline": base.url}
+        urls = {"duet": duet.url} | ({} if base is None else {"baseline": base.url})
         pool = LoadPool(args.procs, seed=2_000_000) if args.procs > 1 else None
         over = None
         try:
-            pids = {"duet": duet.proc.pid, "baseline": base.proc.pid}
+            pids = {"duet": duet.proc.pid} | ({} if base is None else {"baseline": base.proc.pid})
             run_grid(urls, args, levels, queries, results, pool, pids)
             if args.overload:
                 print(f"overload: {args.overload} clients against duet ...", flush=True)

@@ -46,6 +46,8 @@ def plot(results: dict[str, Cell], levels: list[int], path: Path) -> None:
         if mode not in ran(results, levels):
             continue
         for srv, style in (("duet", "o-"), ("baseline", "s--")):
+            if f"{srv}|{mode}|{levels[0]}" not in results:  # --no-baseline
+                continue
             cells = [results[f"{srv}|{mode}|{c}"] for c in levels]
             axes[0][col].plot(levels, [c.throughput for c in cells], style, label=srv)
             axes[1][col].plot(levels, [c.q(50) for c in cells], style, label=f"{srv} p50")
@@ -84,7 +86,8 @@ def write_report(
         f"device {_device_name(args.device)}, duet's cross-encoder in "
         f"DUET_PRECISION={PRECISION}{', ' + args.duet_env if args.duet_env else ''}"
         f"{'; re-ranker ' + args.reranker.name + ' (BLIP ITM) on both' if args.reranker else ''}; "
-        f"{args.procs} load process(es)). "
+        f"{args.procs} load process(es)"
+        f"{'; duet alone, no plain script in this run' if args.no_baseline else ''}). "
         f"Index: `{_shown(args.index_dir)}/current`; "
         f"{args.candidates} candidates, top 10; closed-loop clients, {args.seconds:g} s per cell "
         f"x {args.rounds} interleaved rounds; every query a different caption (no cache hits).",
@@ -102,12 +105,17 @@ def write_report(
     ]
     for mode in ran(results, levels):
         for c in levels:
-            d, b = results[f"duet|{mode}|{c}"], results[f"baseline|{mode}|{c}"]
-            ratio = d.throughput / b.throughput if b.throughput else float("nan")
+            d, b = results[f"duet|{mode}|{c}"], results.get(f"baseline|{mode}|{c}")
+            if b is None:  # --no-baseline
+                script = ["-"] * 5
+            else:
+                ratio = d.throughput / b.throughput if b.throughput else float("nan")
+                script = [f"{b.throughput:.1f}", f"{ratio:.2f}x", f"{b.q(50):.1f}"]
+                script += [f"{b.q(99):.1f}", str(b.errors + b.refused)]
             lines.append(
-                f"| {mode} | {c} | {d.throughput:.1f} | {b.throughput:.1f} | {ratio:.2f}x | "
-                f"{d.q(50):.1f} | {b.q(50):.1f} | {d.q(99):.1f} | {b.q(99):.1f} | "
-                f"{d.degraded} / {d.refused} | {b.errors + b.refused} |"
+                f"| {mode} | {c} | {d.throughput:.1f} | {script[0]} | {script[1]} | "
+                f"{d.q(50):.1f} | {script[2]} | {d.q(99):.1f} | {script[3]} | "
+                f"{d.degraded} / {d.refused} | {script[4]} |"
             )
     if bound:  # none with --skip-bound
         lines += [

@@ -126,6 +126,27 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
         assert loop > 0 and engine > 0 and loop + engine + other <= server + 0.02, cells
 
 
+@pytest.mark.slow
+def test_serve_load_runs_duet_alone_for_an_ab(index_dir: Path, tmp_path: Path) -> None:
+    """--no-baseline (gpu_check's A/B steps): duet's cells and its offered load, no plain
+    script started, its columns "-"."""
+    out = tmp_path / "alone.md"
+    res = _run_benchmark(
+        "serve_load.py",
+        *("--index-dir", str(index_dir), "--seconds", "0.3", "--rounds", "1"),
+        *("--concurrency", "1", "--modes", "dot only", "--overload", "0", "--skip-bound"),
+        *("--open-loop", "10", "--no-baseline", "--out", str(out)),
+    )
+    report = out.read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| dot only | 1 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert float(cells[2]) > 0 and cells[3] == cells[4] == cells[6] == cells[8] == "-", row
+    assert "no plain script in this run" in report
+    assert "| duet | 10 |" in report and "| baseline |" not in report
+    cells_run = [x for x in res.stdout.splitlines() if x.startswith(("round", "offered"))]
+    assert cells_run and not [x for x in cells_run if "baseline" in x], res.stdout
+
+
 async def test_open_loop_abandons_what_a_slow_server_has_not_answered_in_time() -> None:
     """Offered far above what a server answers, the open loop stops `grace` seconds after its
     last request and counts the rest late, instead of waiting out the server's backlog."""
