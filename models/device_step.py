@@ -195,11 +195,12 @@ class DeviceStep:
         """Token id rows -> (queries, width) int64 on the host (pinned on a CUDA host),
         zero-padded; a padding row holds one [UNK] so no row is all padding."""
         width = min(longest, self.max_len)
-        out = torch.zeros(queries, width, dtype=torch.long)
+        out = np.zeros((queries, width), dtype=np.int64)  # numpy: ~15x torch's per-row cost
         for i, row in enumerate(ids):
-            out[i, : len(row)] = torch.as_tensor(row[:width], dtype=torch.long)
+            out[i, : min(len(row), width)] = row[:width]
         out[len(ids) :, 0] = 1
-        return out.pin_memory() if self.device.type == "cuda" else out
+        host = torch.from_numpy(out)
+        return host.pin_memory() if self.device.type == "cuda" else host
 
     # -- the step ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -307,11 +308,7 @@ class DeviceStep:
         )
 
     def __call__(
-        self,
-        tables: ResidentTables,
-        ids: Sequence[Sequence[int]],
-        candidates: int,
-        rerank: bool,
+        self, tables: ResidentTables, ids: Sequence[Sequence[int]], candidates: int, rerank: bool
     ) -> StepOutput:
         return self.collect(self.launch(tables, ids, candidates, rerank), len(ids))
 
