@@ -202,6 +202,7 @@ def test_one_kind_of_search_clears_the_others_input(
     assert "captions" in status
     assert d.find_element(By.ID, "query").get_attribute("value") == ""
     assert d.find_element(By.ID, "query-image").is_displayed()
+    assert "?q=" not in d.current_url  # the address no longer names the text search
     _search(d, "a blue square")
     _answered(d, status)
     assert d.find_element(By.ID, "file").get_attribute("value") == ""
@@ -221,3 +222,21 @@ def test_the_page_has_an_icon(service: Service, browser: Any) -> None:
     assert icon == "image/png"
     console = [e["message"] for e in d.get_log("browser")]
     assert not [m for m in console if "favicon" in m or "404" in m], console
+
+
+def test_a_text_search_is_an_address_that_runs_it_again(service: Service, browser: Any) -> None:
+    """A text search puts `?q=` in the address bar; opening that address runs the same
+    search (a search can be kept and shared); an image search takes it away."""
+    d = browser
+    d.get(service.url + "/")
+    d.find_element(By.ID, "query").send_keys("two blue squares")
+    d.find_element(By.ID, "search").click()
+    WebDriverWait(d, 30).until(lambda drv: len(drv.find_elements(By.CSS_SELECTOR, "#grid .hit")))
+    link = d.current_url
+    assert link.endswith("/?q=two%20blue%20squares"), link
+    first = d.find_element(By.CSS_SELECTOR, "#grid .hit").text
+    d.get(service.url + "/")
+    d.get(link)
+    WebDriverWait(d, 30).until(lambda drv: len(drv.find_elements(By.CSS_SELECTOR, "#grid .hit")))
+    assert d.find_element(By.ID, "query").get_attribute("value") == "two blue squares"
+    assert d.find_element(By.CSS_SELECTOR, "#grid .hit").text == first
