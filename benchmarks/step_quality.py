@@ -51,7 +51,7 @@ def run(work: Path, args: argparse.Namespace, precisions: list[str]) -> str:
     from models.builtin import BuiltinModel
     from models.device_step import DeviceStep
     from models.fusion import DEFAULT_FUSION_LAMBDA, fused_top_k, sigmoid
-    from models.step_graphs import capture_shapes
+    from models.step_graphs import batch_key, capture_shapes
     from store import ann
     from store.indexio import IndexVersion, resolve_current
 
@@ -99,8 +99,8 @@ def run(work: Path, args: argparse.Namespace, precisions: list[str]) -> str:
         tops, graphed, batches = [], 0, 0
         for a in range(0, n_txt, args.batch):
             ids = [model.tokenizer.ids(c) for c in captions[a : a + args.batch]]
-            b, n, m = step.padded(len(ids), max(map(len, ids)), M)
-            graphed += tables.graphs is not None and tables.graphs.get((b, n, m, True)) is not None
+            key = batch_key(step, tables, ids, M, True)
+            graphed += tables.graphs is not None and tables.graphs.get(key) is not None
             batches += 1
             out = step(tables, ids, M, True)
             assert out.logits is not None

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from models.inference import Precision
 from models.joint import JointModel
 from models.masked_cross import DTYPES, MaskedCrossEncoder, pin_attention, sdpa_backends
-from models.step_graphs import StepGraphs
+from models.step_graphs import StepGraphs, batch_key, by_work
 
 log = logging.getLogger("duet.device_step")
 
@@ -213,11 +213,10 @@ class DeviceStep:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Queue one batch: (rows, dots, logits or None), each (B, m) on the device, for the
         padded batch (the first len(ids) rows are the queries')."""
-        b, length, m = self.padded(len(ids), max(len(r) for r in ids), candidates)
-        m = min(m, tables.rows)
+        b, length, m, _ = key = batch_key(self, tables, ids, candidates, rerank)
         host = self.pack(ids, length, b)
         graphs = tables.graphs
-        if graphs is not None and (graph := graphs.get((b, length, m, rerank))):
+        if graphs is not None and (graph := graphs.get(key)):
             return graphs.replay(graph, host)
         tok = host.to(self.device, non_blocking=True)
         return self.run(tables, tok, length, m, rerank)
@@ -351,7 +350,7 @@ class DeviceStep:
 
         t0 = time.monotonic()
         done = 0
-        for b, length, m, rerank in sorted(shapes, key=lambda s: (s[3], s[0] * s[2] * s[1])):
+        for b, length, m, rerank in sorted(shapes, key=by_work):
             if time.monotonic() - t0 > seconds:
                 log.warning(
                     "warm-up stopped after %d of %d shapes (%.0fs budget)",

@@ -52,6 +52,26 @@ RunFn = Callable[[torch.Tensor, int, int, bool], Launched]
 Key = tuple[int, int, int, bool]  # (queries, text length, candidates, re-ranked), padded
 
 
+def by_work(shape: Key) -> tuple[bool, int]:
+    """Sort key of shapes, smallest work first: dot-only ones, then by queries x candidates x
+    text length (the order warm-up builds them and capture records them)."""
+    b, length, m, rerank = shape
+    return rerank, b * m * length
+
+
+def batch_key(
+    step: DeviceStep,
+    tables: ResidentTables,
+    ids: Sequence[Sequence[int]],
+    candidates: int,
+    rerank: bool,
+) -> Key:
+    """The padded shape a batch of `ids` runs at over `tables`: the key its graph is kept
+    under (candidates no more than the version's rows)."""
+    b, length, m = step.padded(len(ids), max(len(r) for r in ids), candidates)
+    return b, length, min(m, tables.rows), rerank
+
+
 class CaptureBroke(RuntimeError):
     """A capture failed after it began: torch's allocator may be left routing to its pool."""
 
@@ -187,7 +207,7 @@ def capture_shapes(
         return 0
     t0 = time.monotonic()
     vocab = int(step.model.cfg.vocab_size)
-    for b, length, m, rerank in sorted(shapes, key=lambda s: (s[3], s[0] * s[2] * s[1])):
+    for b, length, m, rerank in sorted(shapes, key=by_work):
         if time.monotonic() - t0 > seconds:
             log.warning("graph capture stopped at %d of %d shapes", len(graphs), len(shapes))
             break

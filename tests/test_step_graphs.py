@@ -15,7 +15,14 @@ import torch
 from models.builtin import BuiltinModel
 from models.device_step import DeviceStep, ResidentTables
 from models.inference import Precision
-from models.step_graphs import CaptureBroke, StepGraphs, agree, capture_shapes, varied_ids
+from models.step_graphs import (
+    CaptureBroke,
+    StepGraphs,
+    agree,
+    batch_key,
+    capture_shapes,
+    varied_ids,
+)
 from tests.test_device_step import TEXTS, _table, _worker
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -284,8 +291,7 @@ def test_the_workers_capture_at_warm_up_and_swap_and_batches_replay_them(
     eager = DeviceStep(model.model, torch.device("cpu"), "fp32")
     plain = eager.tables(np.asarray(tables.vectors), np.asarray(first.image_tokens))
     for ids in [*_batches(model)[:2], _batches(model)[3]]:
-        b, n, m = step.padded(len(ids), max(map(len, ids)), 50)
-        key = (b, n, min(m, tables.rows), True)
+        key = batch_key(step, tables, ids, 50, True)
         before = tables.graphs.replays.get(key, 0)
         got, want = step(tables, ids, 50, True), eager(plain, ids, 50, True)
         assert tables.graphs.replays.get(key, 0) == before + 1, key
