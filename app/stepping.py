@@ -188,7 +188,7 @@ class DeviceStepping:
                 continue
             for _ in range(2):
                 t0 = time.perf_counter()
-                self.step(tables, [[2, 3, 4, 5, 6, 7]] * b, m, rerank)
+                self.step(tables, [list(BUDGET_QUERY)] * b, m, rerank)
                 self.batch_cost.observe(b, b * m if rerank else 0, time.perf_counter() - t0)
 
     def budget_shapes(
@@ -206,9 +206,7 @@ class DeviceStepping:
         observations too). A bigger batch would only add waiting."""
         assert self.step is not None
         rates: dict[int, float] = {}
-        for b in self.step.shapes.queries:
-            if b * candidates > cap:
-                break
+        for b, _, _, _ in self.budget_shapes(candidates, cap):
             ids = [list(BUDGET_QUERY)] * b
             self.step(tables, ids, candidates, True)  # builds the shape
             t0 = time.perf_counter()
