@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 import redis.asyncio as aioredis
@@ -114,6 +115,11 @@ class ResilientCache:
         self._bounded = not isinstance(backend, LRUCache)
         self._last_warning = 0.0
 
+    def _bound(self) -> AbstractAsyncContextManager[object]:
+        """What a call runs in: `asyncio.timeout` (not wait_for: no task of its own for each
+        call), or nothing for the in-process LRU."""
+        return asyncio.timeout(self._timeout) if self._bounded else _UNBOUNDED
+
     def _failed(self, op: str, exc: BaseException) -> None:
         self._metrics.cache_requests.labels(result="error").inc()
         now = time.monotonic()
@@ -129,8 +135,7 @@ class ResilientCache:
 
     async def get(self, key: str) -> str | None:
         try:
-            # asyncio.timeout, not wait_for: no task of its own for each call
-            async with asyncio.timeout(self._timeout) if self._bounded else _UNBOUNDED:
+            async with self._bound():
                 value = await self.backend.get(key)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("get", exc)
@@ -140,7 +145,7 @@ class ResilientCache:
 
     async def set(self, key: str, value: str) -> None:
         try:
-            async with asyncio.timeout(self._timeout) if self._bounded else _UNBOUNDED:
+            async with self._bound():
                 await self.backend.set(key, value)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("set", exc)
