@@ -26,8 +26,7 @@ def stage_totals(url: str) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for family, kind, labels, value in _SUMS.findall(_metrics(url)):
         if family == "stage":
-            name = re.search(r'stage="([^"]+)"', labels)
-            key = name.group(1) if name else "?"
+            key = _stage(labels) or "?"
         elif 'endpoint="/search/' in labels:
             key = "request"
         else:
@@ -46,8 +45,14 @@ def _own(family: str, labels: str) -> str | None:
         return "request" if ok else None
     if family == "device_step":
         return "step"
-    stage = re.search(r'stage="([^"]+)"', labels)
-    return stage.group(1) if stage and stage.group(1) in ("queue", "device") else None
+    stage = _stage(labels)
+    return stage if stage in ("queue", "device") else None
+
+
+def _stage(labels: str) -> str | None:
+    """The `stage` label's value in a series' labels, if it has one."""
+    found = re.search(r'stage="([^"]+)"', labels)
+    return found.group(1) if found else None
 
 
 def own_buckets(url: str) -> dict[str, dict[float, float]]:
