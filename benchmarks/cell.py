@@ -25,7 +25,7 @@ class Cell:
     wall: float = 0.0  # seconds the cells took end to end, warm-up included (for `cores`)
     # duet's /metrics around the cell: [seconds, count] per duet_stage_seconds stage and
     stages: dict[str, list[float]] = field(default_factory=dict)  # "request" (/search/*)
-    # open loop: duet's own p50 / p99 (ms), the bounds of its request histogram's buckets
+    # open loop: duet's own p50 / p99 and queue / device / step p99 (ms), bucket bounds
     own: dict[str, float] = field(default_factory=dict)
 
     def add_stages(self, before: dict[str, list[float]], after: dict[str, list[float]]) -> None:
