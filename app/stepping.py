@@ -165,9 +165,11 @@ class DeviceStepping:
             self.rerank_max_batch = self.measure_budget(tables)
         shapes = self.step.shapes_within(self.rerank_max_batch, max_batch)
         t0 = time.monotonic()
-        built = self.step.warm_up(tables, shapes, seconds)
         self.step_shapes = shapes  # what a version swapped in later is captured at
+        # captured first: each capture's check runs its shape eagerly, so warm-up then builds
+        # only the shapes left without a graph (and the image queries')
         captured = capture_shapes(self.step, tables, shapes, seconds, check_syncs=True)
+        built = self.step.warm_up(tables, shapes, seconds)
         self._seed_cost(tables, max_batch)
         log.info(
             "device step: %d of %d shapes built in %.1fs, %s; pair budget %d",

@@ -345,12 +345,18 @@ class DeviceStep:
         self, tables: ResidentTables, shapes: Sequence[tuple[int, int, int, bool]], seconds: float
     ) -> int:
         """Run each shape once (smallest work first) within `seconds`; returns how many were
-        built. A shape not built still runs, only its first time slower."""
+        built. A shape not built still runs, only its first time slower. A shape captured as
+        a graph in `tables` was built by the capture's check (the eager step): not run again."""
         import time
 
         t0 = time.monotonic()
         done = 0
+        graphs = tables.graphs
         for b, length, m, rerank in sorted(shapes, key=by_work):
+            key = (b, length, min(m, tables.rows), rerank)
+            if graphs is not None and graphs.get(key) is not None:
+                done += 1
+                continue
             if time.monotonic() - t0 > seconds:
                 log.warning(
                     "warm-up stopped after %d of %d shapes (%.0fs budget)",
@@ -389,8 +395,6 @@ def step_for(
     joint: Any = getattr(models, "joint", None)
     if joint is None or getattr(models, "encoder", None) is not joint:
         return None
-    builtin = cast(Any, joint)
-    rerank = getattr(models, "cross", None) is builtin
-    return DeviceStep(
-        builtin.model, builtin.device, builtin.cross.precision, shapes, rerank, graphs
-    )
+    built = cast(Any, joint)
+    rerank = getattr(models, "cross", None) is built
+    return DeviceStep(built.model, built.device, built.cross.precision, shapes, rerank, graphs)

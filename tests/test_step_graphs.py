@@ -283,11 +283,25 @@ def test_the_workers_capture_at_warm_up_and_swap_and_batches_replay_them(
     worker = _worker(model, step)
     first = IndexVersion.open(resolve_current(index_dir))
     worker.prepare(first)
-    worker.warm_step(first, False, 4, 120.0)  # the budget as set (200 pairs): 4 queries
+    runs: dict[tuple[int, int, int, bool], int] = {}
+    run = step.run
+
+    def counted(tables, tok, length, m, rerank):  # type: ignore[no-untyped-def]
+        key = (tok.shape[0], length, m, rerank)
+        runs[key] = runs.get(key, 0) + 1
+        return run(tables, tok, length, m, rerank)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(step, "run", counted)
+        patched.setattr(worker, "_seed_cost", lambda *_: None)  # its batches run the step too
+        worker.warm_step(first, False, 4, 120.0)  # the budget as set (200 pairs): 4 queries
     tables = first.resident
     assert tables is not None and isinstance(tables.graphs, _Recorded)
     shapes = {(b, n, min(m, tables.rows), r) for b, n, m, r in worker.step_shapes}
     assert shapes and set(tables.graphs._graphs) == shapes
+    # each shape run at start-up once for its capture's check and once replayed (a recorded
+    # replay reruns it): warm-up runs no captured shape again
+    assert runs == dict.fromkeys(shapes, 2)
     eager = DeviceStep(model.model, torch.device("cpu"), "fp32")
     plain = eager.tables(np.asarray(tables.vectors), np.asarray(first.image_tokens))
     for ids in [*_batches(model)[:2], _batches(model)[3]]:
