@@ -248,6 +248,7 @@ def create_app(
         app.include_router(admin.router)
         app.include_router(ui.router)
 
+    app.add_middleware(search.TextSearchASGI, fastapi=app)  # inside BodyLimit, see its doc
     app.add_middleware(
         BodyLimit,
         limit_for=lambda path: image_limit if path == "/search/image" else settings.max_body_bytes,
