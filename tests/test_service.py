@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -12,6 +13,7 @@ from prometheus_client import generate_latest
 
 from app.config import Settings
 from app.main import Resources, create_app
+from app.routes.search import TextSearchASGI
 from models.builtin import BuiltinModel
 from store.indexio import IndexVersion, resolve_current
 
@@ -140,3 +142,77 @@ async def test_one_failing_query_does_not_fail_its_batch_mates(
         }
     assert [r.status_code for r in rs] == [200, 200, 500, 200, 200]
     assert batches["duet_engine_batch_size_count"] < len(queries)  # some shared a batch
+
+
+# (content type, body) of text searches: answered, refused at each check, and one that fails
+_TEXT_REQUESTS: list[tuple[str | None, str]] = [
+    ("application/json", '{"query": "a red circle above a green square", "top_k": 3}'),
+    ("application/json", '{"query": "two blue squares", "rerank": false, "candidates": 20}'),
+    ("Application/JSON; charset=utf-8", '{"query": "a small yellow cross", "top_k": 2}'),
+    ("application/json", '{"query": ""}'),
+    ("application/json", "{}"),
+    ("application/json", '{"query": 5}'),
+    ("application/json", "not json"),
+    ("application/json", "[]"),
+    ("application/json", '{"query": "a red circle", "top_k": 0}'),
+    ("application/json", '{"query": "a red circle", "reranker": "nope"}'),
+    ("application/json", '{"query": "a red circle", "fusion": "bad", "extra": 1}'),
+    ("application/json", '{"query": "a red circle", "candidates": 100000}'),
+    ("application/json", b'{"query": "caf\xe9"}'.decode("latin-1")),
+    ("text/plain", '{"query": "a red circle"}'),
+    (None, '{"query": "a red circle"}'),
+    ("application/json", '{"query": "a red poison circle"}'),  # the encoder fails: a 500
+]
+
+
+COUNTED = "duet_request_seconds_count"
+
+
+async def _answers(app: object) -> list[tuple[int, dict[str, str], object]]:
+    """Each of `_TEXT_REQUESTS` through `app` in process: status, the headers a client reads,
+    and the JSON body without its timings."""
+    out = []
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://duet") as client:
+        for ctype, body in _TEXT_REQUESTS:
+            headers = {} if ctype is None else {"content-type": ctype}
+            r = await client.post("/search/text", content=body.encode("latin-1"), headers=headers)
+            data = r.json()
+            if isinstance(data, dict):
+                data.pop("timings_ms", None)
+            kept = ("content-type", "retry-after", "connection", "www-authenticate")
+            out.append((r.status_code, {k: v for k, v in r.headers.items() if k in kept}, data))
+        out.append(((await client.get("/search/text")).status_code, {}, None))
+    return out
+
+
+async def test_the_text_route_answers_as_fastapi_would_route_it(
+    index_dir: Path, model: BuiltinModel
+) -> None:
+    """POST /search/text is answered past FastAPI's router (`TextSearchASGI`): the same
+    requests through the router (the app with that middleware taken out) get the same status,
+    headers and body, answers, each refusal and a failure alike; the request metrics count
+    them under the route either way."""
+    settings = Settings(index_dir=index_dir, index_poll_s=0)
+    apps = []
+    for fast in (True, False):
+        index = IndexVersion.open(resolve_current(index_dir), expect_fingerprint=model.fingerprint)
+        app = create_app(settings, Resources(_PoisonedEncoder(model), index))
+        routed = [m for m in app.user_middleware if m.cls is not cast(Any, TextSearchASGI)]
+        assert len(routed) == len(app.user_middleware) - 1
+        if not fast:
+            app.user_middleware = routed
+        apps.append(app)
+    answers, counts = [], []
+    for app in apps:
+        async with app.router.lifespan_context(app):
+            answers.append(await asyncio.wait_for(_answers(app), 60))
+        text = generate_latest(app.state.metrics.registry).decode()
+        counts.append(sorted(ln for ln in text.splitlines() if ln.startswith(COUNTED)))
+    got, want = answers
+    statuses = [s for s, _, _ in want]
+    assert statuses == [200, 200, 200, *[422] * 10, 415, 415, 500, 405]
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a == b, (_TEXT_REQUESTS[i] if i < len(_TEXT_REQUESTS) else "GET", a, b)
+    assert counts[0] == counts[1]
+    assert f'{COUNTED}{{endpoint="/search/text",status="422"}} 10.0' in counts[0]
