@@ -14,10 +14,11 @@ from app.engine import BatchCost, Ticket
 from app.metrics import Metrics
 from app.work import Answer, Candidates, Query, Work, clock, ms
 from models.builtin import pixel_bytes
-from models.device_step import CaptionTables, DeviceStep, ResidentTables, text_ids_of
+from models.device_step import DeviceStep, text_ids_of
 from models.fusion import sigmoid
 from models.protocols import JointEncoder
 from models.step_graphs import capture_shapes
+from models.step_tables import CaptionTables, ResidentTables
 from store import ann
 from store.indexio import IMAGE_VECTORS, TEXT_VECTORS, IndexVersion
 

@@ -14,7 +14,10 @@ Rows, each timed with the device synchronised, on the demo index's image states:
 * device step, graphs: the same, replayed from a CUDA graph of its shape as the service runs
   it on CUDA (`DUET_CUDA_GRAPHS=1`, `models.step_graphs`; "-" off CUDA);
 * step cross-encoder: the step's `MaskedCrossEncoder` alone on the same pairs (like for like
-  with the plain forward).
+  with the plain forward);
+* image step, and image step, graphs: the step for image queries (`launch_images`: image
+  tower, search over the captions, their ids gathered, text tower, cross-encoder) at
+  pairs / 50 queries against 50 candidate captions each, eager and replayed from its graph.
 
     python benchmarks/ce_ceiling.py --device cuda --out gpu-out/ceiling.md
     python benchmarks/ce_ceiling.py --device cpu --pairs 50,400 --seconds 1   # a quick look
@@ -58,11 +61,14 @@ def measure(
 
     index = IndexVersion.open(resolve_current(index_dir))
     vectors = ann.flat_vectors(index.image_index)
-    if vectors is None:
+    captions = ann.flat_vectors(index.text_index)
+    if vectors is None or captions is None:
         raise SystemExit("the index is not Flat: build the demo index (make demo-index)")
+    texts = list(index.store.all_texts())
     rows: list[dict[str, object]] = []
     for prec in precisions:
         bench = _Bench(vectors, np.asarray(index.image_tokens), device, prec)
+        bench.with_captions(captions, texts)
         for size in sizes:
             row = bench.row(size, seconds)
             print(json.dumps(row), flush=True)
@@ -99,6 +105,19 @@ class _Bench:
         with torch.inference_mode():
             self.text = self.model.model.text_tokens(self.ids, self.pad)
 
+    def with_captions(self, vectors: np.ndarray, texts: list[str]) -> None:
+        """The captions resident beside both steps' tables, as the service keeps them for
+        image queries (ids zero-padded to the longest caption)."""
+        from models.step_tables import CaptionTables
+
+        rows = [self.model.tokenizer.ids(t) for t in texts]
+        ids = np.zeros((len(rows), max(len(r) for r in rows)), np.int32)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+        for tables in (self.tables, self.graphed_tables):
+            if tables is not None:
+                tables.captions = CaptionTables(vectors, ids, self.dev)
+
     def sync(self) -> None:
         if self.dev.type == "cuda":
             self.torch.cuda.synchronize(self.dev)
@@ -126,13 +145,23 @@ class _Bench:
         def whole_step() -> object:
             return step(self.tables, [self.q_ids] * queries, 50, True)
 
+        from models.step_graphs import capture_shapes, varied_pixels
+
         graphed = None
         if self.graphed.graphs and self.graphed_tables is not None:
-            from models.step_graphs import capture_shapes
-
+            # the text shape and, the captions resident, the image queries' at its size
             shape = (*self.graphed.padded(queries, len(self.q_ids), 50), True)
             if capture_shapes(self.graphed, self.graphed_tables, [shape], 60.0):
                 graphed = self.graphed
+        pixels = varied_pixels(queries, self.model.model.cfg.image_size)
+
+        def image_step() -> object:
+            return step.collect(step.launch_images(self.tables, pixels, 50, True), queries)
+
+        def graphed_images() -> object:
+            assert graphed is not None and self.graphed_tables is not None
+            launched = graphed.launch_images(self.graphed_tables, pixels, 50, True)
+            return graphed.collect(launched, queries)
 
         def graphed_step() -> object:
             assert graphed is not None and self.graphed_tables is not None
@@ -149,8 +178,10 @@ class _Bench:
             ("device step", whole_step, queries * 50),
             ("device step, graphs", graphed_step, queries * 50),
             ("step cross-encoder", step_ce, size),
+            ("image step", image_step, queries * 50),
+            ("image step, graphs", graphed_images, queries * 50),
         ):
-            if name == "device step, graphs" and graphed is None:
+            if name.endswith(", graphs") and graphed is None:
                 row[name] = "-"
                 continue
             try:
@@ -169,11 +200,14 @@ def report(rows: list[dict[str, object]], device: str, gpu: str) -> str:
         "device step",
         "device step, graphs",
         "step cross-encoder",
+        "image step",
+        "image step, graphs",
     ]
     out = [
         f"Cross-encoder pairs/s on {gpu or device} (`benchmarks/ce_ceiling.py`); "
         "device step = the whole GPU-layout step (text tower, search, gather, cross-encoder, "
-        "copy out) at pairs / 50 queries of 50 candidates.",
+        "copy out) at pairs / 50 queries of 50 candidates; image step = the same for image "
+        "queries (image tower, search over the captions, text tower, cross-encoder).",
         "",
         "| precision | pairs per call | " + " | ".join(cols) + " | step CE / plain |",
         "|---|---|" + "---|" * (len(cols) + 1),

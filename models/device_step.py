@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from models.inference import Precision
 from models.joint import JointModel
 from models.masked_cross import DTYPES, MaskedCrossEncoder, pin_attention, sdpa_backends
-from models.step_graphs import StepGraphs, batch_key, by_work
+from models.step_graphs import StepGraphs, batch_key, by_work, image_key
+from models.step_tables import ResidentTables
 
 log = logging.getLogger("duet.device_step")
 
@@ -64,69 +65,6 @@ class StepShapes:
         [ITM] + text + image states is a multiple of 8 positions long."""
         out = {n + (-(1 + n + image_tokens)) % 8 for n in (*self.texts, max_len) if n <= max_len}
         return tuple(sorted(out))
-
-
-class ResidentTables:
-    """One index version's image vectors (float32, for search) and image states (in the
-    step's precision, for the cross-encoder) on the step's device."""
-
-    SLICE = 65536  # image-state rows copied at a time (512 MB of float16 at 16 x 256)
-
-    def __init__(
-        self, vectors: np.ndarray, tokens: np.ndarray, device: torch.device, dtype: torch.dtype
-    ) -> None:
-        self.vectors = torch.from_numpy(np.ascontiguousarray(vectors, np.float32)).to(device)
-        # copied in slices: a memory-mapped table larger than RAM never sits there whole
-        self.tokens = torch.empty(tokens.shape, dtype=dtype, device=device)
-        for a in range(0, tokens.shape[0], self.SLICE):
-            part = torch.from_numpy(np.array(tokens[a : a + self.SLICE]))
-            self.tokens[a : a + self.SLICE] = part.to(device=device, dtype=dtype)
-        self.rows = int(self.vectors.shape[0])
-        if self.tokens.shape[0] != self.rows:
-            raise ValueError(
-                f"index has {self.rows} vectors but {self.tokens.shape[0]} image-state rows"
-            )
-
-        self.captions: CaptionTables | None = None  # the caption side, for image queries
-        self.graphs: StepGraphs | None = None  # the text shapes' CUDA graphs over these
-
-    @property
-    def nbytes(self) -> int:
-        own = sum(t.element_size() * t.nelement() for t in (self.vectors, self.tokens))
-        return own + (0 if self.captions is None else self.captions.nbytes)
-
-    def release(self) -> None:
-        """Free the device memory now (a swapped-out version's tables)."""
-        if self.graphs is not None:  # first: they read the tables
-            self.graphs.drop()
-            self.graphs = None
-        self.vectors = self.vectors.new_zeros((0, self.vectors.shape[1]))
-        self.tokens = self.tokens.new_zeros((0, *self.tokens.shape[1:]))
-        self.rows = 0
-        if self.captions is not None:
-            self.captions.release()
-
-
-class CaptionTables:
-    """One index version's captions on the device, for image queries: their vectors (float32,
-    for search) and token ids (int32, zero-padded to the longest caption)."""
-
-    def __init__(self, vectors: np.ndarray, ids: np.ndarray, device: torch.device) -> None:
-        self.vectors = torch.from_numpy(np.ascontiguousarray(vectors, np.float32)).to(device)
-        self.ids = torch.from_numpy(np.ascontiguousarray(ids, np.int32)).to(device)
-        self.rows = int(self.vectors.shape[0])
-        self.width = int(ids.shape[1])
-        if self.ids.shape[0] != self.rows:
-            raise ValueError(f"{self.rows} caption vectors but {self.ids.shape[0]} id rows")
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.element_size() * t.nelement() for t in (self.vectors, self.ids))
-
-    def release(self) -> None:
-        self.vectors = self.vectors.new_zeros((0, self.vectors.shape[1]))
-        self.ids = self.ids.new_zeros((0, self.width))
-        self.rows = 0
 
 
 @dataclass
@@ -167,7 +105,7 @@ class DeviceStep:
         self.cross = MaskedCrossEncoder(model, self.dtype)
         self.backends = sdpa_backends(device)
         pin_attention(device)  # what `_kernels` restores on leaving, whichever worker leaves
-        # text shapes replayed as CUDA graphs (`models.step_graphs`); on CUDA only
+        # batches replayed as CUDA graphs (`models.step_graphs`); on CUDA only
         self.graphs = graphs and device.type == "cuda"
 
     # -- tables ---------------------------------------------------------------------
@@ -254,19 +192,30 @@ class DeviceStep:
         rerank: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Queue a batch of image queries (`pixels`: (n, 3, S, S) uint8 on the host) against
-        the captions: (caption rows, dots, logits or None), each (B, m) on the device. The
-        image tower once per query; its states (rounded to float16, as the host path's are)
-        read with each candidate caption, whose ids are gathered from the caption table and
-        run through the text tower at the table's fixed width."""
-        caps = tables.captions
-        assert caps is not None, "the version's captions are not resident"
-        b = _bucket(self.shapes.queries, pixels.shape[0])
-        m = min(_bucket(self.shapes.candidates, candidates), caps.rows)
+        the captions: (caption rows, dots, logits or None), each (B, m) on the device, for
+        the padded batch."""
+        assert tables.captions is not None, "the version's captions are not resident"
+        b, _, m, _ = key = image_key(self, tables, pixels.shape[0], candidates, rerank)
         host = torch.zeros((b, *pixels.shape[1:]), dtype=torch.uint8)
         host[: pixels.shape[0]] = pixels
         if self.device.type == "cuda":
             host = host.pin_memory()
-        x = host.to(self.device, non_blocking=True).float() / 255.0
+        graphs = tables.graphs
+        if graphs is not None and (graph := graphs.get(key)):
+            return graphs.replay(graph, host)
+        return self.run_images(tables, host.to(self.device, non_blocking=True), m, rerank)
+
+    def run_images(
+        self, tables: ResidentTables, pixels: torch.Tensor, m: int, rerank: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The device part of `launch_images` (`pixels` already on the device): the image
+        tower once per query; its states (rounded to float16, as the host path's are) read
+        with each candidate caption, whose ids are gathered from the caption table and run
+        through the text tower at the table's fixed width."""
+        caps = tables.captions
+        assert caps is not None, "the version's captions are not resident"
+        b = pixels.shape[0]
+        x = pixels.float() / 255.0
         net = self.model
         toks = net.image_tokens(x)
         vec = F.normalize(net.embed_images(toks).float(), dim=-1)
@@ -373,6 +322,8 @@ class DeviceStep:
             for b, m, rerank in sorted({(b, m, r) for b, _, m, r in shapes}):
                 if time.monotonic() - t0 > seconds:
                     break
+                if graphs is not None and graphs.get(image_key(self, tables, b, m, rerank)):
+                    continue
                 pixels = torch.zeros((b, 3, size, size), dtype=torch.uint8)
                 self.collect(self.launch_images(tables, pixels, m, rerank), b)
         return done

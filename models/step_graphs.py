@@ -1,4 +1,4 @@
-"""CUDA graphs for the device step's text batches (`models.device_step`).
+"""CUDA graphs for the device step's batches, text and image queries (`models.device_step`).
 
 On an H100 the shipped model's device step is bound by launching kernels, not by running
 them: a lone re-ranked query spent 4.2 ms in the step, a lone dot-only one 2.6 ms, for work
@@ -6,17 +6,20 @@ the card does in a fraction of that, and the thread feeding the device was busy 
 a core launching them. A CUDA graph records a shape's kernels once and replays them with
 one launch. The step already runs at a few fixed shapes (`StepShapes`), so each shape it
 builds at warm-up is captured too, once per index version: the graphs read that version's
-resident tables at fixed addresses and are dropped with them.
+resident tables at fixed addresses and are dropped with them. Image queries have no text
+length: their graphs are kept at the text shapes' queries, candidates and modes (`IMAGE` in
+the key's length), when the version's captions are resident.
 
-Each graph has a static input (the batch's token ids, (queries, width) int64) and static
-outputs (rows, dots, logits); a replay copies the ids in, replays, and clones the outputs,
+Each graph has a static input (the batch's token ids, (queries, width) int64, or its
+pixels, (queries, 3, S, S) uint8) and static outputs (rows, dots, logits); a replay copies
+the input in, replays, and clones the outputs,
 all on the caller's stream under one lock, so two workers never interleave a graph's input
 and outputs. The graphs of a version share one memory pool (their temporaries overlap,
 which is safe because replays are serialised on one stream; each graph's outputs stay
 alive, so no other graph writes over them).
 
 Capture is checked: each graph is replayed once against the eager step's answer for the
-same ids, and a graph that disagrees (or a capture that fails) turns graphs off for the
+same input, and a graph that disagrees (or a capture that fails) turns graphs off for the
 step, for this version and every later one, with a warning; the eager step then serves
 every shape, as it does without graphs. At start-up, before any request, each shape's warm
 run is made under `torch.cuda.set_sync_debug_mode("error")`, so a synchronisation that
@@ -34,7 +37,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,7 +45,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from models.device_step import DeviceStep, ResidentTables
+    from models.device_step import DeviceStep
+    from models.step_tables import ResidentTables
 
 log = logging.getLogger("duet.device_step")
 
@@ -72,6 +76,18 @@ def batch_key(
     return b, length, min(m, tables.rows), rerank
 
 
+IMAGE = 0  # the text length in an image query's key (a text bucket is never 0)
+
+
+def image_key(
+    step: DeviceStep, tables: ResidentTables, queries: int, candidates: int, rerank: bool
+) -> Key:
+    """The padded shape a batch of `queries` image queries runs at over `tables`' captions."""
+    assert tables.captions is not None
+    b, _, m = step.padded(queries, 1, candidates)
+    return b, IMAGE, min(m, tables.captions.rows), rerank
+
+
 class CaptureBroke(RuntimeError):
     """A capture failed after it began: torch's allocator may be left routing to its pool."""
 
@@ -82,7 +98,7 @@ _BROKEN: list[torch.cuda.CUDAGraph] = []  # graphs whose capture failed, kept al
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    tok: torch.Tensor  # the static input: (queries, width) int64 on the device
+    tok: torch.Tensor  # the static input on the device: token ids, or an image batch's pixels
     outputs: Launched  # the static outputs, alive as long as the graph
 
 
@@ -125,7 +141,7 @@ class StepGraphs:
         return None if self.broken else self._graphs.get(key)
 
     def replay(self, graph: _Graph, host: torch.Tensor) -> Launched:
-        """The graph's answer for `host` ids ((queries, width) int64, pinned): device tensors
+        """The graph's answer for `host` (its input's shape and type, pinned): device tensors
         of its own (clones of the static outputs), queued on the caller's stream."""
         if torch.cuda.current_stream(self.device) != torch.cuda.default_stream(self.device):
             raise RuntimeError("the step's CUDA graphs replay on the default stream only")
@@ -136,7 +152,7 @@ class StepGraphs:
             return rows.clone(), dots.clone(), None if logits is None else logits.clone()
 
     def capture(self, key: Key, host: torch.Tensor, run: RunFn, check_syncs: bool) -> _Graph:
-        """Record `run` at `key` (its ids `host`, (queries, width) int64) as a graph: one warm
+        """Record `run` at `key` (its input `host`: ids or pixels) as a graph: one warm
         run on the capture stream first (per-stream handles and workspaces are made outside
         the capture; under sync debug mode "error" when `check_syncs`, which is process-wide:
         only while nothing else runs), then the capture, in thread-local mode so the workers
@@ -189,15 +205,54 @@ def varied_ids(queries: int, width: int, vocab: int) -> list[list[int]]:
     ]
 
 
+def varied_pixels(queries: int, size: int) -> torch.Tensor:
+    """Image queries unlike each other ((queries, 3, size, size) uint8, the same every call),
+    for an image shape's check."""
+    return torch.randint(
+        0,
+        256,
+        (queries, 3, size, size),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(7),
+    )
+
+
+def _inputs(
+    step: DeviceStep, tables: ResidentTables, shapes: Sequence[Key]
+) -> Iterator[tuple[Key, torch.Tensor, RunFn]]:
+    """Each graph to capture for `shapes`, smallest work first: its key, varied inputs (on the
+    host, as a batch brings them) and the device run it records. The text shapes, then, with
+    the captions resident, image queries at the same queries, candidates and modes."""
+    vocab = int(step.model.cfg.vocab_size)
+
+    def text(tok: torch.Tensor, n: int, k: int, r: bool) -> Launched:
+        return step.run(tables, tok, n, k, r)
+
+    def image(pixels: torch.Tensor, _: int, k: int, r: bool) -> Launched:
+        return step.run_images(tables, pixels, k, r)
+
+    for b, length, m, rerank in sorted(shapes, key=by_work):
+        host = step.pack(varied_ids(b, min(length, step.max_len), vocab), length, b)
+        yield (b, length, min(m, tables.rows), rerank), host, text
+    caps = tables.captions
+    if caps is None:
+        return
+    size = int(step.model.cfg.image_size)
+    for key in sorted({(b, IMAGE, min(m, caps.rows), r) for b, _, m, r in shapes}, key=by_work):
+        pixels = varied_pixels(key[0], size)
+        yield key, pixels.pin_memory() if step.device.type == "cuda" else pixels, image
+
+
 @torch.inference_mode()
 def capture_shapes(
     step: DeviceStep,
     tables: ResidentTables,
-    shapes: Sequence[tuple[int, int, int, bool]],
+    shapes: Sequence[Key],
     seconds: float,
     check_syncs: bool = False,
 ) -> int:
-    """Capture a graph for each text shape in `shapes` (smallest work first, within
+    """Capture a graph for each text shape in `shapes`, and with the captions resident for
+    image queries at the same queries, candidates and modes (smallest work first, within
     `seconds`), each checked against the eager step; returns how many `tables` holds. A
     failed or disagreeing capture turns graphs off for the step (`step.graphs`: no later
     version gets any) and for `tables`, and returns 0. `check_syncs`: see `StepGraphs.capture`
@@ -206,22 +261,16 @@ def capture_shapes(
     if graphs is None or graphs.broken or not step.graphs or not tables.rows:
         return 0
     t0 = time.monotonic()
-    vocab = int(step.model.cfg.vocab_size)
-    for b, length, m, rerank in sorted(shapes, key=by_work):
+    for key, host, run in _inputs(step, tables, shapes):
         if time.monotonic() - t0 > seconds:
-            log.warning("graph capture stopped at %d of %d shapes", len(graphs), len(shapes))
+            log.warning("graph capture stopped at %d graphs (%.0fs budget)", len(graphs), seconds)
             break
-        key = (b, length, min(m, tables.rows), rerank)
         if graphs.get(key) is not None:
             continue
-        host = step.pack(varied_ids(b, min(length, step.max_len), vocab), length, b)
-
-        def run(tok: torch.Tensor, n: int, k: int, r: bool) -> Launched:
-            return step.run(tables, tok, n, k, r)
-
+        b, length, m, rerank = key
         why = ""
         try:
-            eager = step.collect(run(host.to(step.device), length, key[2], rerank), b)
+            eager = step.collect(run(host.to(step.device), length, m, rerank), b)
             graph = graphs.capture(key, host, run, check_syncs)
             replayed = step.collect(graphs.replay(graph, host), b)
             if not agree(

@@ -17,8 +17,9 @@ from app.batch import BatchWorker
 from app.engine import BatchCost, Engine, Ticket
 from app.metrics import Metrics
 from models.builtin import BuiltinModel
-from models.device_step import CaptionTables, DeviceStep, ResidentTables
+from models.device_step import DeviceStep
 from models.masked_cross import MaskedCrossEncoder
+from models.step_tables import CaptionTables, ResidentTables
 from store import ann
 from tests.conftest import start_service, stop_service
 
@@ -29,6 +30,15 @@ TEXTS = [
     "a large green cross in the top left corner",
     "three purple circles",
 ]
+
+
+def caption_ids(n: int, ids: list[list[int]]) -> np.ndarray:
+    """A caption table's (n, 16) token ids: the given rows over and over, zero-padded."""
+    table = np.zeros((n, 16), np.int32)
+    for i in range(n):
+        row = ids[i % len(ids)][:16]
+        table[i, : len(row)] = row
+    return table
 
 
 def _table(n: int = 300, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -249,11 +259,7 @@ def test_cuda_step_launches_without_a_sync(model: BuiltinModel) -> None:
     step(tables, ids, 50, True)  # first call: kernels load, allocator grows
     torch.cuda.synchronize()
     # image queries too: captions of the test texts' ids over random caption vectors
-    cap_ids = np.zeros((len(vecs), 16), np.int32)
-    for i in range(len(vecs)):
-        row = ids[i % len(ids)][:16]
-        cap_ids[i, : len(row)] = row
-    tables.captions = CaptionTables(vecs, cap_ids, torch.device("cuda"))
+    tables.captions = CaptionTables(vecs, caption_ids(len(vecs), ids), torch.device("cuda"))
     pixels = torch.randint(0, 255, (3, 3, 64, 64), dtype=torch.uint8)
     step.collect(step.launch_images(tables, pixels, 50, True), 3)
     torch.cuda.synchronize()

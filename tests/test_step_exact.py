@@ -14,7 +14,8 @@ import torch
 
 from app.stepping import exact_vectors
 from models.builtin import BuiltinModel
-from models.device_step import DeviceStep, ResidentTables
+from models.device_step import DeviceStep
+from models.step_tables import ResidentTables
 from store import indexio
 from tests.builder_helpers import reindexed
 from tests.test_device_step import TEXTS, _worker

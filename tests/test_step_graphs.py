@@ -1,7 +1,8 @@
 """The device step's CUDA graphs (`models.step_graphs`): what runs on the CPU here (the
 check that compares a replay with the eager step, the ids it captures with, graphs off off
-CUDA), and on a CUDA host the graphs themselves against the eager step, without a sync, from
-two threads at once, and for a version swapped in."""
+CUDA, a failing capture turning them off), and on a CUDA host the graphs themselves against
+the eager step (text and image queries), without a sync, from two threads at once, and for a
+version swapped in. The workers' use of them: `tests/test_step_recorded.py`."""
 
 from __future__ import annotations
 
@@ -13,17 +14,19 @@ import pytest
 import torch
 
 from models.builtin import BuiltinModel
-from models.device_step import DeviceStep, ResidentTables
+from models.device_step import DeviceStep
 from models.inference import Precision
 from models.step_graphs import (
     CaptureBroke,
     StepGraphs,
     agree,
-    batch_key,
     capture_shapes,
+    image_key,
     varied_ids,
+    varied_pixels,
 )
-from tests.test_device_step import TEXTS, _table, _worker
+from models.step_tables import CaptionTables, ResidentTables
+from tests.test_device_step import TEXTS, _table, _worker, caption_ids
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -105,6 +108,32 @@ def test_cuda_graphs_answer_as_the_eager_step(model: BuiltinModel) -> None:
     got, want = graphed(tables, big, 50, True), eager(plain, big, 50, True)
     assert got.logits is not None and want.logits is not None
     np.testing.assert_allclose(got.logits, want.logits, atol=1e-2)
+
+
+@cuda
+def test_cuda_graphs_answer_image_queries_as_the_eager_step(model: BuiltinModel) -> None:
+    """With the captions resident, image queries' graphs (1 and 3 queries, padded to 1 and
+    4; re-ranked and not) answer as the eager step does."""
+    graphed, tables, eager, plain = _pair()
+    vecs, _ = _table()
+    ids = caption_ids(len(vecs), [model.tokenizer.ids(t) for t in TEXTS])
+    for t in (tables, plain):
+        t.captions = CaptionTables(vecs, ids, torch.device("cuda"))
+    modes = ((50, True), (10, False))
+    shapes = [(b, graphed.text_buckets[0], m, r) for b in (1, 4) for m, r in modes]
+    assert capture_shapes(graphed, tables, shapes, 60.0) == 2 * len(shapes)
+    assert tables.graphs is not None and not tables.graphs.broken
+    for q in (1, 3):
+        pixels = varied_pixels(q, graphed.model.cfg.image_size)
+        for m, rerank in modes:
+            assert tables.graphs.get(image_key(graphed, tables, q, m, rerank)) is not None
+            got = graphed.collect(graphed.launch_images(tables, pixels, m, rerank), q)
+            want = eager.collect(eager.launch_images(plain, pixels, m, rerank), q)
+            np.testing.assert_array_equal(got.rows, want.rows)
+            np.testing.assert_allclose(got.dots, want.dots, atol=1e-5)
+            if rerank:
+                assert got.logits is not None and want.logits is not None
+                np.testing.assert_allclose(got.logits, want.logits, atol=1e-2)
 
 
 @cuda
@@ -243,87 +272,3 @@ def test_a_capture_that_fails_or_disagrees_turns_graphs_off(
     eager = DeviceStep(model.model, torch.device("cpu"), "fp32")
     got, want = step(tables, ids, 20, True), eager(eager.tables(vecs, toks), ids, 20, True)
     np.testing.assert_array_equal(got.dots, want.dots)
-
-
-class _Recorded(StepGraphs):
-    """Graphs as the plumbing around them sees them, on the CPU: a capture keeps the step's
-    `run` and a static input, a replay copies the ids in and runs it again, counted by
-    shape. What is under test is everything but CUDA's recording: which shapes are captured
-    when, that the step's batches find them, and that their answers are the eager step's."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.lock, self._graphs, self.broken = device, threading.Lock(), {}, False
-        self.replays: dict[tuple[int, int, int, bool], int] = {}
-
-    def capture(self, key, host, run, check_syncs):  # type: ignore[no-untyped-def]
-        self._graphs[key] = (key, host.clone(), run)  # type: ignore[assignment]
-        return self._graphs[key]
-
-    def replay(self, graph, host):  # type: ignore[no-untyped-def]
-        key, tok, run = graph
-        tok.copy_(host)
-        self.replays[key] = self.replays.get(key, 0) + 1
-        _, length, m, rerank = key
-        return run(tok, length, m, rerank)
-
-
-def test_the_workers_capture_at_warm_up_and_swap_and_batches_replay_them(
-    index_dir: Path, model: BuiltinModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The GPU layout's worker with graphs (recorded ones, on the CPU): warm_step captures
-    every shape within the budget; batches of 1, 3 and 4 queries replay their shape's graph
-    and answer as the eager step does; the pair budget is timed on the graphs of the batches
-    it times; a version prepared later is captured at the same shapes."""
-    import models.device_step as device_step
-    from store.indexio import IndexVersion, resolve_current
-
-    monkeypatch.setattr(device_step, "StepGraphs", _Recorded)
-    step = DeviceStep(model.model, torch.device("cpu"), "fp32")
-    step.graphs = True  # as on CUDA
-    worker = _worker(model, step)
-    first = IndexVersion.open(resolve_current(index_dir))
-    worker.prepare(first)
-    runs: dict[tuple[int, int, int, bool], int] = {}
-    run = step.run
-
-    def counted(tables, tok, length, m, rerank):  # type: ignore[no-untyped-def]
-        key = (tok.shape[0], length, m, rerank)
-        runs[key] = runs.get(key, 0) + 1
-        return run(tables, tok, length, m, rerank)
-
-    with monkeypatch.context() as patched:
-        patched.setattr(step, "run", counted)
-        patched.setattr(worker, "_seed_cost", lambda *_: None)  # its batches run the step too
-        worker.warm_step(first, False, 4, 120.0)  # the budget as set (200 pairs): 4 queries
-    tables = first.resident
-    assert tables is not None and isinstance(tables.graphs, _Recorded)
-    shapes = {(b, n, min(m, tables.rows), r) for b, n, m, r in worker.step_shapes}
-    assert shapes and set(tables.graphs._graphs) == shapes
-    # each shape run at start-up once for its capture's check and once replayed (a recorded
-    # replay reruns it): warm-up runs no captured shape again
-    assert runs == dict.fromkeys(shapes, 2)
-    eager = DeviceStep(model.model, torch.device("cpu"), "fp32")
-    plain = eager.tables(np.asarray(tables.vectors), np.asarray(first.image_tokens))
-    for ids in [*_batches(model)[:2], _batches(model)[3]]:
-        key = batch_key(step, tables, ids, 50, True)
-        before = tables.graphs.replays.get(key, 0)
-        got, want = step(tables, ids, 50, True), eager(plain, ids, 50, True)
-        assert tables.graphs.replays.get(key, 0) == before + 1, key
-        np.testing.assert_array_equal(got.rows, want.rows)
-        assert got.logits is not None and want.logits is not None
-        np.testing.assert_allclose(got.logits, want.logits, atol=1e-5)
-    # the budget's batches (1 to 4 queries at a 200-pair cap here) timed on their graphs
-    budget = worker.budget_shapes(cap=200)
-    capture_shapes(step, tables, budget, 60.0)
-    replays = dict(tables.graphs.replays)
-    worker.measure_budget(tables, cap=200)
-    for b, n, m, r in budget:
-        assert tables.graphs.replays[(b, n, min(m, tables.rows), r)] > replays.get(
-            (b, n, min(m, tables.rows), r), 0
-        )
-    second = IndexVersion.open(resolve_current(index_dir))
-    worker.prepare(second)
-    assert second.resident is not None and isinstance(second.resident.graphs, _Recorded)
-    assert set(second.resident.graphs._graphs) == shapes
-    second.close()
-    first.close()
