@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from app.batch import BatchWorker
 from models.builtin import BuiltinModel
 from models.device_step import DeviceStep
 from models.step_graphs import (
@@ -25,6 +26,7 @@ from models.step_graphs import (
     varied_pixels,
 )
 from models.step_tables import CaptionTables
+from store.indexio import IndexVersion, resolve_current
 from tests.test_device_step import _worker
 from tests.test_step_graphs import _batches
 
@@ -51,6 +53,22 @@ class _Recorded(StepGraphs):
         return run(tok, length, m, rerank)
 
 
+def _recorded(
+    model: BuiltinModel, index_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[DeviceStep, BatchWorker, IndexVersion]:
+    """A GPU layout's worker whose step has graphs (recorded ones, as on CUDA), and the
+    current index version prepared (resident) for it."""
+    import models.device_step as device_step
+
+    monkeypatch.setattr(device_step, "StepGraphs", _Recorded)
+    step = DeviceStep(model.model, torch.device("cpu"), "fp32")
+    step.graphs = True  # as on CUDA
+    worker = _worker(model, step)
+    index = IndexVersion.open(resolve_current(index_dir))
+    worker.prepare(index)
+    return step, worker, index
+
+
 def test_the_workers_capture_at_warm_up_and_swap_and_batches_replay_them(
     index_dir: Path, model: BuiltinModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -58,15 +76,7 @@ def test_the_workers_capture_at_warm_up_and_swap_and_batches_replay_them(
     every shape within the budget; batches of 1, 3 and 4 queries replay their shape's graph
     and answer as the eager step does; the pair budget is timed on the graphs of the batches
     it times; a version prepared later is captured at the same shapes."""
-    import models.device_step as device_step
-    from store.indexio import IndexVersion, resolve_current
-
-    monkeypatch.setattr(device_step, "StepGraphs", _Recorded)
-    step = DeviceStep(model.model, torch.device("cpu"), "fp32")
-    step.graphs = True  # as on CUDA
-    worker = _worker(model, step)
-    first = IndexVersion.open(resolve_current(index_dir))
-    worker.prepare(first)
+    step, worker, first = _recorded(model, index_dir, monkeypatch)
     runs: dict[tuple[int, int, int, bool], int] = {}
     run = step.run
 
@@ -120,15 +130,7 @@ def test_image_queries_are_captured_and_replayed(
     queries, candidates and modes, each run once for its check (and once replayed: a
     recorded replay reruns it), none again by warm-up; a batch of 3 image queries replays
     its padded shape's graph and answers as the eager step does."""
-    import models.device_step as device_step
-    from store.indexio import IndexVersion, resolve_current
-
-    monkeypatch.setattr(device_step, "StepGraphs", _Recorded)
-    step = DeviceStep(model.model, torch.device("cpu"), "fp32")
-    step.graphs = True  # as on CUDA
-    worker = _worker(model, step)
-    index = IndexVersion.open(resolve_current(index_dir))
-    worker.prepare(index)
+    step, worker, index = _recorded(model, index_dir, monkeypatch)
     tables = index.resident
     assert tables is not None and tables.captions is not None
     runs: dict[tuple[int, int, bool], int] = {}
