@@ -17,7 +17,7 @@ from models.builtin import pixel_bytes
 from models.device_step import DeviceStep, text_ids_of
 from models.fusion import sigmoid
 from models.protocols import JointEncoder
-from models.step_graphs import capture_shapes
+from models.step_graphs import IMAGE, StepGraphs, capture_shapes
 from models.step_tables import CaptionTables, ResidentTables
 from store import ann
 from store.indexio import IMAGE_VECTORS, TEXT_VECTORS, IndexVersion
@@ -162,14 +162,15 @@ class DeviceStepping:
             return
         if measure and self.step.reranks:
             # timed as it will serve: with graphs, each batch size is captured first
-            capture_shapes(self.step, tables, self.budget_shapes(), seconds, check_syncs=True)
+            budget = self.budget_shapes()
+            capture_shapes(self.step, tables, budget, seconds, check_syncs=True, images=False)
             self.rerank_max_batch = self.measure_budget(tables)
         shapes = self.step.shapes_within(self.rerank_max_batch, max_batch)
         t0 = time.monotonic()
         self.step_shapes = shapes  # what a version swapped in later is captured at
         # captured first: each capture's check runs its shape eagerly, so warm-up then builds
         # only the shapes left without a graph (and the image queries')
-        captured = capture_shapes(self.step, tables, shapes, seconds, check_syncs=True)
+        capture_shapes(self.step, tables, shapes, seconds, check_syncs=True)
         built = self.step.warm_up(tables, shapes, seconds)
         self._seed_cost(tables, max_batch)
         log.info(
@@ -177,7 +178,7 @@ class DeviceStepping:
             built,
             len(shapes),
             time.monotonic() - t0,
-            f"{captured} as CUDA graphs" if tables.graphs is not None else "no CUDA graphs",
+            _graphed(tables.graphs),
             self.rerank_max_batch,
         )
 
@@ -314,3 +315,11 @@ class DeviceStepping:
             except Exception as exc:
                 log.exception("answering a query failed")
                 w.ticket.fail(exc)
+
+
+def _graphed(graphs: StepGraphs | None) -> str:
+    """How many CUDA graphs a version holds, for the start-up log."""
+    if graphs is None:
+        return "no CUDA graphs"
+    images = sum(1 for key in graphs.shapes() if key[1] == IMAGE)
+    return f"{len(graphs)} CUDA graphs ({images} of them image queries')"

@@ -107,6 +107,7 @@ class DeviceStep:
         pin_attention(device)  # what `_kernels` restores on leaving, whichever worker leaves
         # batches replayed as CUDA graphs (`models.step_graphs`); on CUDA only
         self.graphs = graphs and device.type == "cuda"
+        self.image_graphs = self.graphs  # off alone when an image query's capture fails
 
     # -- tables ---------------------------------------------------------------------
     def free_bytes(self) -> int | None:

@@ -60,7 +60,7 @@ def by_work(shape: Key) -> tuple[bool, int]:
     """Sort key of shapes, smallest work first: dot-only ones, then by queries x candidates x
     text length (the order warm-up builds them and capture records them)."""
     b, length, m, rerank = shape
-    return rerank, b * m * length
+    return rerank, b * m * max(length, 1)  # an image query's (IMAGE: 0) by its pairs
 
 
 def batch_key(
@@ -137,6 +137,10 @@ class StepGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def shapes(self) -> list[Key]:
+        """The keys of the graphs held."""
+        return list(self._graphs)
+
     def get(self, key: Key) -> _Graph | None:
         return None if self.broken else self._graphs.get(key)
 
@@ -189,6 +193,10 @@ class StepGraphs:
             self._graphs[key] = captured
             return captured
 
+    def drop_images(self) -> None:
+        """Forget the image queries' graphs (the text shapes' keep serving)."""
+        self._graphs = {k: g for k, g in self._graphs.items() if k[1] != IMAGE}
+
     def drop(self) -> None:
         """Forget every graph, and hand their pool back to the device (torch frees a graph
         pool's blocks into its cache only; another version's capture may need them)."""
@@ -218,11 +226,12 @@ def varied_pixels(queries: int, size: int) -> torch.Tensor:
 
 
 def _inputs(
-    step: DeviceStep, tables: ResidentTables, shapes: Sequence[Key]
+    step: DeviceStep, tables: ResidentTables, shapes: Sequence[Key], images: bool
 ) -> Iterator[tuple[Key, torch.Tensor, RunFn]]:
     """Each graph to capture for `shapes`, smallest work first: its key, varied inputs (on the
     host, as a batch brings them) and the device run it records. The text shapes, then, with
-    the captions resident, image queries at the same queries, candidates and modes."""
+    `images`, the captions resident and image graphs not turned off (`step.image_graphs`),
+    image queries at the same queries, candidates and modes."""
     vocab = int(step.model.cfg.vocab_size)
 
     def text(tok: torch.Tensor, n: int, k: int, r: bool) -> Launched:
@@ -235,12 +244,33 @@ def _inputs(
         host = step.pack(varied_ids(b, min(length, step.max_len), vocab), length, b)
         yield (b, length, min(m, tables.rows), rerank), host, text
     caps = tables.captions
-    if caps is None:
+    if caps is None or not images or not step.image_graphs:
         return
     size = int(step.model.cfg.image_size)
     for key in sorted({(b, IMAGE, min(m, caps.rows), r) for b, _, m, r in shapes}, key=by_work):
         pixels = varied_pixels(key[0], size)
         yield key, pixels.pin_memory() if step.device.type == "cuda" else pixels, image
+
+
+def _check(
+    step: DeviceStep, graphs: StepGraphs, key: Key, host: torch.Tensor, run: RunFn, syncs: bool
+) -> str:
+    """Capture `key` and replay it against the eager step: "" when they agree, else why not.
+    Raises `CaptureBroke` (a capture failed once begun)."""
+    b, length, m, rerank = key
+    try:
+        eager = step.collect(run(host.to(step.device), length, m, rerank), b)
+        graph = graphs.capture(key, host, run, syncs)
+        replayed = step.collect(graphs.replay(graph, host), b)
+    except CaptureBroke:
+        raise
+    except Exception as exc:
+        return f"failed: {exc}"
+    if not agree(
+        (eager.rows, eager.dots, eager.logits), (replayed.rows, replayed.dots, replayed.logits)
+    ):
+        return "replayed unlike the eager step"
+    return ""
 
 
 @torch.inference_mode()
@@ -250,34 +280,28 @@ def capture_shapes(
     shapes: Sequence[Key],
     seconds: float,
     check_syncs: bool = False,
+    images: bool = True,
 ) -> int:
-    """Capture a graph for each text shape in `shapes`, and with the captions resident for
-    image queries at the same queries, candidates and modes (smallest work first, within
-    `seconds`), each checked against the eager step; returns how many `tables` holds. A
-    failed or disagreeing capture turns graphs off for the step (`step.graphs`: no later
-    version gets any) and for `tables`, and returns 0. `check_syncs`: see `StepGraphs.capture`
-    (start-up only)."""
+    """Capture a graph for each text shape in `shapes`, and with `images` and the captions
+    resident for image queries at the same queries, candidates and modes (smallest work
+    first, within `seconds`), each checked against the eager step; returns how many `tables`
+    holds. A failed or disagreeing text capture turns graphs off for the step
+    (`step.graphs`: no later version gets any) and for `tables`, and returns 0; an image
+    capture's turns off image queries' graphs alone (`step.image_graphs`), unless it failed
+    once begun. `check_syncs`: see `StepGraphs.capture` (start-up only)."""
     graphs = tables.graphs
     if graphs is None or graphs.broken or not step.graphs or not tables.rows:
         return 0
     t0 = time.monotonic()
-    for key, host, run in _inputs(step, tables, shapes):
+    for key, host, run in _inputs(step, tables, shapes, images):
         if time.monotonic() - t0 > seconds:
             log.warning("graph capture stopped at %d graphs (%.0fs budget)", len(graphs), seconds)
             break
         if graphs.get(key) is not None:
             continue
-        b, length, m, rerank = key
-        why = ""
+        broke = False
         try:
-            eager = step.collect(run(host.to(step.device), length, m, rerank), b)
-            graph = graphs.capture(key, host, run, check_syncs)
-            replayed = step.collect(graphs.replay(graph, host), b)
-            if not agree(
-                (eager.rows, eager.dots, eager.logits),
-                (replayed.rows, replayed.dots, replayed.logits),
-            ):
-                why = "replayed unlike the eager step"
+            why = _check(step, graphs, key, host, run, check_syncs)
         except CaptureBroke as exc:
             log.error(
                 "CUDA graphs off: capturing shape %s failed once begun (%s); torch's allocator "
@@ -285,14 +309,18 @@ def capture_shapes(
                 key,
                 exc,
             )
-            why = "failed"
-        except Exception as exc:
-            why = f"failed: {exc}"
-        if why:
-            log.warning("CUDA graphs off: shape %s %s; the eager step serves", key, why)
-            step.graphs = False
-            graphs.broken = True
-            graphs.drop()
+            why, broke = "failed", True
+        if not why:
+            continue
+        if key[1] == IMAGE and not broke:
+            log.warning("CUDA graphs off for image queries: shape %s %s", key, why)
+            step.image_graphs = False
+            graphs.drop_images()
             break
+        log.warning("CUDA graphs off: shape %s %s; the eager step serves", key, why)
+        step.graphs = False
+        graphs.broken = True
+        graphs.drop()
+        break
     torch.cuda.empty_cache()  # the capture stream's warm runs' blocks, a broken pool
     return len(graphs)

@@ -261,7 +261,7 @@ def test_a_capture_that_fails_or_disagrees_turns_graphs_off(
     vecs, toks = _table()
     tables = step.tables(vecs, toks)
     tables.graphs = faulty = _Faulty(step, tables, how)
-    step.graphs = True  # as on CUDA
+    step.graphs = step.image_graphs = True  # as on CUDA
     shapes = [(1, step.text_buckets[0], 10, False), (2, step.text_buckets[0], 20, True)]
     with caplog.at_level("WARNING", logger="duet.device_step"):
         assert capture_shapes(step, tables, shapes, 10.0) == 0

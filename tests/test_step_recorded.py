@@ -54,15 +54,18 @@ class _Recorded(StepGraphs):
 
 
 def _recorded(
-    model: BuiltinModel, index_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model: BuiltinModel,
+    index_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    graphs: type[_Recorded] = _Recorded,
 ) -> tuple[DeviceStep, BatchWorker, IndexVersion]:
     """A GPU layout's worker whose step has graphs (recorded ones, as on CUDA), and the
     current index version prepared (resident) for it."""
     import models.device_step as device_step
 
-    monkeypatch.setattr(device_step, "StepGraphs", _Recorded)
+    monkeypatch.setattr(device_step, "StepGraphs", graphs)
     step = DeviceStep(model.model, torch.device("cpu"), "fp32")
-    step.graphs = True  # as on CUDA
+    step.graphs = step.image_graphs = True  # as on CUDA
     worker = _worker(model, step)
     index = IndexVersion.open(resolve_current(index_dir))
     worker.prepare(index)
@@ -163,4 +166,37 @@ def test_image_queries_are_captured_and_replayed(
     np.testing.assert_array_equal(got.rows, want.rows)
     assert got.logits is not None and want.logits is not None
     np.testing.assert_allclose(got.logits, want.logits, atol=1e-5)
+    index.close()
+
+
+class _ImagesDiffer(_Recorded):
+    """Recorded graphs whose image queries replay an answer unlike the eager step's."""
+
+    def replay(self, graph, host):  # type: ignore[no-untyped-def]
+        rows, dots, logits = super().replay(graph, host)
+        return (rows, dots + 1.0, logits) if graph[0][1] == IMAGE else (rows, dots, logits)
+
+
+def test_an_image_capture_that_disagrees_turns_off_image_graphs_alone(
+    index_dir: Path, model: BuiltinModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image query's graph unlike the eager step turns off the image queries' graphs (for
+    this version and later ones); the text shapes keep theirs, and image queries answer
+    through the eager step."""
+    step, worker, index = _recorded(model, index_dir, monkeypatch, _ImagesDiffer)
+    worker.warm_step(index, False, 4, 120.0)
+    tables = index.resident
+    assert tables is not None and isinstance(tables.graphs, _Recorded)
+    shapes = {(b, n, min(m, tables.rows), r) for b, n, m, r in worker.step_shapes}
+    assert step.graphs and not step.image_graphs and not tables.graphs.broken
+    assert set(tables.graphs._graphs) == shapes  # every text shape, no image query
+    pixels = varied_pixels(3, model.model.cfg.image_size)
+    replays = dict(tables.graphs.replays)
+    out = step.collect(step.launch_images(tables, pixels, 20, True), 3)
+    assert tables.graphs.replays == replays and out.logits is not None  # answered eagerly
+    second = IndexVersion.open(resolve_current(index_dir))
+    worker.prepare(second)
+    assert second.resident is not None and isinstance(second.resident.graphs, _Recorded)
+    assert set(second.resident.graphs._graphs) == shapes
+    second.close()
     index.close()

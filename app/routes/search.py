@@ -24,7 +24,6 @@ from app.answers import refuse_if_not_understood
 from app.deps import PipelineDep, SettingsDep, get_pipeline
 from app.errors import (
     ClientGone,
-    DuetError,
     InvalidImage,
     UnsupportedMediaType,
     ValidationFailed,
@@ -251,10 +250,12 @@ class TextSearchASGI:
     (py-spy, GPU layout on the CPU, dot-only). Everything else goes to `app` unchanged.
 
     Sits inside the service's own middleware (`BodyLimit`, `_ObserveRequests`), which see the
-    request as before (`scope["route"]` is the route, as the router would set it). A
-    `DuetError` or a 422 is answered by the app's own exception handlers, so every body is
-    the same; anything else propagates to Starlette's server-error middleware, as from the
-    route. The route stays registered for the OpenAPI document."""
+    request as before (`scope["route"]` is the route, as the router would set it). An error
+    the app has a handler for (a `DuetError`, a 422, an `HTTPException`) is answered by that
+    handler, so every body is the same; anything else propagates to Starlette's server-error
+    middleware, as from the route. The route stays registered for the OpenAPI document.
+    Served under a root path (`--root-path`), requests take the router. Not seen by FastAPI's
+    own OpenTelemetry hooks (its route attribute), which duet does not configure."""
 
     def __init__(self, app: ASGIApp, fastapi: FastAPI) -> None:
         self.app = app
@@ -262,20 +263,28 @@ class TextSearchASGI:
         self.route = next(r for r in router.routes if getattr(r, "path", "") == "/search/text")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/search/text" or scope["method"] != "POST":
+        if (
+            scope["type"] != "http"
+            or scope["path"] != "/search/text"
+            or scope["method"] != "POST"
+            or scope.get("root_path")
+        ):
             await self.app(scope, receive, send)
             return
         scope["route"] = self.route
         request = Request(scope, receive, send)
         try:
             response = await search_text(request)
-        except (DuetError, RequestValidationError) as exc:
+        except Exception as exc:
             response = await self._handled(request, exc)
         await response(scope, receive, send)
 
     async def _handled(self, request: Request, exc: Exception) -> Response:
+        """The app's answer to `exc` as Starlette's exception middleware gives it (the most
+        specific handler by class; `Exception`'s is the server-error middleware's), or `exc`
+        raised again when it has none."""
         handlers = self.fastapi.exception_handlers
-        for cls in type(exc).__mro__:  # the most specific handler, as Starlette looks it up
+        for cls in type(exc).__mro__:
             if cls in handlers and cls is not Exception:
                 answer = handlers[cls](request, exc)
                 return await answer if inspect.isawaitable(answer) else answer
