@@ -94,6 +94,15 @@ class Metrics:
             buckets=BATCH_BUCKETS,
             registry=r,
         )
+        self.cuda_graphs = Gauge(
+            "duet_cuda_graphs",
+            "CUDA graphs the served version's device step replays, by query kind (GPU layout "
+            "on CUDA, DUET_CUDA_GRAPHS; 0: the eager step serves, e.g. graphs turned off)",
+            ["queries"],
+            registry=r,
+        )
+        for kind in ("text", "image"):
+            self.cuda_graphs.labels(queries=kind)
         self.device_seconds = Histogram(
             "duet_device_step_seconds",
             "Wall time of one device step (GPU layout): a batch's text tower, search, "

@@ -35,6 +35,7 @@ from models.device_step import DeviceStep, text_ids_of
 from models.late import DEFAULT_THETA
 from models.protocols import JointEncoder
 from models.rerankers import REGISTRY
+from models.step_graphs import graph_counts
 from store import ann
 from store.indexio import IndexVersion
 
@@ -146,13 +147,13 @@ class SearchPipeline:
     def _publish(self, index: IndexVersion) -> None:
         self.metrics.index_items.labels(modality="image").set(index.image_index.ntotal)
         self.metrics.index_items.labels(modality="text").set(index.text_index.ntotal)
+        for kind, n in graph_counts(getattr(index.resident, "graphs", None)).items():
+            self.metrics.cuda_graphs.labels(queries=kind).set(n)
         self.metrics.index_info.labels(version=index.version).set(1)
 
     def swap_index(self, new: IndexVersion) -> IndexVersion:
         """Serve `new` from the next request on; in-flight requests finish on the old one.
-
-        The old version's `duet_index_info` series is removed, so exactly one version shows.
-        """
+        The old version's `duet_index_info` series is removed, so exactly one version shows."""
         old = self.indexes.swap(new)
         self._publish(new)
         for listener in self.swap_listeners:  # the process layout's fronts learn the version
@@ -162,8 +163,8 @@ class SearchPipeline:
         return old
 
     def prepare(self, index: IndexVersion) -> None:
-        """Make `index` ready to serve before it is swapped in: its resident tables on the
-        device step's device (GPU layout); nothing otherwise. Runs in a thread."""
+        """Make `index` ready to serve before it is swapped in (GPU layout: its resident
+        tables on the step's device, its graphs captured). Runs in a thread."""
         self.worker.prepare(index)
 
     async def start(self) -> None:
@@ -181,6 +182,7 @@ class SearchPipeline:
                 120.0,
             )
             self.engine.max_units = self.worker.rerank_max_batch
+            self._publish(self.index)  # its graphs, captured by now
         self.engine.start()
 
     async def stop(self) -> None:

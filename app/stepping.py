@@ -17,7 +17,7 @@ from models.builtin import pixel_bytes
 from models.device_step import DeviceStep, text_ids_of
 from models.fusion import sigmoid
 from models.protocols import JointEncoder
-from models.step_graphs import IMAGE, StepGraphs, capture_shapes
+from models.step_graphs import StepGraphs, capture_shapes, graph_counts
 from models.step_tables import CaptionTables, ResidentTables
 from store import ann
 from store.indexio import IMAGE_VECTORS, TEXT_VECTORS, IndexVersion
@@ -321,5 +321,4 @@ def _graphed(graphs: StepGraphs | None) -> str:
     """How many CUDA graphs a version holds, for the start-up log."""
     if graphs is None:
         return "no CUDA graphs"
-    images = sum(1 for key in graphs.shapes() if key[1] == IMAGE)
-    return f"{len(graphs)} CUDA graphs ({images} of them image queries')"
+    return f"{len(graphs)} CUDA graphs ({graph_counts(graphs)['image']} of them image queries')"

@@ -88,6 +88,13 @@ def image_key(
     return b, IMAGE, min(m, tables.captions.rows), rerank
 
 
+def graph_counts(graphs: StepGraphs | None) -> dict[str, int]:
+    """How many graphs `graphs` holds for text queries and for image queries."""
+    keys = graphs.shapes() if graphs is not None else []
+    images = sum(1 for key in keys if key[1] == IMAGE)
+    return {"text": len(keys) - images, "image": images}
+
+
 class CaptureBroke(RuntimeError):
     """A capture failed after it began: torch's allocator may be left routing to its pool."""
 

@@ -200,3 +200,47 @@ def test_an_image_capture_that_disagrees_turns_off_image_graphs_alone(
     assert set(second.resident.graphs._graphs) == shapes
     second.close()
     index.close()
+
+
+async def test_the_served_versions_graphs_are_counted_on_metrics(
+    index_dir: Path, model: BuiltinModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`duet_cuda_graphs` counts the served version's graphs by query kind once start-up has
+    captured them (recorded graphs on the CPU, as on CUDA); 0 before."""
+    import models.device_step as device_step
+    from app.cache import LRUCache, ResilientCache
+    from app.metrics import Metrics
+    from app.pipeline import SearchPipeline
+
+    monkeypatch.setattr(device_step, "StepGraphs", _Recorded)
+    step = DeviceStep(model.model, torch.device("cpu"), "fp32")
+    step.graphs = step.image_graphs = True  # as on CUDA
+    index = IndexVersion.open(resolve_current(index_dir))
+    metrics = Metrics()
+    cache = ResilientCache(LRUCache(100, 60.0), metrics, timeout_s=1.0)
+    pipeline = SearchPipeline(
+        model,
+        index,
+        cache,
+        metrics,
+        fusion_lambda=0.1,
+        step=step,
+        max_batch=4,
+        rerank_max_batch=200,
+    )
+
+    def gauge(kind: str) -> float:
+        return metrics.cuda_graphs.labels(queries=kind)._value.get()
+
+    assert gauge("text") == gauge("image") == 0
+    await pipeline.start()
+    try:
+        tables = index.resident
+        assert tables is not None and tables.captions is not None
+        shapes = pipeline.worker.step_shapes
+        keys = {(b, n, min(m, tables.rows), r) for b, n, m, r in shapes}
+        images = {(b, IMAGE, min(m, tables.captions.rows), r) for b, _, m, r in shapes}
+        assert gauge("text") == len(keys) and gauge("image") == len(images) > 0
+    finally:
+        await pipeline.stop()
+        index.close()
