@@ -18,7 +18,7 @@ from models.device_step import DeviceStep, text_ids_of
 from models.fusion import sigmoid
 from models.protocols import JointEncoder
 from models.step_graphs import StepGraphs, capture_shapes, graph_counts
-from models.step_tables import CaptionTables, ResidentTables
+from models.step_tables import CaptionTables, ResidentTables, id_table
 from store import ann
 from store.indexio import IMAGE_VECTORS, TEXT_VECTORS, IndexVersion
 
@@ -142,17 +142,13 @@ class DeviceStepping:
         which = np.fromiter(
             (distinct.setdefault(t, len(distinct)) for t in texts), np.int64, len(texts)
         )
-        rows = [ids_of(text) for text in distinct]
-        if any(r is None for r in rows):
+        rows = [r for r in (ids_of(text) for text in distinct) if r is not None]
+        if len(rows) != len(distinct):
             return None
-        width = max((len(r) for r in rows), default=1)
-        if not fits(width):
+        table = id_table(rows)
+        if not fits(table.shape[1]):
             return None
-        table = np.zeros((len(rows), width), np.int32)
-        for i, r in enumerate(rows):
-            table[i, : len(r)] = r
-        ids = table[which]
-        return CaptionTables(vectors, ids, self.step.device)
+        return CaptionTables(vectors, table[which], self.step.device)
 
     def warm_step(self, index: IndexVersion, measure: bool, max_batch: int, seconds: float) -> None:
         """With a step and `index` resident: measure the pair budget when `measure` (else

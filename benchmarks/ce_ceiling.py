@@ -109,12 +109,9 @@ class _Bench:
     def with_captions(self, vectors: np.ndarray, texts: list[str]) -> None:
         """The captions resident beside both steps' tables, as the service keeps them for
         image queries (ids zero-padded to the longest caption)."""
-        from models.step_tables import CaptionTables
+        from models.step_tables import CaptionTables, id_table
 
-        rows = [self.model.tokenizer.ids(t) for t in texts]
-        ids = np.zeros((len(rows), max(len(r) for r in rows)), np.int32)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = r
+        ids = id_table([self.model.tokenizer.ids(t) for t in texts])
         for tables in (self.tables, self.graphed_tables):
             if tables is not None:
                 tables.captions = CaptionTables(vectors, ids, self.dev)

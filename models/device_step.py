@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from models.inference import Precision
 from models.joint import JointModel
 from models.masked_cross import DTYPES, MaskedCrossEncoder, pin_attention, sdpa_backends
-from models.step_graphs import StepGraphs, batch_key, by_work, image_key
+from models.step_graphs import StepGraphs, batch_key, by_work, image_key, shape_key
 from models.step_tables import ResidentTables
 
 log = logging.getLogger("duet.device_step")
@@ -303,8 +303,7 @@ class DeviceStep:
         done = 0
         graphs = tables.graphs
         for b, length, m, rerank in sorted(shapes, key=by_work):
-            key = (b, length, min(m, tables.rows), rerank)
-            if graphs is not None and graphs.get(key) is not None:
+            if graphs is not None and graphs.get(shape_key(tables, (b, length, m, rerank))):
                 done += 1
                 continue
             if time.monotonic() - t0 > seconds:

@@ -63,6 +63,13 @@ def by_work(shape: Key) -> tuple[bool, int]:
     return rerank, b * m * max(length, 1)  # an image query's (IMAGE: 0) by its pairs
 
 
+def shape_key(tables: ResidentTables, shape: Key) -> Key:
+    """The key a padded text shape's graph is kept under over `tables`: candidates no more
+    than the version's rows."""
+    b, length, m, rerank = shape
+    return b, length, min(m, tables.rows), rerank
+
+
 def batch_key(
     step: DeviceStep,
     tables: ResidentTables,
@@ -71,9 +78,9 @@ def batch_key(
     rerank: bool,
 ) -> Key:
     """The padded shape a batch of `ids` runs at over `tables`: the key its graph is kept
-    under (candidates no more than the version's rows)."""
+    under."""
     b, length, m = step.padded(len(ids), max(len(r) for r in ids), candidates)
-    return b, length, min(m, tables.rows), rerank
+    return shape_key(tables, (b, length, m, rerank))
 
 
 IMAGE = 0  # the text length in an image query's key (a text bucket is never 0)
@@ -247,14 +254,14 @@ def _inputs(
     def image(pixels: torch.Tensor, _: int, k: int, r: bool) -> Launched:
         return step.run_images(tables, pixels, k, r)
 
-    for b, length, m, rerank in sorted(shapes, key=by_work):
+    for shape in sorted(shapes, key=by_work):
+        b, length = shape[:2]
         host = step.pack(varied_ids(b, min(length, step.max_len), vocab), length, b)
-        yield (b, length, min(m, tables.rows), rerank), host, text
-    caps = tables.captions
-    if caps is None or not images or not step.image_graphs:
+        yield shape_key(tables, shape), host, text
+    if tables.captions is None or not images or not step.image_graphs:
         return
     size = int(step.model.cfg.image_size)
-    for key in sorted({(b, IMAGE, min(m, caps.rows), r) for b, _, m, r in shapes}, key=by_work):
+    for key in sorted({image_key(step, tables, b, m, r) for b, _, m, r in shapes}, key=by_work):
         pixels = varied_pixels(key[0], size)
         yield key, pixels.pin_memory() if step.device.type == "cuda" else pixels, image
 

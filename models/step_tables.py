@@ -5,6 +5,7 @@ released with it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -75,3 +76,13 @@ class CaptionTables:
         self.vectors = self.vectors.new_zeros((0, self.vectors.shape[1]))
         self.ids = self.ids.new_zeros((0, self.width))
         self.rows = 0
+
+
+def id_table(rows: Sequence[Sequence[int]], width: int | None = None) -> np.ndarray:
+    """Token id rows as a (len(rows), width) int32 table, zero-padded (width: the longest
+    row's unless given; a longer row is cut)."""
+    width = max((len(r) for r in rows), default=1) if width is None else width
+    table = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        table[i, : min(len(r), width)] = r[:width]
+    return table

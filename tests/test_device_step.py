@@ -19,7 +19,7 @@ from app.metrics import Metrics
 from models.builtin import BuiltinModel
 from models.device_step import DeviceStep
 from models.masked_cross import MaskedCrossEncoder
-from models.step_tables import CaptionTables, ResidentTables
+from models.step_tables import CaptionTables, ResidentTables, id_table
 from store import ann
 from tests.conftest import start_service, stop_service
 
@@ -34,11 +34,7 @@ TEXTS = [
 
 def caption_ids(n: int, ids: list[list[int]]) -> np.ndarray:
     """A caption table's (n, 16) token ids: the given rows over and over, zero-padded."""
-    table = np.zeros((n, 16), np.int32)
-    for i in range(n):
-        row = ids[i % len(ids)][:16]
-        table[i, : len(row)] = row
-    return table
+    return id_table([ids[i % len(ids)] for i in range(n)], 16)
 
 
 def _table(n: int = 300, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
