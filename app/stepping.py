@@ -208,7 +208,7 @@ class DeviceStepping:
         rates: dict[int, float] = {}
         for b, _, _, _ in self.budget_shapes(candidates, cap):
             ids = [list(BUDGET_QUERY)] * b
-            self.step(tables, ids, candidates, True)  # builds the shape
+            self.step(tables, ids, candidates, True)  # untimed: builds the shape, or replays it
             t0 = time.perf_counter()
             for _ in range(3):
                 self.step(tables, ids, candidates, True)
