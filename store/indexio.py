@@ -12,6 +12,7 @@ DIR/current -> <version>      symlink, replaced atomically
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -330,29 +331,29 @@ class IndexVersion:
         wrong: every file it reads listed in the manifest's `files` by a plain name inside the
         version folder (checked before anything is read), each file's sha256, the item store
         sound with one row per FAISS row and every row readable, and the stored vectors finite
-        and of unit norm (tokens finite)."""
+        and of unit norm (tokens finite). The checks after the listing run at once, on
+        threads (`integrity.run_checks`); the first failure in the order written is raised."""
         vectors = [name for name in VECTOR_FILES if (self.path / name).exists()]
-        integrity.check_listing(self.path, self.manifest.files, [*SERVED_FILES, *vectors])
-        for name, digest in self.manifest.files.items():
-            try:
-                actual = file_sha256(self.path / name)
-            except OSError as exc:
-                raise IndexLoadError(f"index {self.path}: cannot read {name}: {exc}") from exc
-            if actual != digest:
-                raise IndexLoadError(
-                    f"index {self.path}: {name} differs from what the build "
-                    f"wrote (sha256 {actual[:12]}..., {MANIFEST} says "
-                    f"{digest[:12]}...); rebuild or restore it"
-                )
-        self.store.check(self.image_index.ntotal, self.text_index.ntotal)
-        self.store.check_rows()
+        files = self.manifest.files
+        integrity.check_listing(self.path, files, [*SERVED_FILES, *vectors])
         where = f"index {self.path}:"
-        integrity.check_array(f"{where} {IMAGE_TOKENS}", self.image_tokens, None)
-        for name in vectors:
-            arr = np.load(self.path / name, mmap_mode="r")
-            integrity.check_array(f"{where} {name}", arr, integrity.MAX_NORM)
-        for name, index in ((IMAGE_INDEX, self.image_index), (TEXT_INDEX, self.text_index)):
-            integrity.check_index_vectors(f"{where} {name}", index)
+
+        def store() -> None:
+            self.store.check(self.image_index.ntotal, self.text_index.ntotal)
+            self.store.check_rows()
+
+        def arrays() -> None:
+            integrity.check_array(f"{where} {IMAGE_TOKENS}", self.image_tokens, None)
+            for name in vectors:
+                arr = np.load(self.path / name, mmap_mode="r")
+                integrity.check_array(f"{where} {name}", arr, integrity.MAX_NORM)
+            for name, index in ((IMAGE_INDEX, self.image_index), (TEXT_INDEX, self.text_index)):
+                integrity.check_index_vectors(f"{where} {name}", index)
+
+        # the largest file first: its hash is the longest single check
+        names = sorted(files, key=lambda name: -(self.path / name).stat().st_size)
+        digests = [functools.partial(integrity.check_digest, self.path, n, files[n]) for n in names]
+        integrity.run_checks([*digests, store, arrays])
 
     @classmethod
     def open(

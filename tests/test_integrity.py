@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -168,13 +169,61 @@ def test_names_are_refused_before_anything_is_hashed(
         hashed.append(path)
         return ""
 
-    monkeypatch.setattr("store.indexio.file_sha256", record)
+    monkeypatch.setattr("store.integrity.file_sha256", record)
     try:
         with pytest.raises(IndexLoadError, match="not a plain file name"):
             version.verify()
     finally:
         version.close()
     assert hashed == []
+
+
+def test_checks_run_at_once_and_the_first_failure_in_order_is_raised() -> None:
+    """`run_checks` runs its checks on threads together (two that each wait for the other
+    finish, where one after the other would not) and raises the failure that comes first in
+    its list, not the one that came first in time."""
+    met = threading.Barrier(2, timeout=5)
+    integrity.run_checks([met.wait, met.wait], threads=2)
+    late_failure = threading.Event()
+
+    def slow_bad() -> None:
+        late_failure.wait(5)
+        raise IndexLoadError("first in order")
+
+    def quick_bad() -> None:
+        late_failure.set()
+        raise IndexLoadError("first in time")
+
+    with pytest.raises(IndexLoadError, match="first in order"):
+        integrity.run_checks([slow_bad, quick_bad], threads=2)
+    ran: list[int] = []
+    integrity.run_checks([lambda: ran.append(1), lambda: ran.append(2)], threads=1)
+    assert ran == [1, 2]
+
+
+def test_every_row_is_read_where_captions_repeat_their_meta(tmp_path: Path) -> None:
+    """The row check decodes a meta once for a run of equal ones (a caption's meta is its
+    image's): a damaged row is still found, by its own number, wherever it sits in a run."""
+    path = tmp_path / "items.sqlite"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE images (row INTEGER PRIMARY KEY, id TEXT, path TEXT, meta TEXT)")
+    con.execute(
+        "CREATE TABLE texts (row INTEGER PRIMARY KEY, id TEXT, text TEXT, image_id TEXT, meta TEXT)"
+    )
+    metas = ['{"a": 1}'] * 3 + ['{"a": 1e999}'] + ['{"a": 1}'] * 3
+    con.executemany(
+        "INSERT INTO texts VALUES (?, ?, 'x', NULL, ?)",
+        [(i, f"t{i}", m) for i, m in enumerate(metas)],
+    )
+    con.commit()
+    with pytest.raises(IndexLoadError, match="texts row 3 has unreadable meta"):
+        integrity.check_rows("items", con.execute)
+    con.execute("UPDATE texts SET meta = '{\"a\": 1}'")
+    con.execute("UPDATE texts SET meta = NULL WHERE row = 0")
+    con.commit()
+    with pytest.raises(IndexLoadError, match="texts row 0 has unreadable meta"):
+        integrity.check_rows("items", con.execute)
+    con.close()
 
 
 def test_meta_damaged_after_verification_is_answered_per_item(
