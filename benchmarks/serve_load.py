@@ -97,7 +97,7 @@ def server(
                 pass
             if time.monotonic() - t0 > timeout:
                 raise SystemExit(f"{' '.join(cmd)}: no answer on {url} in {timeout:.0f} s")
-            time.sleep(0.2)
+            time.sleep(0.05)
         yield Running(url, proc, time.monotonic() - t0)
     finally:
         proc.terminate()

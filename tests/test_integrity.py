@@ -258,3 +258,24 @@ def test_hits_with_scores_json_cannot_carry_are_left_out() -> None:
     body = json.loads(resp.model_dump_json())
     assert dropped == 2
     assert [(h["id"], h["rank"]) for h in body["hits"]] == [("i0", 1), ("i3", 2)]
+
+
+def test_a_version_tiled_for_the_start_up_benchmark_is_whole(
+    index_dir: Path, tmp_path: Path
+) -> None:
+    """`benchmarks/startup_scale.py` times start-up on a version repeated N times: it must be
+    one the service accepts, every row and id its own."""
+    from benchmarks.startup_scale import tile
+
+    source = resolve_current(index_dir)
+    version = IndexVersion.open(resolve_current(tile(source, 3, tmp_path / "tiled")))
+    try:
+        version.verify()
+        small = IndexVersion.open(source)
+        assert version.image_index.ntotal == 3 * small.image_index.ntotal
+        assert version.text_index.ntotal == 3 * small.text_index.ntotal
+        last = version.image_index.ntotal - 1
+        assert version.store.images([last])[0].id.endswith("~2")
+        small.close()
+    finally:
+        version.close()
