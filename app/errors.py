@@ -11,8 +11,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("duet.app")
+
+# in a request's scope: duet's HTTP protocol closed the connection because the body did not
+# arrive within DUET_HTTP_BODY_TIMEOUT_S (`app.limits`), so the body's read ended in a 408
+BODY_TIMED_OUT = "duet.body_timed_out"
 
 
 class DuetError(Exception):
@@ -186,6 +191,35 @@ def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _WHY[s]} for s in statuses}
 
 
+# what a route that takes only POST wants instead of the method it got (405)
+_HOW = {
+    "/search/text": 'use POST with a JSON body {"query": "a red circle"} and the header '
+    "content-type: application/json",
+    "/search/image": 'use POST with the image as a multipart file field "image" (curl -F '
+    'image=@photo.png) or as base64 in a JSON body {"image_b64": "..."}',
+}
+
+
+def _not_allowed(request: Request, allow: str) -> str:
+    path = request.scope["path"]
+    how = _HOW.get(path) or f"it takes {allow or 'other methods'}"
+    return f"{request.method} {path} is not allowed; {how}"
+
+
+def _no_route(request: Request) -> str:
+    """404 for a path no route serves: the routes there are (the OpenAPI document's, and the
+    page), and where each is described."""
+    verbs = ("get", "post", "put", "patch", "delete")
+    routes = ["GET / (the search page)"]
+    for path, item in request.app.openapi().get("paths", {}).items():
+        methods = "/".join(m.upper() for m in item if m in verbs)
+        routes.append(f"{methods} {path}")
+    return (
+        f"no route {request.method} {request.scope['path']}; the routes are "
+        f"{', '.join(routes)}; GET /openapi.json describes each (GET /docs shows it)"
+    )
+
+
 def install_handlers(app: FastAPI) -> None:
     """Every error leaves as {"error": {"code", "message"}}; no bad input becomes a 500."""
 
@@ -205,7 +239,7 @@ def install_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             # FastAPI's word for a body that is not UTF-8: the same 422 as malformed JSON
             return JSONResponse(
@@ -213,10 +247,34 @@ def install_handlers(app: FastAPI) -> None:
                 status_code=422,
             )
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # the router's: no such route
+            message = _no_route(request)
+        elif exc.status_code == 405:
+            message = _not_allowed(request, (exc.headers or {}).get("Allow", ""))
         return JSONResponse(
-            error_body(code, str(exc.detail)),
+            error_body(code, message),
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _: ClientDisconnect) -> JSONResponse:
+        """The body stopped before its end: the client closed the connection (499, as for a
+        client gone while its search waited), or duet closed it when the rest did not come
+        in time (408). Nothing failed here: no 5xx, no traceback; nobody reads the answer."""
+        if request.scope.get(BODY_TIMED_OUT):
+            timeout = request.app.state.settings.http_body_timeout_s
+            return JSONResponse(
+                error_body(
+                    "request_timeout",
+                    f"request body not received within {timeout:g} s (DUET_HTTP_BODY_TIMEOUT_S)",
+                ),
+                status_code=408,
+            )
+        return JSONResponse(
+            error_body(ClientGone.code, "the client closed the connection before its body arrived"),
+            status_code=ClientGone.status,
         )
 
     @app.exception_handler(Exception)

@@ -5,6 +5,9 @@ takes across requests."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import io
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +15,50 @@ from PIL import Image, UnidentifiedImageError
 
 from app.errors import DuetError, ImageTooLarge, InvalidImage
 from app.threadname import name_os_thread
-from models.images import KEEP_SIDE, open_rgb
+from models.images import FORMATS, KEEP_SIDE, open_rgb
+
+
+def b64_image(text: str) -> bytes:
+    """The bytes of a JSON body's `image_b64`: the file base64-encoded, or a browser's data
+    URL of it (`data:image/png;base64,...`, what FileReader.readAsDataURL gives), whose
+    prefix is left out; else a 400 saying what to send."""
+    if text[:5].lower() == "data:":  # ":" is no base64 character: nothing else starts so
+        comma = text.find(",", 0, 256)
+        if comma < 0 or not text[:comma].lower().endswith(";base64"):
+            raise InvalidImage(
+                "image_b64 is a data URL without base64 data (data:<type>;base64,<data>); send "
+                "the image file base64-encoded, with or without that prefix"
+            )
+        text = text[comma + 1 :]
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidImage(
+            f"image_b64 is not valid base64 ({exc}); send the image file's bytes "
+            "base64-encoded (standard alphabet, no line breaks: base64 -w0 FILE), with or "
+            "without a data:image/...;base64, prefix"
+        ) from exc
+
+
+def stored_size(data: bytes) -> tuple[int, int] | None:
+    """The width and height an image file's header states (formats `FORMATS`), read as
+    Pillow's `Image.open` reads it but without its decompression-bomb check, which refuses
+    a file before its size can be seen; None when no format reads the header."""
+    Image.init()
+    prefix = data[:16]
+    for fmt in FORMATS:
+        if fmt not in Image.OPEN:
+            continue
+        factory, accept = Image.OPEN[fmt]
+        known = accept is None or accept(prefix)
+        if not known or isinstance(known, str):  # a str: Pillow's warning, not a match
+            continue
+        try:
+            with factory(io.BytesIO(data), "") as img:
+                return img.size
+        except Exception:  # not this format after all: Pillow would try the next one too
+            continue
+    return None
 
 
 def decode_image(
@@ -24,9 +70,9 @@ def decode_image(
     is allowed."""
     if not data:
         raise InvalidImage("the image is empty")
-    if len(data) > max_bytes:
+    if len(data) > max_bytes:  # an upload is read up to the limit and a byte: not its size
         raise ImageTooLarge(
-            f"image is {len(data)} bytes; the limit is {max_bytes} (DUET_MAX_IMAGE_BYTES)"
+            f"image is larger than the limit of {max_bytes} bytes (DUET_MAX_IMAGE_BYTES)"
         )
 
     def check(w: int, h: int) -> None:
@@ -42,7 +88,16 @@ def decode_image(
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             return open_rgb(data, side, check)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageTooLarge(f"image rejected as a decompression bomb: {exc}") from exc
+        # Pillow refuses past its own limit before `check` sees the size: duet's limit is
+        # the one a caller can change, so a picture over it is told as `check` tells it
+        size = stored_size(data)
+        if size is not None:
+            check(*size)
+        pixels = f"{size[0]}x{size[1]} = {size[0] * size[1]} pixels " if size else ""
+        raise ImageTooLarge(
+            f"image {pixels}rejected as a decompression bomb: Pillow opens at most "
+            f"{Image.MAX_IMAGE_PIXELS} pixels (DUET_MAX_IMAGE_PIXELS is {max_pixels})"
+        ) from exc
     except UnidentifiedImageError as exc:
         raise InvalidImage(
             "the upload is not an image in a format duet reads; send PNG, JPEG, WebP, GIF, "

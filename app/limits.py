@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.errors import PayloadTooLarge, error_body
+from app.errors import BODY_TIMED_OUT, PayloadTooLarge, error_body
 from app.pace import Counted, Pace, busy, json_response
 
 # answered even when the in-flight cap is reached: probes and scrapes must see a busy server
@@ -44,9 +44,10 @@ class _TooLarge(Exception):
 
 
 class BodyLimit:
-    """413 for a body over `limit_for(path)` bytes, counted while it streams in."""
+    """413 for a body over its route's limit, counted while it streams in: `limit_for(path)`
+    is the limit in bytes and the words that say where it comes from (the settings)."""
 
-    def __init__(self, app: ASGIApp, limit_for: Callable[[str], int]) -> None:
+    def __init__(self, app: ASGIApp, limit_for: Callable[[str], tuple[int, str]]) -> None:
         self.app = app
         self.limit_for = limit_for
 
@@ -54,12 +55,9 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.limit_for(scope["path"])
+        limit, why = self.limit_for(scope["path"])
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        message = (
-            f"request body is larger than {limit} bytes, the limit for {scope['path']}"
-            " (images: DUET_MAX_IMAGE_BYTES; other routes: DUET_MAX_BODY_BYTES)"
-        )
+        message = f"request body is larger than {limit} bytes, the limit for {scope['path']}: {why}"
         if declared.isdigit() and int(declared) > limit:
             for m in json_response(PayloadTooLarge.status, PayloadTooLarge.code, message):
                 await send(m)
@@ -150,8 +148,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 f"request headers not received within {self.limits.header_timeout_s:g} s "
                 "(DUET_HTTP_HEADER_TIMEOUT_S)",
             )
-        else:
-            self.transport.close()  # the app's receive() then sees http.disconnect
+        else:  # the app's receive() then sees http.disconnect: counted as a 408, not a 499
+            self.scope[BODY_TIMED_OUT] = True  # type: ignore[literal-required]
+            self.transport.close()
 
     def _refuse(self, status: int, code: str, message: str) -> None:
         body = json.dumps(error_body(code, message)).encode()

@@ -11,6 +11,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.cache import CacheBackend, LRUCache, RedisCache, ResilientCache
@@ -25,6 +26,7 @@ from app.metrics import Metrics
 from app.pipeline import SearchPipeline
 from app.reload import IndexReloader, load_checked
 from app.routes import admin, health, search, ui
+from app.schemas import MAX_QUERY_CHARS
 from models.device_step import step_for
 from models.images import side_of
 from models.loading import load_models
@@ -233,37 +235,63 @@ def create_app(
     app.state.decoder = ImageDecoder(
         settings.max_image_bytes, settings.max_image_pixels, settings.decode_pixels_in_flight
     )
-    # base64 and multipart framing add about a third to an image
-    image_limit = settings.max_image_bytes * 4 // 3 + 65536
     app.state.metrics = metrics
     app.state.heartbeat = Heartbeat()  # the loop's beat, read by the health port (app.liveness)
     app.state.pipeline = None
     app.state.reloader = None
     install_handlers(app)
     search.refresh_docs()  # the re-rankers registered by now are the ones served
-    app.include_router(search.router)
+    routers = [search.router] if front else [search.router, health.router, admin.router, ui.router]
+    for router in routers:
+        app.include_router(router)
     search.document_bodies(app)
-    if not front:
-        app.include_router(health.router)
-        app.include_router(admin.router)
-        app.include_router(ui.router)
 
     app.add_middleware(search.TextSearchASGI, fastapi=app)  # inside BodyLimit, see its doc
-    app.add_middleware(
-        BodyLimit,
-        limit_for=lambda path: image_limit if path == "/search/image" else settings.max_body_bytes,
-    )
-    app.add_middleware(_ObserveRequests, metrics=metrics)
+    app.add_middleware(BodyLimit, limit_for=body_limits(settings))
+    routes = [route for router in routers for route in router.routes]
+    app.add_middleware(_ObserveRequests, metrics=metrics, routes=routes)
     return app
+
+
+def body_limits(settings: Settings) -> Callable[[str], tuple[int, str]]:
+    """A path's body limit in bytes (`app.limits.BodyLimit`) and the words that say where it
+    comes from: /search/image's is DUET_MAX_IMAGE_BYTES plus what base64 and multipart
+    framing add (about a third) and room for the other fields; every other route's is
+    DUET_MAX_BODY_BYTES."""
+    image = (
+        settings.max_image_bytes * 4 // 3 + 65536,
+        f"an image of at most {settings.max_image_bytes} bytes (DUET_MAX_IMAGE_BYTES), plus a "
+        "third for base64 or multipart framing and 64 KiB for the other fields",
+    )
+    text = (
+        settings.max_body_bytes,
+        f"DUET_MAX_BODY_BYTES (a query itself may be at most {MAX_QUERY_CHARS} characters)",
+    )
+    other = (settings.max_body_bytes, "DUET_MAX_BODY_BYTES")
+    by_path = {"/search/image": image, "/search/text": text}
+    return lambda path: by_path.get(path, other)
 
 
 class _ObserveRequests:
     """duet_request_seconds per route and status, as a plain ASGI middleware (Starlette's
     BaseHTTPMiddleware costs a task and a stream per request)."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[BaseRoute]) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes  # duet's own, matched when a request was answered before routing
+
+    def _endpoint(self, scope: Scope) -> str:
+        """The route's path, as the router set it; for a request answered before routing (a
+        413 of `BodyLimit`) the path of the route it was sent to, when one takes it; else
+        "other" (a 404, say)."""
+        route = scope.get("route")
+        if route is not None:
+            return str(getattr(route, "path", "other"))
+        for candidate in self.routes:
+            if candidate.matches(scope)[0] is not Match.NONE:
+                return str(getattr(candidate, "path", "other"))
+        return "other"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -281,7 +309,7 @@ class _ObserveRequests:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            endpoint = getattr(scope.get("route"), "path", "other")
+            endpoint = self._endpoint(scope)
             if endpoint != "/metrics":
                 self.metrics.request_seconds.labels(endpoint=endpoint, status=str(status)).observe(
                     time.perf_counter() - t0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 from urllib.parse import quote
 
@@ -159,6 +160,36 @@ class ImageSearchJSON(SearchOptions):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     image_b64: str = Field(..., min_length=1, description="the image file, base64-encoded")
+
+
+TEXT_EXAMPLE = '{"query": "a red circle"}'
+IMAGE_EXAMPLE = '{"image_b64": "<the image file, base64-encoded>"}'
+# pydantic's words for a body that is not a JSON object
+_NOT_AN_OBJECT = ("model_attributes_type", "model_type", "dict_type")
+
+
+def field_names(model: type[BaseModel]) -> list[str]:
+    """The names a request body sends a model's fields by (`lambda`, not `lambda_`)."""
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def explained(
+    errors: Sequence[Mapping[str, Any]], fields: Sequence[str], example: str
+) -> list[dict[str, Any]]:
+    """pydantic's errors for a request body, each message saying what to send where
+    pydantic's does not: a missing field, an unknown one (with the `fields` the route
+    takes), a body that is not a JSON object (with an `example`)."""
+    out = []
+    for e in errors:
+        kind, msg = e.get("type"), e.get("msg")
+        if kind == "missing":
+            msg = f"Field required; send a JSON object such as {example}"
+        elif kind == "extra_forbidden":
+            msg = f"not a field of this route; it takes {', '.join(fields)}"
+        elif kind in _NOT_AN_OBJECT:
+            msg = f"the body must be a JSON object such as {example}"
+        out.append({**e, "msg": msg})
+    return out
 
 
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_.~-]+").fullmatch  # what quote(safe="") leaves alone

@@ -76,13 +76,13 @@ def test_a_refused_body_names_the_field_and_says_what_is_wrong(service: Service)
     the field, `query` included (it was dropped as if it were FastAPI's location word)."""
     cases = {
         '{"query": ""}': "query: String should have at least 1 character",
-        "{}": "query: Field required",
+        "{}": 'query: Field required; send a JSON object such as {"query": ',
         '{"query": 5}': "query: Input should be a valid string",
         '{"query": "x", "top_k": "5"}': "top_k: Input should be a valid integer",
         '{"query": "x"': "body is not valid JSON at character 13 (JSON decode error)",
         "not json": "body is not valid JSON at character 0",
         "[" * 60000: "body is not valid JSON: nested too deeply",
-        "[]": "Input should be a valid dictionary or object to extract fields from",
+        "[]": 'the body must be a JSON object such as {"query": "a red circle"}',
         '{"query": "x", "top_k": ' + "1" * 5000 + "}": "body is not valid JSON",  # not a 500
     }
     with service.client() as c:

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
+import pytest
 from prometheus_client import generate_latest
 
 from app.config import Settings
 from app.main import create_app
 from app.pipeline import Served
+from app.routes.search import TextSearchASGI
 from tests.conftest import read_response, uvicorn_thread
 
 ANSWER = json.dumps(
@@ -114,3 +117,83 @@ def test_a_pipelined_clients_running_search_is_the_one_cancelled() -> None:
         time.sleep(0.2)  # the second is parsed and queued behind it
         sock.close()
         assert search.cancelled.wait(5), "the running search went on after its client had gone"
+
+
+_PARTS = b'--b\r\ncontent-disposition: form-data; name="image"; filename="a.png"\r\n\r\n\x89PNG'
+PARTIAL = {  # a body that stops partway: each route's ways of reading one
+    "text": ("/search/text", "application/json", b'{"query": "a red'),
+    "image-json": ("/search/image", "application/json", b'{"image_b64": "iVBORw0KGgo'),
+    "image-form": ("/search/image", "multipart/form-data; boundary=b", _PARTS),
+}
+
+
+def _partial(path: str, ctype: str, start: bytes) -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: %s\r\ncontent-length: 1000\r\n\r\n"
+        % (path.encode(), ctype.encode())
+        + start
+    )
+
+
+def _counted(app: Any, endpoint: str, status: str) -> list[bytes]:
+    """The request_seconds_count lines for `endpoint`, once one with `status` is there (5 s)."""
+    deadline = time.monotonic() + 5
+    while True:
+        text = generate_latest(app.state.metrics.registry)
+        lines = [
+            ln
+            for ln in text.splitlines()
+            if ln.startswith(b"duet_request_seconds_count") and f'"{endpoint}"'.encode() in ln
+        ]
+        if any(f'status="{status}"'.encode() in ln for ln in lines):
+            return lines
+        if time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("kind", "fast"),
+    [("text", True), ("text", False), ("image-json", True), ("image-form", True)],
+    ids=["text-fast-path", "text-router", "image-json", "image-form"],
+)
+def test_a_client_gone_while_its_body_arrives_is_a_499_not_a_500(
+    kind: str, fast: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that sends part of its body and closes: a 499 under the route, no ERROR
+    line and no traceback (it was a 500 with two `ClientDisconnect` tracebacks, which fed
+    the 5xx alert). POST /search/text both past the router (`TextSearchASGI`) and through
+    it; /search/image with a JSON and a multipart body."""
+    path, ctype, start = PARTIAL[kind]
+    app = create_app(Settings())
+    if not fast:
+        app.user_middleware = [
+            m for m in app.user_middleware if m.cls is not cast(Any, TextSearchASGI)
+        ]
+    app.state.pipeline = WaitingSearch()
+    with caplog.at_level(logging.INFO), uvicorn_thread(app, Settings(), lifespan="off") as port:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(_partial(path, ctype, start))
+        time.sleep(0.3)  # the route is reading the body
+        sock.close()
+        lines = _counted(app, path, "499")
+    assert any(b'status="499"} 1.0' in ln for ln in lines), lines
+    assert not any(b'status="500"' in ln for ln in lines), lines
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not errors, [(r.name, r.getMessage()) for r in errors]
+
+
+def test_a_body_that_stops_arriving_is_a_408_when_duet_closes_the_connection() -> None:
+    """A body the client leaves unfinished past DUET_HTTP_BODY_TIMEOUT_S: duet closes the
+    connection (`app.limits`), and counts a 408 (its doing, not the client's 499)."""
+    settings = Settings(http_body_timeout_s=0.5)
+    app = create_app(settings)
+    app.state.pipeline = WaitingSearch()
+    with uvicorn_thread(app, settings, lifespan="off") as port:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(_partial(*PARTIAL["text"]))
+        assert sock.recv(1) == b""  # closed by duet, within the timeout
+        sock.close()
+        lines = _counted(app, "/search/text", "408")
+    assert any(b'status="408"} 1.0' in ln for ln in lines), lines
+    assert not any(b'status="499"' in ln or b'status="500"' in ln for ln in lines), lines

@@ -6,6 +6,7 @@ index, a bad setting, a .env naming a missing model, or CUDA without a GPU.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from pathlib import Path
 from typing import Literal
@@ -29,7 +30,8 @@ def test_index_from_another_model_is_refused(corpus: Path, tmp_path: Path) -> No
     tok = WordTokenizer(vocabulary())
     save_model(JointModel(JointConfig(vocab_size=tok.vocab_size)), tok, other)
     out = tmp_path / "idx"
-    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
+    # DUET_PORT=0: `duet serve` binds its port before loading, and 8000 may be taken here
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "DUET_PORT": "0"}
     subprocess.run(
         [
             *DUET,
@@ -57,8 +59,35 @@ def test_index_from_another_model_is_refused(corpus: Path, tmp_path: Path) -> No
     assert "was built by model" in proc.stderr and "rebuild the index" in proc.stderr
 
 
+def test_a_port_in_use_is_one_clear_line_before_anything_loads(tmp_path: Path) -> None:
+    """It printed "serving on" and "duet ready", then `[Errno 98] ... address already in use`,
+    and exited 3: now the port is tried first, before the model and index (none here)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "DUET_INDEX_DIR": str(tmp_path)}
+        proc = subprocess.run(
+            [*DUET, "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 2, proc.stderr
+    assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr
+    assert "--port" in proc.stderr and "DUET_PORT" in proc.stderr
+    for claim in ("serving on", "duet ready", "Traceback", "duet build"):
+        assert claim not in proc.stderr, proc.stderr
+
+
 def test_missing_index_says_how_to_build(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "DUET_INDEX_DIR": str(tmp_path / "none")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": CHILD_PYTHONPATH,
+        "DUET_INDEX_DIR": str(tmp_path / "none"),
+        "DUET_PORT": "0",  # the port is bound first: 8000 may be taken here
+    }
     proc = subprocess.run([*DUET, "serve"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "duet build" in proc.stderr
 
@@ -128,6 +157,7 @@ def test_cuda_without_a_gpu_is_refused(index_dir: Path) -> None:
         "PYTHONPATH": CHILD_PYTHONPATH,
         "DUET_INDEX_DIR": str(index_dir),
         "DUET_DEVICE": "cuda",
+        "DUET_PORT": "0",  # the port is bound first: 8000 may be taken here
     }
     proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr

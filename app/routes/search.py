@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import inspect
 import json
@@ -24,20 +22,24 @@ from app.answers import refuse_if_not_understood
 from app.deps import PipelineDep, SettingsDep, get_pipeline
 from app.errors import (
     ClientGone,
-    InvalidImage,
     UnsupportedMediaType,
     ValidationFailed,
     describe_errors,
     documented,
 )
+from app.imaging import b64_image
 from app.limits import GONE
 from app.pipeline import Served
 from app.schemas import (
     FUSIONS,
+    IMAGE_EXAMPLE,
+    TEXT_EXAMPLE,
     ImageSearchJSON,
     SearchOptions,
     SearchResponse,
     TextSearchRequest,
+    explained,
+    field_names,
 )
 from models import rerankers
 
@@ -203,7 +205,11 @@ async def _text_request(request: Request) -> TextSearchRequest:
     was a 422 even while loading (now 503) or sent as another JSON type (now 415)."""
     raw = await request.body()
     if not raw:
-        missing = {"type": "missing", "loc": ("body",), "msg": "Field required"}
+        missing = {
+            "type": "missing",
+            "loc": ("body",),
+            "msg": f"the body is empty; send a JSON object such as {TEXT_EXAMPLE}",
+        }
         raise RequestValidationError([missing])
     try:
         data = json.loads(raw)
@@ -221,9 +227,13 @@ async def _text_request(request: Request) -> TextSearchRequest:
         # from_attributes as FastAPI validates: a body that is no object is told so plainly
         return TextSearchRequest.model_validate(data, from_attributes=True)
     except ValidationError as exc:
-        raise RequestValidationError(
-            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
-        ) from exc
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise RequestValidationError(explained(errors, _TEXT_FIELDS, TEXT_EXAMPLE)) from exc
+
+
+_TEXT_FIELDS = ["query", *field_names(SearchOptions)]
+_IMAGE_FIELDS = ["image_b64", *field_names(SearchOptions)]
+_FORM_FIELDS = ["image", *field_names(SearchOptions)]
 
 
 @router.post(
@@ -291,11 +301,14 @@ class TextSearchASGI:
         raise exc
 
 
-def _options(fields: dict[str, Any], model: type[SearchOptions]) -> SearchOptions:
+def _options(fields: dict[str, Any], model: type[SearchOptions], takes: list[str]) -> SearchOptions:
+    """`fields` as `model`, or a 422 naming each field at fault (`takes`: the route's fields)."""
     try:
         return model.model_validate(fields)
     except ValidationError as exc:
-        raise ValidationFailed(describe_errors(exc.errors())) from exc
+        # located under "body", as FastAPI locates them: a field named `query` is then named
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise ValidationFailed(describe_errors(explained(errors, takes, IMAGE_EXAMPLE))) from exc
 
 
 @router.post(
@@ -316,7 +329,7 @@ async def search_image(request: Request, pipeline: PipelineDep, settings: Settin
             raise ValidationFailed('multipart body needs a file field named "image"')
         data = await upload.read(max_bytes + 1)
         fields = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
-        opts = _options(fields, SearchOptions)
+        opts = _options(fields, SearchOptions, _FORM_FIELDS)
     elif media == "application/json":
         try:
             payload = await request.json()
@@ -325,13 +338,10 @@ async def search_image(request: Request, pipeline: PipelineDep, settings: Settin
         except RecursionError as exc:  # '[' * 100000: Python's parser gives up, not the caller
             raise ValidationFailed("body is not valid JSON: nested too deeply") from exc
         if not isinstance(payload, dict):
-            raise ValidationFailed("JSON body must be an object with image_b64")
-        req = _options(payload, ImageSearchJSON)
+            raise ValidationFailed(f"the body must be a JSON object such as {IMAGE_EXAMPLE}")
+        req = _options(payload, ImageSearchJSON, _IMAGE_FIELDS)
         assert isinstance(req, ImageSearchJSON)
-        try:
-            data = base64.b64decode(req.image_b64, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise InvalidImage(f"image_b64 is not valid base64: {exc}") from exc
+        data = b64_image(req.image_b64)
         opts = req.options()
     else:
         raise UnsupportedMediaType(

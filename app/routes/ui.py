@@ -24,13 +24,19 @@ def inside(root: Path, rel: str) -> Path | None:
     return path if path.is_relative_to(base) and path.is_file() else None
 
 
-@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+# HEAD as GET without the body (the server leaves it out): a link checker or a probe that
+# sends HEAD gets the page's status and headers, not a 405
+@router.api_route(
+    "/", methods=["GET", "HEAD"], response_class=HTMLResponse, include_in_schema=False
+)
 async def page() -> HTMLResponse:
     """The search page."""
     return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
 
-@router.get("/favicon.ico", response_class=FileResponse, include_in_schema=False)
+@router.api_route(
+    "/favicon.ico", methods=["GET", "HEAD"], response_class=FileResponse, include_in_schema=False
+)
 async def favicon() -> FileResponse:
     """The tab icon (a PNG: browsers take one at this path, and the page links it)."""
     return FileResponse(

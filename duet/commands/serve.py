@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -75,14 +76,21 @@ def add(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault(ONEDNN_CACHE_ENV, ONEDNN_CACHE_DEFAULT)
+    settings = load_settings(host=args.host, port=args.port, index_dir=args.index_dir)
+    setup_logging(settings.log_level)
+    with claim_port(settings.host, settings.port) as listener:  # in use: fails before loading
+        return _serve(settings, listener)
+
+
+def _serve(settings: Any, listener: Any) -> int:
+    """Load the model and index, then serve on `listener` (the port `claim_port` bound), or
+    on the fronts' sockets in the process layout."""
     import uvicorn
 
     from app.limits import uvicorn_options
     from app.liveness import Heartbeat, LivenessServer
     from app.main import create_app, front_count, load_resources, queue_target_ms
 
-    settings = load_settings(host=args.host, port=args.port, index_dir=args.index_dir)
-    setup_logging(settings.log_level)
     heartbeat = Heartbeat()
     if settings.health_port:  # up while the model loads: "starting" until the loop beats
         LivenessServer(
@@ -98,7 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "serving on http://%s:%d (index %s, model on %s, %d front process(es), paced "
         "in-flight cap: %s, %s=%s)",
         settings.host,
-        settings.port,
+        listener.getsockname()[1],  # DUET_PORT=0: the port the system chose
         resources.index.version,
         getattr(resources.model, "device", "cpu"),
         fronts,
@@ -106,18 +114,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ONEDNN_CACHE_ENV,
         os.environ[ONEDNN_CACHE_ENV],
     )
-    if fronts:
+    if fronts:  # the fronts' sockets are bound anew, one a front (`public_sockets`)
+        listener.close()
         _serve_with_fronts(settings, app, fronts)
         return 0
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=settings.access_log,
-        **uvicorn_options(settings, app.state.metrics),
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=listener.getsockname()[1],
+            log_level=settings.log_level,
+            access_log=settings.access_log,
+            **uvicorn_options(settings, app.state.metrics),
+        )
     )
-    return 0
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, raised again once it stopped
+        server.run(sockets=[listener])  # listens once the lifespan has started the service
+    return 0 if server.started else 3  # 3: uvicorn's start-up failure, as `uvicorn.run` exits
+
+
+def claim_port(host: str, port: int) -> Any:
+    """The service's port, bound before the model and index load but not listening, so a
+    connection is refused until uvicorn listens on it, ready; a port another process listens
+    on, or an address this host does not have, is a one-line error at once, not after the
+    load and a "duet ready"."""
+    import errno
+
+    from models.errors import UserError
+
+    try:
+        return _bound(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            why = f"port {port} on {host} is already in use (another duet?); pass another --port"
+            raise UserError(f"{why}, or set DUET_PORT") from exc
+        raise UserError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; pass another --host / "
+            "--port, or set DUET_HOST / DUET_PORT"
+        ) from exc
 
 
 def _bound(host: str, port: int, reuse_port: bool = False) -> Any:
