@@ -23,6 +23,7 @@ from tests.test_answers import NO_FIT, _scenes
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.chrome.service import Service as DriverService  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.select import Select  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -108,7 +109,9 @@ def test_uploaded_image_shows_caption_hits(service: Service, browser: Any, corpu
     assert "captions" in d.find_element(By.ID, "status").text
 
 
-def _search(d: Any, query: str) -> None:
+def _search(d: Any, query: str, reranker: str = "") -> None:
+    """Search for `query` with the re-ranker picked on the page ("": the service default)."""
+    Select(d.find_element(By.ID, "reranker")).select_by_value(reranker)
     box = d.find_element(By.ID, "query")
     box.clear()
     box.send_keys(query)
@@ -175,6 +178,56 @@ def test_hits_show_captions_and_the_scores_are_explained(
     legend = d.find_element(By.ID, "legend")
     assert legend.is_displayed()
     assert "score" in legend.text and "dot" in legend.text and "fits" in legend.text
+
+
+@pytest.mark.parametrize("reranker", ["none", "late", "han"])
+def test_the_legend_explains_the_scores_the_re_ranker_answered(
+    service: Service, browser: Any, reranker: str
+) -> None:
+    """Only the default re-ranker's score is a probability with a match threshold: for the
+    others (`match` null in the answer) the legend says what their score is and neither calls
+    it a probability nor talks of weak hits."""
+    d = browser
+    d.get(service.url + "/")
+    _search(d, "a red circle", reranker)
+    status = _answered(d)
+    legend = d.find_element(By.ID, "legend")
+    assert legend.is_displayed()
+    text = legend.text
+    assert "probability" not in text and "weak" not in text and "likely" not in text, text
+    assert "no match threshold" in text and "does not say whether a hit fits" in text, text
+    if reranker == "none":
+        assert "dot product" in text and "re-ranker none" in text, text
+    else:
+        assert f"the {reranker} re-ranker's own score" in text and "dot:" in text, text
+    cards = d.find_elements(By.CSS_SELECTOR, "#grid .hit")
+    assert len(cards) == 12
+    assert not any("weak" in c.get_attribute("class").split() for c in cards)
+    assert "Nothing here fits" not in d.find_element(By.ID, "notice").text
+    _search(d, "a red circle")  # the default (ce): the probability, and its threshold
+    _answered(d, status)
+    text = d.find_element(By.ID, "legend").text
+    assert "probability" in text and "weak" in text and "what you asked" in text, text
+
+
+@pytest.mark.parametrize("reranker", ["", "none"])
+def test_unknown_words_are_not_what_the_scores_judge(
+    service: Service, browser: Any, reranker: str
+) -> None:
+    """The demo answers "a red dog on a beach" with red shapes scored high: the page says the
+    scores judge only the words the model read, not "dog" and "beach"."""
+    d = browser
+    d.get(service.url + "/")
+    _search(d, "a red dog on a beach", reranker)
+    _answered(d)
+    notice = d.find_element(By.ID, "notice").text
+    assert "dog, beach" in notice, notice
+    assert "The scores judge only the words the model read" in notice, notice
+    assert "need not show them" in notice, notice
+    legend = d.find_element(By.ID, "legend").text
+    assert "what you asked" not in legend, legend
+    if not reranker:
+        assert "fits the words of your query the model read, not dog, beach" in legend, legend
 
 
 def test_a_cached_answer_shows_its_time(service: Service, browser: Any) -> None:
