@@ -342,18 +342,21 @@ class IndexVersion:
             self.store.check(self.image_index.ntotal, self.text_index.ntotal)
             self.store.check_rows()
 
-        def arrays() -> None:
-            integrity.check_array(f"{where} {IMAGE_TOKENS}", self.image_tokens, None)
-            for name in vectors:
-                arr = np.load(self.path / name, mmap_mode="r")
-                integrity.check_array(f"{where} {name}", arr, integrity.MAX_NORM)
-            for name, index in ((IMAGE_INDEX, self.image_index), (TEXT_INDEX, self.text_index)):
-                integrity.check_index_vectors(f"{where} {name}", index)
+        def kept(name: str) -> None:
+            arr = np.load(self.path / name, mmap_mode="r")
+            integrity.check_array(f"{where} {name}", arr, integrity.MAX_NORM)
 
+        partial = functools.partial
+        arrays = [
+            partial(integrity.check_array, f"{where} {IMAGE_TOKENS}", self.image_tokens, None),
+            *(partial(kept, name) for name in vectors),
+            partial(integrity.check_index_vectors, f"{where} {IMAGE_INDEX}", self.image_index),
+            partial(integrity.check_index_vectors, f"{where} {TEXT_INDEX}", self.text_index),
+        ]
         # the largest file first: its hash is the longest single check
         names = sorted(files, key=lambda name: -(self.path / name).stat().st_size)
-        digests = [functools.partial(integrity.check_digest, self.path, n, files[n]) for n in names]
-        integrity.run_checks([*digests, store, arrays])
+        digests = [partial(integrity.check_digest, self.path, n, files[n]) for n in names]
+        integrity.run_checks([*digests, store, *arrays])
 
     @classmethod
     def open(
