@@ -250,8 +250,10 @@ class Engine(Generic[P, R]):
             wait = self.wait_s()
             # with nothing ahead a request is always taken: if its own estimate does not
             # fit, it re-ranks what fits (degraded) rather than being turned away idle
-            if len(self._queue) >= self.max_queue or (wait > 0 and wait + cost_s > budget):
-                self._on_shed("queue_full")
+            full = len(self._queue) >= self.max_queue
+            if full or (wait > 0 and wait + cost_s > budget):
+                # the count cap (DUET_MAX_QUEUE), or work ahead past this request's deadline
+                self._on_shed("queue_full" if full else "queue_wait")
                 raise Overloaded(
                     f"the service is at capacity (about {wait:.1f}s of work queued, "
                     f"{len(self._queue)} requests); retry after the Retry-After seconds",

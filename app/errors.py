@@ -176,7 +176,8 @@ _WHY = {
     409: "the index version was refused; the old one keeps serving",
     413: "body or image over its limit (DUET_MAX_BODY_BYTES, DUET_MAX_IMAGE_BYTES, "
     "DUET_MAX_IMAGE_PIXELS)",
-    415: "content-type other than multipart/form-data or application/json",
+    415: "a content-type the route does not take (/search/text: application/json; "
+    "/search/image: multipart/form-data or application/json)",
     422: "the body or its options are invalid, or the query has no readable words",
     429: "overloaded, or the deadline passed while queued: retry after Retry-After seconds",
     431: "request headers too large (DUET_HTTP_MAX_HEADER_BYTES)",

@@ -248,7 +248,10 @@ def create_app(
 
     app.add_middleware(search.TextSearchASGI, fastapi=app)  # inside BodyLimit, see its doc
     app.add_middleware(BodyLimit, limit_for=body_limits(settings))
-    routes = [route for router in routers for route in router.routes]
+    # duet's routes and FastAPI's own (/openapi.json, /docs, /redoc); the app's list holds
+    # the included routers as wrappers, which have no path to label with
+    own = [r for r in app.router.routes if isinstance(getattr(r, "path", None), str)]
+    routes = [*own, *(route for router in routers for route in router.routes)]
     app.add_middleware(_ObserveRequests, metrics=metrics, routes=routes)
     return app
 

@@ -36,7 +36,8 @@ class Metrics:
         self.shed = Counter(
             "duet_shed_requests",
             "Requests dropped before model work, by reason "
-            "(queue_full = 429, deadline = 429 deadline_exceeded, client_gone, "
+            "(queue_full = 429 at DUET_MAX_QUEUE, queue_wait = 429 when the work ahead would "
+            "outlast the request's deadline, deadline = 429 deadline_exceeded, client_gone, "
             "inflight = 429 at DUET_HTTP_MAX_INFLIGHT before any parsing)",
             ["reason"],
             registry=r,
@@ -75,7 +76,7 @@ class Metrics:
             self.index_reloads.labels(result=result)
         for result in ("hit", "miss", "error"):
             self.cache_requests.labels(result=result)
-        for reason in ("queue_full", "deadline", "client_gone", "inflight"):
+        for reason in ("queue_full", "queue_wait", "deadline", "client_gone", "inflight"):
             self.shed.labels(reason=reason)
         for stage in ("cache", "queue", "encode", "search", "rerank", "lookup"):
             self.stage_seconds.labels(stage=stage)

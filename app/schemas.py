@@ -225,7 +225,8 @@ class Hit(BaseModel):
     match: bool | None = Field(
         None,
         description="score >= the documented match threshold: the hit reads as fitting the "
-        "query; null when the score is not the default fused one (reranker ce, fusion add)",
+        "words of the query the model read; null when the score is not the one the threshold "
+        "was chosen for (duet's own model, reranker ce, fusion add, the default lambda)",
     )
 
 

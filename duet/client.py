@@ -31,7 +31,9 @@ __all__ = ["DuetClient", "DuetError", "Hit", "Overloaded", "SearchResult"]
 
 class DuetError(Exception):
     """The service answered with an error (`code`, `status`, `message` from its JSON body), or
-    could not be reached (`code` "unreachable", `status` 0)."""
+    could not be reached (`code` "unreachable", `status` 0: refused, no route, or not
+    listening yet, as while it loads), or did not answer within the client's `timeout`
+    (`code` "timeout", `status` 0: the service may still be working on the request)."""
 
     def __init__(
         self, status: int, code: str, message: str, body: dict[str, Any] | None = None
@@ -153,10 +155,20 @@ class DuetClient:
         body = {"query": query, **_options(options)}
         return SearchResult.of(self._call("POST", "/search/text", json=body).json())
 
-    def search_image(self, image: bytes | str | Path, **options: Any) -> SearchResult:
+    def search_image(
+        self, image: bytes | bytearray | memoryview | str | Path, **options: Any
+    ) -> SearchResult:
         """Captions for an image: its file's bytes or a path to it (uploaded as multipart).
         Options as for `search_text`."""
-        data = image if isinstance(image, bytes) else Path(image).read_bytes()
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            data = bytes(image)
+        elif isinstance(image, (str, Path)):
+            data = Path(image).read_bytes()
+        else:
+            raise TypeError(
+                f"search_image takes the image file's bytes or a path to it, not "
+                f"{type(image).__name__} (a PIL image: save it to io.BytesIO and pass .getvalue())"
+            )
         form = {
             k: str(v).lower() if isinstance(v, bool) else str(v)
             for k, v in _options(options).items()
@@ -175,8 +187,9 @@ class DuetClient:
 
     # -- status ------------------------------------------------------------------------
     def ready(self) -> dict[str, Any]:
-        """GET /readyz: the index version served, the re-rankers offered and their default
-        (raises DuetError 503 `not_ready` while the service loads)."""
+        """GET /readyz: the index version served, the re-rankers offered and their default.
+        While the service loads its port does not accept connections yet: DuetError 0
+        `unreachable` (503 `not_ready` only from a server that listens before it is ready)."""
         body: dict[str, Any] = self._call("GET", "/readyz").json()
         return body
 
@@ -185,6 +198,12 @@ class DuetClient:
         for attempt in range(self.retries + 1):
             try:
                 resp = self._http.request(method, path, **kw)
+            except httpx.TimeoutException as exc:
+                if isinstance(exc, httpx.ConnectTimeout):  # not reached at all
+                    raise DuetError(0, "unreachable", f"{self.url}: {exc}") from exc
+                raise DuetError(
+                    0, "timeout", f"{self.url}{path}: no answer within the client's timeout ({exc})"
+                ) from exc
             except httpx.TransportError as exc:
                 raise DuetError(0, "unreachable", f"{self.url}: {exc}") from exc
             if resp.status_code < 400:

@@ -3,13 +3,16 @@ search, the hit's image, errors as exceptions, 429 retried after Retry-After."""
 
 from __future__ import annotations
 
+import io
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from duet.client import DuetClient, DuetError, Hit, Overloaded
 from tests.conftest import Service, free_port, start_service, stop_service
@@ -76,6 +79,28 @@ def test_errors_are_exceptions_with_the_service_code(service: Service) -> None:
         with pytest.raises(DuetError) as down:
             nowhere.ready()
         assert down.value.code == "unreachable"
+
+
+def test_a_service_that_does_not_answer_in_time_is_a_timeout_not_unreachable() -> None:
+    """A server that takes the connection and says nothing: the client's timeout, told apart
+    from a service that cannot be reached (it may still be working on the request)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with DuetClient(url, timeout=0.3) as duet, pytest.raises(DuetError) as slow:
+            duet.search_text("a red circle")
+    assert slow.value.status == 0 and slow.value.code == "timeout"
+    assert "/search/text" in slow.value.message
+
+
+def test_an_image_of_another_type_is_refused_saying_what_to_pass(service: Service) -> None:
+    with DuetClient(service.url) as duet:
+        with pytest.raises(TypeError, match="bytes or a path"):
+            duet.search_image(io.BytesIO(b"x"))  # type: ignore[arg-type]
+        png = io.BytesIO()
+        Image.new("RGB", (64, 64), (200, 30, 30)).save(png, format="PNG")
+        assert duet.search_image(bytearray(png.getvalue()), top_k=2).hits
 
 
 class _BusyOnce(BaseHTTPRequestHandler):

@@ -118,7 +118,7 @@ async def test_admission_refuses_work_that_cannot_meet_its_deadline_with_retry_a
         await eng.submit(99, 0.0)
     gate.set()
     await asyncio.wait_for(asyncio.gather(*busy, *cheap), 5)
-    assert shed == ["queue_full", "queue_full"]
+    assert shed == ["queue_wait", "queue_full"]
     eng.stop()
 
 

@@ -180,3 +180,15 @@ def test_limits_name_what_applies_and_413s_count_under_their_route(
     assert _count(app, "/search/text", 413) == before["/search/text"] + 1
     assert _count(app, "/search/image", 413) == before["/search/image"] + 2
     assert _count(app, "other", 413) == before["other"]
+
+
+def test_fastapis_own_routes_count_under_their_paths(served: tuple[Any, httpx.Client]) -> None:
+    """/openapi.json (and /docs) are routes FastAPI adds itself: counted by their path, not as
+    `other`, which is left for paths no route serves."""
+    app, c = served
+    before = {p: _count(app, p, 200) for p in ("/openapi.json", "/docs", "other")}
+    assert c.get("/openapi.json").status_code == 200
+    assert c.get("/docs").status_code == 200
+    assert _count(app, "/openapi.json", 200) == before["/openapi.json"] + 1
+    assert _count(app, "/docs", 200) == before["/docs"] + 1
+    assert _count(app, "other", 200) == before["other"]
