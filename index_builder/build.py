@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,8 @@ from index_builder.encode import (
     shard_path,
 )
 from index_builder.errors import BuildError
+from index_builder.options import DEFAULT_SHARD_SIZE, BuildOptions, BuildReport
+from index_builder.outdir import claimed
 from index_builder.plan import SHARDS_DIR, plan_shards
 from index_builder.publish import publish
 from index_builder.sources import _apply_delete, _check_duplicates, _load_base, decode_after
@@ -60,46 +61,6 @@ from store.manifest import (
 __all__ = ["DEFAULT_SHARD_SIZE", "SHARDS_DIR", "BuildOptions", "BuildReport", "build"]
 
 log = logging.getLogger("duet.build")
-
-DEFAULT_SHARD_SIZE = 1024
-
-
-@dataclass
-class BuildReport:
-    """What a build produced, for the CLI to print."""
-
-    version: str
-    path: Path
-    images: int
-    texts: int
-    seconds: float
-    manifest: Manifest
-    skipped: list[str] = field(default_factory=list)
-    encoded: int = 0  # corpus items encoded by this run (not resumed from shards)
-    resumed_shards: int = 0
-    shards: int = 0
-    encode_seconds: float = 0.0
-    items_per_s: float = 0.0
-    stages: dict[str, float] = field(default_factory=dict)  # `index_builder.stages`
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    """How a build runs (`build`'s keyword arguments; `duet build --help`)."""
-
-    batch_size: int = 64
-    skip_bad: bool = False
-    progress: bool = True
-    factory: str | None = None
-    shard_size: int = DEFAULT_SHARD_SIZE
-    workers: int | None = None
-    device: str = "auto"
-    engine: str = "local"
-    append: bool = False
-    delete: Path | None = None
-    ray_actors: int | None = None
-    split: str | None = None
-    images_root: Path | None = None
 
 
 def build(
@@ -147,22 +108,25 @@ class _Build:
 
     def run(self) -> BuildReport:
         self._check()
-        with self.stages("read"):
-            self._read()
-            self._plan_shards()
-        self._encode()
-        with self.stages("assemble"):
-            self._assemble()
-        manifest = publish(
-            self.out,
-            self.assembled,
-            self.factories,
-            self.model.token_shape,
-            self._manifest,
-            self.stages,
-            self.dev.type,
-        )
-        self.shards.remove()
+        updating = self.opts.append or self.opts.delete is not None
+        with claimed(self.out, create=not updating):  # one build at a time into `out`
+            with self.stages("read"):
+                self._read()
+                self._plan_shards()
+            self._encode()
+            with self.stages("assemble"):
+                self._assemble()
+            self._refuse_empty(len(self.assembled.image_rows), len(self.assembled.text_rows))
+            manifest = publish(
+                self.out,
+                self.assembled,
+                self.factories,
+                self.model.token_shape,
+                self._manifest,
+                self.stages,
+                self.dev.type,
+            )
+            self.shards.remove()
         b = manifest.build or BuildSettings()
         return BuildReport(
             manifest.version,
@@ -206,6 +170,29 @@ class _Build:
             workers = 0  # decoded in this process
         self.workers = workers
 
+    def _refuse_empty(self, images: int, texts: int) -> None:
+        """A version with no image and no caption answers every search with no hits, and a
+        service would swap to it: never written, nor made `current`."""
+        if images or texts:
+            return
+        keep = f"{self.out / 'current'} is left as it was"
+        if self.base is not None and self.opts.delete is not None and not self.items:
+            raise BuildError(
+                f"--delete {self.opts.delete} would remove every item of {self.base.path.name}: "
+                f"an index needs at least one image or caption ({keep}); keep some items, or "
+                "build a fresh index with --corpus"
+            )
+        if self.skipped:
+            shown = "; ".join(self.skipped[:3]) + (" ..." if len(self.skipped) > 3 else "")
+            raise BuildError(
+                f"nothing to index: --skip-bad skipped every entry of {self.corpus} "
+                f"({len(self.skipped)} bad: {shown}); fix them and run again ({keep})"
+            )
+        raise BuildError(
+            f"nothing to index: {self.corpus} has no items ({keep}); a manifest holds one "
+            'JSON object per line: {"id": "img-1", "image": "images/1.png", "captions": [...]}'
+        )
+
     def _bad(self, err: CorpusError) -> None:
         if not self.opts.skip_bad:
             raise err
@@ -241,6 +228,7 @@ class _Build:
         self.decode = decode_after(base, opts.append)
         n_img = len(self.kept_images) + sum(1 for it in self.items if it.image is not None)
         n_txt = len(self.kept_texts) + sum(len(it.captions) for it in self.items)
+        self._refuse_empty(n_img, n_txt)  # before anything is encoded
         try:
             self.factories = _factories(self.factory, base, n_img, n_txt, model.dim)
         except ann.FactoryError as exc:
@@ -336,6 +324,9 @@ class _Build:
             self.model.dim,
             lambda line, err: self._bad(self.item_error(line, err)),
         )
+        kept = {it.id for it in self.assembled.kept}  # what this run encoded and keeps
+        items = self.shards.items
+        self.encoded = sum(1 for _, a, b in self.shards.missing for p in items[a:b] if p.id in kept)
 
     # -- stage 6 (`publish`): write the version in a temporary folder, then publish it -------
     def _manifest(self, tmp: Path, version: str, indexes: dict[str, IndexStats]) -> Manifest:

@@ -3,6 +3,7 @@ a Karpathy-split JSON file (`dataset_flickr30k.json`, `dataset_coco.json`, ...).
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -94,20 +95,36 @@ def read_corpus(
 
 # -- JSONL manifest ----------------------------------------------------------------------
 
+# the keys a manifest line takes; any other is a user's typo (`caption`, `path`), not ignored
+MANIFEST_KEYS = ("id", "image", "captions", "meta")
+JSON_LINES = 'each line must be one JSON object (JSON Lines): {"id": ..., "image": ..., ...}'
+
 
 def read_manifest(manifest: Path) -> Iterator[CorpusItem | CorpusError]:
-    """Parse every line; a bad line yields a CorpusError instead of an item (caller decides)."""
+    """Parse every line; a bad line yields a CorpusError instead of an item (caller decides).
+    The file is UTF-8 (a byte-order mark before the first line is allowed); a line that is not
+    is a bad line like any other."""
     manifest = Path(manifest)
     base = manifest.parent
     seen: set[str] = set()
-    with manifest.open(encoding="utf-8") as fh:
-        for n, raw in enumerate(fh, start=1):
+    with manifest.open("rb") as fh:
+        for n, data in enumerate(fh, start=1):
+            try:
+                raw = data.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                yield CorpusError(
+                    manifest,
+                    n,
+                    f"not UTF-8 (byte {data[exc.start]:#04x} at column {exc.start + 1}): a "
+                    "manifest must be UTF-8 text; save it as UTF-8",
+                )
+                continue
             if not raw.strip():
                 continue
             try:
                 item = _parse(json.loads(raw), n, base)
             except (ValueError, TypeError) as exc:
-                yield CorpusError(manifest, n, f"malformed line: {exc}")
+                yield CorpusError(manifest, n, _malformed(raw, exc))
                 continue
             if item.id in seen:
                 yield CorpusError(manifest, n, f"duplicate id {item.id!r}")
@@ -116,9 +133,22 @@ def read_manifest(manifest: Path) -> Iterator[CorpusItem | CorpusError]:
             yield item
 
 
+def _malformed(raw: str, exc: Exception) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        if raw.lstrip().startswith("["):  # a JSON array (or its first line) saved as .jsonl
+            return f"malformed line: a JSON array; {JSON_LINES}"
+        return f"malformed line: {exc}; {JSON_LINES}"
+    return f"malformed line: {exc}"
+
+
 def _parse(obj: Any, line: int, base: Path) -> CorpusItem:
+    if isinstance(obj, list):
+        raise ValueError(f"a JSON array; {JSON_LINES}")
     if not isinstance(obj, dict):
-        raise ValueError("expected a JSON object")
+        raise ValueError(f"expected a JSON object; {JSON_LINES}")
+    unknown = [k for k in obj if k not in MANIFEST_KEYS]
+    if unknown:
+        raise ValueError(_unknown_keys(unknown))
     item_id = obj.get("id")
     if not isinstance(item_id, str) or not item_id:
         raise ValueError('"id" must be a non-empty string')
@@ -134,6 +164,19 @@ def _parse(obj: Any, line: int, base: Path) -> CorpusItem:
     if not isinstance(meta, dict):
         raise ValueError('"meta" must be an object')
     return CorpusItem(line, item_id, base / image if image else None, image, list(caps), meta)
+
+
+def _unknown_keys(unknown: list[str]) -> str:
+    """What a line with keys the format does not take is told: each, with the likely key."""
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, MANIFEST_KEYS, n=1, cutoff=0.5)
+        named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    takes = ", ".join(f'"{k}"' for k in MANIFEST_KEYS)
+    return (
+        f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(named)}: a manifest line "
+        f'takes {takes} (an "image", "captions" or both; put anything else under "meta")'
+    )
 
 
 # -- Karpathy split JSON --------------------------------------------------------------------
@@ -175,7 +218,7 @@ def read_karpathy(
     has a "filepath" (COCO)."""
     path = Path(path)
     try:
-        with path.open(encoding="utf-8") as fh:
+        with path.open(encoding="utf-8-sig") as fh:  # a byte-order mark is allowed
             doc = json.load(fh)
     except UnicodeDecodeError as exc:
         raise CorpusFileError(f"{path} is not UTF-8 text: {exc}") from exc

@@ -4,7 +4,9 @@ processes (or this process), handed to the encoder in the plan's batches and ord
 from __future__ import annotations
 
 import hashlib
+import re
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +100,11 @@ def decode_bytes(
     """Decode an image file's bytes on the CPU (`models.images.open_rgb`, keeping `side`
     pixels), `convert` the RGB image."""
     try:
-        pix = convert(open_rgb(data, side))
+        with warnings.catch_warnings():  # Pillow warns past its limit: an image too large
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            pix = convert(open_rgb(data, side))
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        return Decoded(item.pos, None, sha, _too_large(item, exc))
     except UnidentifiedImageError:
         return Decoded(
             item.pos,
@@ -112,6 +118,17 @@ def decode_bytes(
             item.pos, None, sha, f"cannot read image {item.image_rel!r} ({item.image}): {exc}"
         )
     return Decoded(item.pos, pix, sha, "")
+
+
+def _too_large(item: PlanItem, exc: Exception) -> str:
+    """An image past Pillow's decompression-bomb limit, told as one clear error."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    pixels = f"{int(found.group(1)):,} pixels" if found else "too many pixels"
+    return (
+        f"cannot read image {item.image_rel!r} ({item.image}): {pixels}, more than the "
+        f"{Image.MAX_IMAGE_PIXELS:,} the builder decodes (Pillow's decompression-bomb limit); "
+        "scale it down"
+    )
 
 
 @dataclass

@@ -1,8 +1,10 @@
-"""`duet build` (a corpus into a new index version), `duet demo-corpus` and `duet demo-index`."""
+"""`duet build`: a corpus into a new index version (`duet demo-corpus` and `duet demo-index`,
+registered with it, live in `duet.commands.demo`)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,10 @@ from duet.commands.common import (
 
 def add(sub: Any) -> None:
     """build, demo-corpus, demo-index"""
+    from duet.commands import demo
+
     _add_build(sub)
-    _add_demo(sub)
+    demo.add(sub)
 
 
 def _add_build(sub: Any) -> None:
@@ -135,65 +139,40 @@ def _add_build_options(b: argparse.ArgumentParser, weights: Path) -> None:
     b.set_defaults(fn=cmd_build)
 
 
-def _add_demo(sub: Any) -> None:
-    d = sub.add_parser(
-        "demo-corpus",
-        formatter_class=HelpFormatter,
-        help="generate a synthetic image-caption corpus",
-        description="Render scenes of coloured shapes with several captions "
-        "each; the same seed gives the same bytes.",
-    )
-    d.add_argument("--out", required=True, help="directory for manifest.jsonl and images/")
-    d.add_argument("--images", type=int, default=2000, help="number of images (default 2000)")
-    d.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
-    d.add_argument(
-        "--captions",
-        type=int,
-        default=5,
-        choices=range(3, 7),
-        metavar="{3..6}",
-        help="captions per image (default 5)",
-    )
-    d.add_argument(
-        "--format",
-        choices=("png", "jpeg"),
-        default="png",
-        help="png: the world's own 64-pixel images; jpeg: photo-sized JPEGs with film grain, "
-        "which cost what users' photos cost to decode (default png)",
-    )
-    d.add_argument(
-        "--image-size",
-        default=None,
-        metavar="WxH",
-        help="JPEG width x height (default 512x384; --format jpeg only)",
-    )
-    d.add_argument(
-        "--quality", type=int, default=90, help="JPEG quality, 1-95 (default 90; jpeg only)"
-    )
-    d.add_argument("--no-progress", action="store_true", help="no progress bar")
-    d.set_defaults(fn=cmd_demo_corpus)
-
-    i = sub.add_parser(
-        "demo-index",
-        formatter_class=HelpFormatter,
-        help="generate the demo corpus and build it, unless OUT/current exists and was built "
-        "by the models the service will serve",
-        description="First-run convenience used by `make serve` and the "
-        "docker-compose index-init job: if OUT/current does not exist, generate a "
-        "synthetic corpus and build it into OUT. If it is the demo index built by other "
-        "weights, build it again from the same corpus as a new version; otherwise do nothing.",
-    )
-    i.add_argument("--out", default="indexes", help="index directory (default: ./indexes)")
-    i.add_argument(
-        "--corpus-out", default=None, help="where the demo images go (default: OUT/../demo-corpus)"
-    )
-    i.add_argument("--images", type=int, default=2000, help="number of images (default 2000)")
-    i.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
-    i.add_argument("--no-progress", action="store_true", help="no progress bars")
-    i.set_defaults(fn=cmd_demo_index)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    """`duet build`; Ctrl-C ends it with one line (the shards stay, for the rerun to resume)."""
+    try:
+        return _build(args)
+    except KeyboardInterrupt:
+        # the DataLoader's workers saw the same Ctrl-C and end; the exception (and with it the
+        # loader, which shuts them down) is let go before this returns
+        print(
+            f"duet: interrupted; the shards written so far are kept in {Path(args.out)}: "
+            "run the same command again to resume",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+
+
+def _corpus_problem(corpus: str) -> str | None:
+    """Why a --corpus / --append path is not a corpus file, or None."""
+    path = Path(corpus)
+    if path.is_dir():
+        inside = path / "manifest.jsonl"
+        hint = f" ({inside}?)" if inside.is_file() else ""
+        return (
+            f"corpus {corpus} is a directory: give the manifest file itself{hint}, a .jsonl "
+            "with one image per line (or a Karpathy .json)"
+        )
+    if not path.is_file():
+        return f"corpus manifest {corpus} does not exist"
+    return None
+
+
+def _build(args: argparse.Namespace) -> int:
     from index_builder.build import build
     from models.loading import load_models
     from store.manifest import BuildSettings
@@ -208,8 +187,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     corpus = args.corpus or args.append
     if corpus is None and args.delete is None:
         return fail("give --corpus MANIFEST, --append MANIFEST or --delete IDS_FILE")
-    if corpus is not None and not Path(corpus).is_file():
-        return fail(f"corpus manifest {corpus} does not exist")
+    if corpus is not None and (problem := _corpus_problem(corpus)):
+        return fail(problem)
     if corpus is None and (args.split is not None or args.images_root is not None):
         return fail("--split and --images-root select from a --corpus or --append file")
     settings = load_settings(
@@ -264,114 +243,3 @@ def cmd_build(args: argparse.Namespace) -> int:
         for line in report.skipped:
             print(f"  {line}")
     return 0
-
-
-def _photo_style(args: argparse.Namespace) -> Any:
-    """The `PhotoStyle` of --format jpeg (None for png), or a message why the options clash."""
-    from models.world import PhotoStyle
-
-    if args.format == "png":
-        if args.image_size is not None or args.quality != 90:
-            return "--image-size and --quality apply to --format jpeg"
-        return None
-    size = PhotoStyle().size
-    if args.image_size is not None:
-        w, _, h = args.image_size.lower().partition("x")
-        if not (w.isdigit() and h.isdigit() and 16 <= int(w) <= 8192 and 16 <= int(h) <= 8192):
-            return f"--image-size {args.image_size!r}: give WIDTHxHEIGHT, 16 to 8192 each"
-        size = (int(w), int(h))
-    if not 1 <= args.quality <= 95:
-        return "--quality must be 1 to 95"
-    return PhotoStyle(size=size, quality=args.quality)
-
-
-def cmd_demo_corpus(args: argparse.Namespace) -> int:
-    from models.world import write_corpus
-
-    if args.images < 1:
-        return fail("--images must be at least 1")
-    photo = _photo_style(args)
-    if isinstance(photo, str):
-        return fail(photo)
-    manifest = write_corpus(
-        Path(args.out),
-        args.images,
-        args.seed,
-        n_captions=args.captions,
-        progress=not args.no_progress,
-        photo=photo,
-    )
-    print(f"wrote {args.images} images and {args.images * args.captions} captions: {manifest}")
-    return 0
-
-
-def cmd_demo_index(args: argparse.Namespace) -> int:
-    """First-run convenience (make serve, docker compose): a demo index unless one built by
-    the models the service will serve exists. A demo index built by other weights (a pull
-    that brought new ones) is built again as a new version; any other index is left alone."""
-    import fcntl
-
-    from index_builder.build import build
-    from models.loading import load_models
-    from models.world import write_corpus
-
-    setup_logging()
-    settings = load_settings()
-    encoder, reranker, labels = model_choices(args, settings)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    corpus = Path(args.corpus_out) if args.corpus_out else out.parent / "demo-corpus"
-    # several replicas may start at once on one shared volume (k8s init containers): one builds
-    with (out / ".demo-index.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        # the models the service will serve (DUET_ENCODER, DUET_RERANKER)
-        model = load_models(encoder, reranker, settings.model_dir, settings.device, labels=labels)
-        exists = (out / "current").exists()
-        if exists and not _stale_demo_index(out, corpus, model.fingerprint):
-            return 0
-        if not exists:
-            print(f"no index in {out}: generating {args.images} demo images in {corpus}")
-        # a stale demo index is built again from the corpus it was built from, which its
-        # version (perhaps still served by older replicas) keeps pointing at: never rewritten
-        manifest = corpus / "manifest.jsonl"
-        if not (exists and manifest.is_file()):
-            manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
-        report = build(
-            manifest,
-            out,
-            model,
-            progress=not args.no_progress,
-            factory=settings.index_factory or None,
-        )
-    print(
-        f"built {report.path} ({report.images} images, {report.texts} texts) in "
-        f"{report.seconds:.1f}s"
-    )
-    return 0
-
-
-def _stale_demo_index(out: Path, corpus: Path, fingerprint: str) -> bool:
-    """Whether `out`'s current version is a demo index (built from `corpus`) that other
-    models built, so it must be built again; says what it found either way."""
-    from store.indexio import resolve_current
-    from store.manifest import Manifest
-
-    version = resolve_current(out)
-    manifest = Manifest.read(version)
-    built_by = manifest.model.fingerprint
-    if built_by == fingerprint:
-        print(f"{out / 'current'} exists, built by these models; nothing to do")
-        return False
-    demo = (corpus / "manifest.jsonl").resolve()
-    if manifest.corpus is None or Path(manifest.corpus).resolve() != demo:
-        print(
-            f"{out / 'current'} ({version.name}) was built by {built_by} from "
-            f"{manifest.corpus}, not the demo corpus; left as it is. The service will refuse "
-            f"it with the models it loads now ({fingerprint}): rebuild it with `duet build`"
-        )
-        return False
-    print(
-        f"{out / 'current'} ({version.name}) is the demo index built by {built_by}; the "
-        f"models are now {fingerprint}: building it again as a new version (the old one stays)"
-    )
-    return True

@@ -1,0 +1,50 @@
+"""What a build is asked (`BuildOptions`: `build`'s keyword arguments, `duet build --help`)
+and what it reports (`BuildReport`, for the CLI to print)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from store.manifest import Manifest
+
+DEFAULT_SHARD_SIZE = 1024
+
+
+@dataclass
+class BuildReport:
+    """What a build produced, for the CLI to print."""
+
+    version: str
+    path: Path
+    images: int
+    texts: int
+    seconds: float
+    manifest: Manifest
+    skipped: list[str] = field(default_factory=list)
+    # corpus items this run encoded into the version (not resumed from shards, nor skipped)
+    encoded: int = 0
+    resumed_shards: int = 0
+    shards: int = 0
+    encode_seconds: float = 0.0
+    items_per_s: float = 0.0
+    stages: dict[str, float] = field(default_factory=dict)  # `index_builder.stages`
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How a build runs (`build`'s keyword arguments; `duet build --help`)."""
+
+    batch_size: int = 64
+    skip_bad: bool = False
+    progress: bool = True
+    factory: str | None = None
+    shard_size: int = DEFAULT_SHARD_SIZE
+    workers: int | None = None
+    device: str = "auto"
+    engine: str = "local"
+    append: bool = False
+    delete: Path | None = None
+    ray_actors: int | None = None
+    split: str | None = None
+    images_root: Path | None = None

@@ -1,0 +1,103 @@
+"""A build's claim on its output directory: made if missing (or a clear error saying why it
+cannot be), then held by an exclusive lock on `OUT/.build.lock` for the whole build, so a
+second `duet build` into the same `--out` stops at once instead of colliding with the first
+over its shards and versions. The kernel drops the lock with its process, however that
+process ends (Ctrl-C, SIGKILL, the OOM killer): a lock nobody holds means nobody builds."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from index_builder.errors import BuildError
+
+LOCK = ".build.lock"
+
+
+def _unusable(out: Path, exc: OSError) -> BuildError:
+    """Why `out` cannot hold an index, and what to do about it."""
+    what = exc.strerror or str(exc)
+    if isinstance(exc, FileExistsError) or (out.exists() and not out.is_dir()):
+        return BuildError(
+            f"--out {out} is a file, not a directory: give a directory for the index "
+            "versions (it is made if missing)"
+        )
+    if isinstance(exc, NotADirectoryError):
+        return BuildError(
+            f"--out {out}: a part of that path is a file, not a directory ({what}); give a "
+            "directory path"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return BuildError(
+            f"--out {out} is not writable ({what}): give a directory you can write to, or "
+            "fix its permissions"
+        )
+    return BuildError(
+        f"cannot make or write --out {out} ({what}): give a directory you can write to"
+    )
+
+
+def _open(lock: Path) -> int:
+    return os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+
+
+def _holder(lock: Path) -> str:
+    """The pid a lock file names, for the message ("?" when it cannot be read)."""
+    try:
+        pid = lock.read_text().strip()
+    except OSError:
+        return "?"
+    return pid if pid.isdigit() else "?"
+
+
+def _lock(out: Path, lock: Path) -> int:
+    """A descriptor of `lock` holding its exclusive flock, taken without waiting. A build
+    removes the file when it ends: a lock taken on a file removed meanwhile is let go and
+    taken again on the file now there, so two builds never hold two files."""
+    while True:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = _open(lock)  # a directory we cannot write fails here, before any work
+        except OSError as exc:
+            raise _unusable(out, exc) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise BuildError(
+                f"another duet build is writing to {out} (pid {_holder(lock)}); wait for it "
+                "to finish or use another --out"
+            ) from None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def claimed(out: Path, create: bool = True) -> Iterator[None]:
+    """Hold `out` for one build: made first when `create` (a fresh build; an append or delete
+    needs it to exist), locked until the block ends, the lock file removed then. Raises
+    BuildError, never OSError, when `out` cannot be used or another build holds it."""
+    if not create and not out.is_dir():
+        raise BuildError(
+            f"--append/--delete need a current version: {out} is not a directory "
+            "(build one with --corpus first)"
+        )
+    lock = out / LOCK
+    fd = _lock(out, lock)
+    try:
+        with contextlib.suppress(OSError):  # the pid only names the holder to a second build
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()  # while still held: the next build makes a fresh one
+        os.close(fd)
