@@ -188,8 +188,9 @@ class DuetClient:
     # -- status ------------------------------------------------------------------------
     def ready(self) -> dict[str, Any]:
         """GET /readyz: the index version served, the re-rankers offered and their default.
-        While the service loads its port does not accept connections yet: DuetError 0
-        `unreachable` (503 `not_ready` only from a server that listens before it is ready)."""
+        While the service loads: DuetError 0 `unreachable` (its port is not open yet), or 503
+        `not_ready` (in the process layout, from a front that answers before the model is
+        loaded)."""
         body: dict[str, Any] = self._call("GET", "/readyz").json()
         return body
 

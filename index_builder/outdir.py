@@ -10,6 +10,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,7 +43,20 @@ def _unusable(out: Path, exc: OSError) -> BuildError:
 
 
 def _open(lock: Path) -> int:
-    return os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+    """The lock file itself, never what a link there points at (whoever can write a shared
+    --out could otherwise have a build truncate any file its user can write)."""
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BuildError(
+                f"{lock} is a symbolic link, not duet's lock file: remove it and build again"
+            ) from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BuildError(f"{lock} is not a regular file: remove it and build again")
+    return fd
 
 
 def _holder(lock: Path) -> str:
@@ -73,7 +87,7 @@ def _lock(out: Path, lock: Path) -> int:
                 "to finish or use another --out"
             ) from None
         try:
-            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+            if os.path.samestat(os.fstat(fd), os.lstat(lock)):
                 return fd
         except FileNotFoundError:
             pass

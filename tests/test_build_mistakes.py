@@ -255,6 +255,20 @@ def test_a_held_lock_stops_an_append(tmp_path: Path, corpus: Path, model: Builti
         os.close(fd)
 
 
+def test_a_link_at_the_lock_is_refused_and_its_target_left_alone(tmp_path: Path) -> None:
+    """Whoever can write a shared --out could put a link where the lock goes: the build
+    refuses it rather than truncate, and write its pid into, the file it points at."""
+    out = tmp_path / "idx"
+    out.mkdir()
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    (out / outdir.LOCK).symlink_to(victim)
+    with pytest.raises(BuildError, match="symbolic link"), outdir.claimed(out):
+        pass
+    assert victim.read_text() == "keep me"
+    assert (out / outdir.LOCK).is_symlink()
+
+
 # -- Ctrl-C ----------------------------------------------------------------------------------
 
 

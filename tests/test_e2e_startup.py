@@ -30,7 +30,7 @@ def test_index_from_another_model_is_refused(corpus: Path, tmp_path: Path) -> No
     tok = WordTokenizer(vocabulary())
     save_model(JointModel(JointConfig(vocab_size=tok.vocab_size)), tok, other)
     out = tmp_path / "idx"
-    # DUET_PORT=0: `duet serve` binds its port before loading, and 8000 may be taken here
+    # DUET_PORT=0: `duet serve` tries its port before loading, and 8000 may be taken here
     env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "DUET_PORT": "0"}
     subprocess.run(
         [
@@ -81,12 +81,32 @@ def test_a_port_in_use_is_one_clear_line_before_anything_loads(tmp_path: Path) -
         assert claim not in proc.stderr, proc.stderr
 
 
+def test_the_port_is_not_held_while_the_model_loads(tmp_path: Path) -> None:
+    """The port is tried, not kept: a service that refuses to start (no index here) leaves
+    it to anyone, and one that another socket merely bound (not listening) still starts."""
+    with socket.socket() as bound:
+        bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bound.bind(("127.0.0.1", 0))
+        port = bound.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "DUET_INDEX_DIR": str(tmp_path)}
+        proc = subprocess.run(
+            [*DUET, "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 2 and "duet build" in proc.stderr  # got past the port to the index
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))  # nothing of the refused service holds it
+
+
 def test_missing_index_says_how_to_build(tmp_path: Path) -> None:
     env = {
         **os.environ,
         "PYTHONPATH": CHILD_PYTHONPATH,
         "DUET_INDEX_DIR": str(tmp_path / "none"),
-        "DUET_PORT": "0",  # the port is bound first: 8000 may be taken here
+        "DUET_PORT": "0",  # the port is tried first: 8000 may be taken here
     }
     proc = subprocess.run([*DUET, "serve"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "duet build" in proc.stderr
@@ -157,7 +177,7 @@ def test_cuda_without_a_gpu_is_refused(index_dir: Path) -> None:
         "PYTHONPATH": CHILD_PYTHONPATH,
         "DUET_INDEX_DIR": str(index_dir),
         "DUET_DEVICE": "cuda",
-        "DUET_PORT": "0",  # the port is bound first: 8000 may be taken here
+        "DUET_PORT": "0",  # the port is tried first: 8000 may be taken here
     }
     proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr

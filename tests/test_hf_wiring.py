@@ -227,8 +227,8 @@ def test_serving_an_index_of_another_encoder_is_refused(
     (served / "current").symlink_to(indexio.resolve_current(clip_index))
     monkeypatch.setenv("DUET_ENCODER", str(ckpt["siglip"]))
     monkeypatch.setenv("DUET_RERANKER", str(ckpt["blip"]))
-    monkeypatch.setenv("DUET_PORT", "0")  # `duet serve` binds its port before loading
-    monkeypatch.setattr("uvicorn.Server.run", lambda *a, **k: pytest.fail("served a foreign index"))
+    monkeypatch.setenv("DUET_PORT", "0")  # `duet serve` tries its port first: 8000 may be taken
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("served a foreign index"))
     assert main(["serve", "--index-dir", str(served)]) == 2
     err = capsys.readouterr().err
     assert "was built by model 'hf-clip:" in err and "hf-siglip:" in err

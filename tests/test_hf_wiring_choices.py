@@ -48,8 +48,8 @@ def test_wrong_choices_exit_2_naming_the_variable(
     }[case]
     monkeypatch.setenv("DUET_ENCODER", str(encoder))
     monkeypatch.setenv("DUET_RERANKER", str(reranker))
-    monkeypatch.setenv("DUET_PORT", "0")  # `duet serve` binds its port before loading
-    monkeypatch.setattr("uvicorn.Server.run", lambda *a, **k: pytest.fail("served"))
+    monkeypatch.setenv("DUET_PORT", "0")  # `duet serve` tries its port first: 8000 may be taken
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("served"))
     bad = encoder if "DUET_ENCODER" in want else reranker
     if case == "han-untrained":  # duet's weights without the HAN head beside them
         bad = tmp_path / "weights"
@@ -68,7 +68,6 @@ def test_duet_serve_exits_2_for_a_wrong_kind(ckpt: dict[str, Path], tmp_path: Pa
         "PYTHONPATH": CHILD_PYTHONPATH,
         "DUET_ENCODER": str(ckpt["blip"]),
         "DUET_INDEX_DIR": str(tmp_path),
-        "DUET_PORT": "0",  # `duet serve` binds its port first: 8000 may be taken here
     }
     proc = subprocess.run(
         [*DUET, "serve"], capture_output=True, text=True, env=env, timeout=120, cwd=REPO

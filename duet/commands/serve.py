@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -78,13 +77,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault(ONEDNN_CACHE_ENV, ONEDNN_CACHE_DEFAULT)
     settings = load_settings(host=args.host, port=args.port, index_dir=args.index_dir)
     setup_logging(settings.log_level)
-    with claim_port(settings.host, settings.port) as listener:  # in use: fails before loading
-        return _serve(settings, listener)
+    check_port(settings.host, settings.port)  # in use: one line now, not after the load
+    return _serve(settings)
 
 
-def _serve(settings: Any, listener: Any) -> int:
-    """Load the model and index, then serve on `listener` (the port `claim_port` bound), or
-    on the fronts' sockets in the process layout."""
+def _serve(settings: Any) -> int:
+    """Load the model and index, then serve: uvicorn in this process, or the fronts."""
     import uvicorn
 
     from app.limits import uvicorn_options
@@ -106,7 +104,7 @@ def _serve(settings: Any, listener: Any) -> int:
         "serving on http://%s:%d (index %s, model on %s, %d front process(es), paced "
         "in-flight cap: %s, %s=%s)",
         settings.host,
-        listener.getsockname()[1],  # DUET_PORT=0: the port the system chose
+        settings.port,
         resources.index.version,
         getattr(resources.model, "device", "cpu"),
         fronts,
@@ -114,44 +112,49 @@ def _serve(settings: Any, listener: Any) -> int:
         ONEDNN_CACHE_ENV,
         os.environ[ONEDNN_CACHE_ENV],
     )
-    if fronts:  # the fronts' sockets are bound anew, one a front (`public_sockets`)
-        listener.close()
+    if fronts:
         _serve_with_fronts(settings, app, fronts)
         return 0
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=listener.getsockname()[1],
-            log_level=settings.log_level,
-            access_log=settings.access_log,
-            **uvicorn_options(settings, app.state.metrics),
-        )
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        **uvicorn_options(settings, app.state.metrics),
     )
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, raised again once it stopped
-        server.run(sockets=[listener])  # listens once the lifespan has started the service
-    return 0 if server.started else 3  # 3: uvicorn's start-up failure, as `uvicorn.run` exits
+    return 0
 
 
-def claim_port(host: str, port: int) -> Any:
-    """The service's port, bound before the model and index load but not listening, so a
-    connection is refused until uvicorn listens on it, ready; a port another process listens
-    on, or an address this host does not have, is a one-line error at once, not after the
-    load and a "duet ready"."""
+def check_port(host: str, port: int) -> None:
+    """UserError, before the model and index load, when another process listens on `port`:
+    a socket bound there as uvicorn binds its own (address reuse on, IPv6 only for an IPv6
+    address) is refused only then. The probe is closed at once: the port opens when the
+    service is ready, as before. A port taken during the load still fails as uvicorn fails
+    (exit 3); any other error is left for uvicorn to report."""
     import errno
+    import socket
 
     from models.errors import UserError
 
+    if port == 0:
+        return
     try:
-        return _bound(host, port)
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            why = f"port {port} on {host} is already in use (another duet?); pass another --port"
-            raise UserError(f"{why}, or set DUET_PORT") from exc
-        raise UserError(
-            f"cannot listen on {host}:{port}: {exc.strerror or exc}; pass another --host / "
-            "--port, or set DUET_HOST / DUET_PORT"
-        ) from exc
+        probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError:
+        return
+    with probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if probe.family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UserError(
+                    f"port {port} on {host} is already in use (another duet?); pass another "
+                    "--port, or set DUET_PORT"
+                ) from exc
 
 
 def _bound(host: str, port: int, reuse_port: bool = False) -> Any:
