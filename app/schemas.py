@@ -206,6 +206,10 @@ def image_url(image_id: str | None) -> str | None:
 
 
 class Hit(BaseModel):
+    # each answer carries every field (null where it has none): required in the OpenAPI
+    # document's response schema, so generated clients do not make them optional
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
     id: str
     score: float
     retrieval_score: float
@@ -231,6 +235,10 @@ class Hit(BaseModel):
 
 
 class SearchResponse(BaseModel):
+    # each answer carries every field (null where it has none): required in the OpenAPI
+    # document's response schema, so generated clients do not make them optional
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
     hits: list[Hit]
     timings_ms: dict[str, float]
     index_version: str
