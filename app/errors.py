@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -157,8 +157,19 @@ def describe_errors(errors: Sequence[Mapping[str, object]]) -> str:
 
 
 class ErrorBody(BaseModel):
+    """What went wrong: a code to branch on and a message that says what to do; a 422 from
+    validation adds `details`, and some errors add fields of their own (a refused index
+    version's, say)."""
+
+    model_config = ConfigDict(extra="allow")
+
     code: str
     message: str
+    details: list[dict[str, Any]] | None = Field(
+        None,
+        description="422 validation_error only: each fault, with `loc` (where), `msg` and "
+        "`type`, as pydantic reports it",
+    )
 
 
 class ErrorResponse(BaseModel):

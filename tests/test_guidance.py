@@ -192,3 +192,22 @@ def test_fastapis_own_routes_count_under_their_paths(served: tuple[Any, httpx.Cl
     assert _count(app, "/openapi.json", 200) == before["/openapi.json"] + 1
     assert _count(app, "/docs", 200) == before["/docs"] + 1
     assert _count(app, "other", 200) == before["other"]
+
+
+def test_every_documented_error_has_the_shape_duet_answers(
+    served: tuple[Any, httpx.Client],
+) -> None:
+    """The OpenAPI document lists each route's errors as `ErrorResponse` (what every error
+    is), not FastAPI's own 422 shape, which no duet route answers; and a 422's `details`
+    are in the error body's schema."""
+    doc = served[1].get("/openapi.json").json()
+    assert "HTTPValidationError" not in json.dumps(doc)
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            for status, answer in op["responses"].items():
+                if int(status) >= 400:
+                    ref = answer["content"]["application/json"]["schema"]["$ref"]
+                    assert ref.endswith("/ErrorResponse"), (method, path, status)
+    assert "details" in doc["components"]["schemas"]["ErrorBody"]["properties"]
+    r = served[1].post("/search/text", json={"query": "a red circle", "top_k": 0})
+    assert r.status_code == 422 and r.json()["error"]["details"][0]["loc"][-1] == "top_k"

@@ -104,6 +104,7 @@ def document_bodies(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         doc = generate()  # made once, then kept by FastAPI (app.openapi_schema)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        _no_default_422(doc)
         if "TextSearchRequest" not in schemas:
             shape = APIRouter()
 
@@ -115,6 +116,22 @@ def document_bodies(app: FastAPI) -> None:
         return doc
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _no_default_422(doc: dict[str, Any]) -> None:
+    """Drop the 422 FastAPI documents for every route with parameters, in its own error
+    shape (`HTTPValidationError`): duet answers every error as `ErrorResponse`, and the
+    routes that can refuse a body say so with `documented(422)`. Where it stays (/images,
+    /admin/reload: a string path parameter, an optional header) no 422 can happen."""
+    for item in doc.get("paths", {}).values():
+        for op in item.values():
+            answer = op.get("responses", {}).get("422", {})
+            if "HTTPValidationError" in str(answer.get("content", "")):
+                del op["responses"]["422"]
+    schemas = doc.get("components", {}).get("schemas", {})
+    if "HTTPValidationError" not in str(doc.get("paths", {})):
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
 
 
 def refresh_docs() -> None:
