@@ -48,6 +48,19 @@ def test_text_hits_link_their_images(service: Service, corpus: Path) -> None:
             assert r.content == (corpus.parent / hit["meta"]["image"]).read_bytes()
 
 
+def test_an_image_the_browser_holds_is_a_304_without_its_bytes(service: Service) -> None:
+    """The ETag sent with an image, sent back (If-None-Match), gets a 304 and no body; any
+    other tag gets the file again."""
+    with service.client() as c:
+        first = c.get("/images/img-0001")
+        etag = first.headers["etag"]
+        again = c.get("/images/img-0001", headers={"If-None-Match": f'"other", {etag}'})
+        assert again.status_code == 304 and again.content == b""
+        assert again.headers["etag"] == etag and "max-age" in again.headers["cache-control"]
+        changed = c.get("/images/img-0001", headers={"If-None-Match": '"other"'})
+        assert changed.status_code == 200 and changed.content == first.content
+
+
 def test_caption_hits_link_the_image_they_describe(service: Service, corpus: Path) -> None:
     png = (corpus.parent / "images" / "0003.png").read_bytes()
     with service.client() as c:

@@ -3,9 +3,10 @@ index names, so a person can see what duet does. Offline: no CDN, no build step.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
 
 from app.errors import ImageNotFound, NotReady, documented
@@ -49,8 +50,15 @@ def allowed(path: Path, roots: list[Path]) -> bool:
     return any(path.is_relative_to(root.resolve()) for root in roots)
 
 
-@router.get("/images/{item_id}", response_class=FileResponse, responses=documented(404, 503))
-async def image(item_id: str, request: Request) -> FileResponse:
+@router.get(
+    "/images/{item_id}",
+    response_class=FileResponse,
+    responses={
+        304: {"description": "the file the If-None-Match ETag names: unchanged, no body"},
+        **documented(404, 503),
+    },
+)
+async def image(item_id: str, request: Request) -> Response:
     """An indexed image, by its item id: only files the served index names, under its
     corpus's images folder (no path leaves it), and only under DUET_IMAGES_DIR or the
     version's own folder: a manifest's corpus path is not trusted to point anywhere else."""
@@ -74,4 +82,12 @@ async def image(item_id: str, request: Request) -> FileResponse:
             f"image {item_id!r} is outside the folder images are served from; set "
             "DUET_IMAGES_DIR to the folder that holds the corpus"
         )
-    return FileResponse(path, headers={"Cache-Control": "public, max-age=3600"})
+    # the file's stat read now, so its ETag is known before answering: a browser that still
+    # holds this version of the file (If-None-Match) gets a 304 and no body again
+    headers = {"Cache-Control": "public, max-age=3600"}
+    answer = FileResponse(path, headers=headers, stat_result=os.stat(path))
+    etag = answer.headers["etag"]
+    asked = request.headers.get("if-none-match", "")
+    if etag in (tag.strip().removeprefix("W/") for tag in asked.split(",")) or asked == "*":
+        return Response(status_code=304, headers={**headers, "ETag": etag})
+    return answer
