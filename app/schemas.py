@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, get_args
 from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from models import rerankers
 
@@ -173,14 +180,13 @@ def field_names(model: type[BaseModel]) -> list[str]:
     return [f.alias or name for name, f in model.model_fields.items()]
 
 
-def explained(
-    errors: Sequence[Mapping[str, Any]], fields: Sequence[str], example: str
-) -> list[dict[str, Any]]:
-    """pydantic's errors for a request body, each message saying what to send where
-    pydantic's does not: a missing field, an unknown one (with the `fields` the route
-    takes), a body that is not a JSON object (with an `example`)."""
+def explained(exc: ValidationError, fields: Sequence[str], example: str) -> list[dict[str, Any]]:
+    """pydantic's errors for a request body, located under "body" as FastAPI locates them
+    (a field named `query` is then named, not taken for where it came from), each message
+    saying what to send where pydantic's does not: a missing field, an unknown one (with the
+    `fields` the route takes), a body that is not a JSON object (with an `example`)."""
     out = []
-    for e in errors:
+    for e in exc.errors(include_url=False):
         kind, msg = e.get("type"), e.get("msg")
         if kind == "missing":
             msg = f"Field required; send a JSON object such as {example}"
@@ -188,7 +194,7 @@ def explained(
             msg = f"not a field of this route; it takes {', '.join(fields)}"
         elif kind in _NOT_AN_OBJECT:
             msg = f"the body must be a JSON object such as {example}"
-        out.append({**e, "msg": msg})
+        out.append({**e, "loc": ("body", *e["loc"]), "msg": msg})
     return out
 
 

@@ -244,8 +244,7 @@ async def _text_request(request: Request) -> TextSearchRequest:
         # from_attributes as FastAPI validates: a body that is no object is told so plainly
         return TextSearchRequest.model_validate(data, from_attributes=True)
     except ValidationError as exc:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
-        raise RequestValidationError(explained(errors, _TEXT_FIELDS, TEXT_EXAMPLE)) from exc
+        raise RequestValidationError(explained(exc, _TEXT_FIELDS, TEXT_EXAMPLE)) from exc
 
 
 _TEXT_FIELDS = ["query", *field_names(SearchOptions)]
@@ -323,9 +322,7 @@ def _options(fields: dict[str, Any], model: type[SearchOptions], takes: list[str
     try:
         return model.model_validate(fields)
     except ValidationError as exc:
-        # located under "body", as FastAPI locates them: a field named `query` is then named
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
-        raise ValidationFailed(describe_errors(explained(errors, takes, IMAGE_EXAMPLE))) from exc
+        raise ValidationFailed(describe_errors(explained(exc, takes, IMAGE_EXAMPLE))) from exc
 
 
 @router.post(
