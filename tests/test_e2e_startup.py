@@ -59,6 +59,19 @@ def test_index_from_another_model_is_refused(corpus: Path, tmp_path: Path) -> No
     assert "was built by model" in proc.stderr and "rebuild the index" in proc.stderr
 
 
+def _serve_without_an_index(port: int, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`duet serve` on 127.0.0.1:`port` with an empty index folder: it stops at the port or
+    at the index, whichever it reaches first."""
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "DUET_INDEX_DIR": str(tmp_path)}
+    return subprocess.run(
+        [*DUET, "serve", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_a_port_in_use_is_one_clear_line_before_anything_loads(tmp_path: Path) -> None:
     """It printed "serving on" and "duet ready", then `[Errno 98] ... address already in use`,
     and exited 3: now the port is tried first, before the model and index (none here)."""
@@ -66,14 +79,7 @@ def test_a_port_in_use_is_one_clear_line_before_anything_loads(tmp_path: Path) -
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "DUET_INDEX_DIR": str(tmp_path)}
-        proc = subprocess.run(
-            [*DUET, "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        proc = _serve_without_an_index(port, tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert f"port {port} on 127.0.0.1 is already in use" in proc.stderr
     assert "--port" in proc.stderr and "DUET_PORT" in proc.stderr
@@ -88,14 +94,7 @@ def test_the_port_is_not_held_while_the_model_loads(tmp_path: Path) -> None:
         bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         bound.bind(("127.0.0.1", 0))
         port = bound.getsockname()[1]
-        env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "DUET_INDEX_DIR": str(tmp_path)}
-        proc = subprocess.run(
-            [*DUET, "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        proc = _serve_without_an_index(port, tmp_path)
     assert proc.returncode == 2 and "duet build" in proc.stderr  # got past the port to the index
     with socket.socket() as again:
         again.bind(("127.0.0.1", port))  # nothing of the refused service holds it
