@@ -183,7 +183,8 @@ _WHY = {
     401: "missing or wrong admin token",
     403: "the admin endpoint is disabled (no DUET_ADMIN_TOKEN)",
     404: "no such item in the served index, or its image file is not readable here",
-    408: "request headers not received in time (DUET_HTTP_HEADER_TIMEOUT_S)",
+    408: "request headers or body not received in time (DUET_HTTP_HEADER_TIMEOUT_S, "
+    "DUET_HTTP_BODY_TIMEOUT_S)",
     409: "the index version was refused; the old one keeps serving",
     413: "body or image over its limit (DUET_MAX_BODY_BYTES, DUET_MAX_IMAGE_BYTES, "
     "DUET_MAX_IMAGE_PIXELS)",

@@ -209,5 +209,7 @@ def test_every_documented_error_has_the_shape_duet_answers(
                     ref = answer["content"]["application/json"]["schema"]["$ref"]
                     assert ref.endswith("/ErrorResponse"), (method, path, status)
     assert "details" in doc["components"]["schemas"]["ErrorBody"]["properties"]
+    for route in ("/search/text", "/search/image"):  # a body cut short, or timed out
+        assert {"408", "499"} <= set(doc["paths"][route]["post"]["responses"])
     r = served[1].post("/search/text", json={"query": "a red circle", "top_k": 0})
     assert r.status_code == 422 and r.json()["error"]["details"][0]["loc"][-1] == "top_k"

@@ -255,7 +255,7 @@ _FORM_FIELDS = ["image", *field_names(SearchOptions)]
 @router.post(
     "/search/text",
     response_model=SearchResponse,
-    responses=documented(413, 415, 422, 429, 499, 503),
+    responses=documented(408, 413, 415, 422, 429, 499, 503),
     openapi_extra=_TEXT_BODY_DOC,
 )
 async def search_text(request: Request) -> Response:
@@ -329,7 +329,7 @@ def _options(fields: dict[str, Any], model: type[SearchOptions], takes: list[str
     "/search/image",
     response_model=SearchResponse,
     openapi_extra=_IMAGE_BODY_DOC,
-    responses=documented(400, 413, 415, 422, 429, 499, 503),
+    responses=documented(400, 408, 413, 415, 422, 429, 499, 503),
 )
 async def search_image(request: Request, pipeline: PipelineDep, settings: SettingsDep) -> Response:
     """An image finds captions: multipart field `image`, or JSON `image_b64`; same options."""
