@@ -45,7 +45,12 @@
 #   scale     (not in the default steps: a session of its own) issue 38's million: 20,000
 #             photo-sized JPEGs listed 50 times (benchmarks/repeat_corpus.py) built on the GPU,
 #             then `scale_serve` at 20k and 1M -> scale.json and the table in log.txt; on a GPU
-#             as two calls, STEPS=scale-build (BUDGET=560) then STEPS=scale-serve (what is left)
+#             as two calls, STEPS=scale-build (BUDGET=560) then STEPS=scale-serve (what is left);
+#             a scale-build cut short by its budget goes on where it stopped when called again
+#   scale-tiled (not in the default steps) the million's serving row without the million's
+#             build: the 20k version built on the GPU, tiled 50 times under new ids
+#             (benchmarks/startup_scale.py --tile-only: every row, vector and token a real
+#             million's, Flat indexes) and `scale_serve` at 20k and 1M -> scale_tiled.json
 #
 #   BUDGET=560 bash benchmarks/gpu_check.sh              # seconds for the whole run
 #   STEPS="serve ceiling" bash benchmarks/gpu_check.sh   # only these steps, in this order
@@ -132,6 +137,25 @@ python3 -c "import torch, faiss, numpy; print('torch', torch.__version__, torch.
   and torch.cuda.get_device_name(0), 'faiss', faiss.__version__, 'numpy', numpy.__version__)" |
   tee -a "$LOG"
 
+S=/tmp/duet-scale n=${SCALE[0]} big=$((SCALE[0] * SCALE[1]))
+scale_small() { # issue 38's corpus (n photo-sized JPEGs, and the same listed SCALE[1] times)
+  # and the n-image version, made once per warm machine: a second call goes on where the
+  # first stopped (a finished version is not built again; the big build resumes from the
+  # shards it had written, each written whole or not at all)
+  if [ -e "$S/corpus.done" ]; then
+    el "scale: the corpus in $S is kept ($(ls "$S/i-big/.shards"/*/ 2>/dev/null | wc -l) shard files of the big build there)"
+  else
+    rm -rf "$S" && mkdir -p "$S"
+    step scale-corpus 240 60 python3 -m duet.cli demo-corpus --out "$S/small" --images "$n" \
+      --format jpeg --seed 11 --no-progress &&
+      python3 benchmarks/repeat_corpus.py "$S/small" --times "${SCALE[1]}" --out "$S/big.jsonl" |
+      tee -a "$LOG" && [ "${PIPESTATUS[0]}" -eq 0 ] && touch "$S/corpus.done"
+  fi
+  [ -e "$S/corpus.done" ] &&
+    { [ -e "$S/i-small/current" ] || step scale-build-small 120 30 python3 -m duet.cli build \
+      --corpus "$S/small/manifest.jsonl" --out "$S/i-small" --device $DEV --batch-size 256 \
+      --no-progress; }
+}
 SERVE=(python3 benchmarks/serve_load.py --device $DEV --index-dir indexes --rounds 1 --seconds $CELL)
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -rfs)
 for s in $STEPS; do
@@ -222,22 +246,22 @@ for s in $STEPS; do
     fi
     ;;
   scale | scale-build | scale-serve) # scale = both halves; a GPU session runs them as two calls
-    S=/tmp/duet-scale n=${SCALE[0]} big=$((SCALE[0] * SCALE[1]))
     if [ "$s" != scale-serve ]; then
-      rm -rf "$S" && mkdir -p "$S"
-      step scale-corpus 240 60 python3 -m duet.cli demo-corpus --out "$S/small" --images "$n" \
-        --format jpeg --seed 11 --no-progress &&
-        python3 benchmarks/repeat_corpus.py "$S/small" --times "${SCALE[1]}" --out "$S/big.jsonl" |
-        tee -a "$LOG" &&
-        step scale-build-small 120 30 python3 -m duet.cli build --corpus "$S/small/manifest.jsonl" \
-          --out "$S/i-small" --device $DEV --batch-size 256 --no-progress &&
-        step scale-build-big 600 120 python3 -m duet.cli build --corpus "$S/big.jsonl" \
-          --out "$S/i-big" --device $DEV --batch-size 256 --no-progress
+      scale_small &&
+        { [ -e "$S/i-big/current" ] || step scale-build-big 600 120 python3 -m duet.cli build \
+          --corpus "$S/big.jsonl" --out "$S/i-big" --device $DEV --batch-size 256 --no-progress; }
     fi
     if [ "$s" != scale-build ]; then
       step scale-serve 300 90 python3 benchmarks/scale_serve.py --device $DEV --procs 4 \
         --seconds 4 --index "$n=$S/i-small" --index "$big=$S/i-big" --json "$OUT/scale.json"
     fi
+    ;;
+  scale-tiled) # the million's serving row without its build: the 20k version tiled 50 times
+    scale_small &&
+      step scale-tile 240 60 python3 benchmarks/startup_scale.py --tile-only \
+        --index-dir "$S/i-small" --times "${SCALE[1]}" --out "$S/i-tiled" &&
+      step scale-serve 300 90 python3 benchmarks/scale_serve.py --device $DEV --procs 4 \
+        --seconds 4 --index "$n=$S/i-small" --index "$big=$S/i-tiled" --json "$OUT/scale_tiled.json"
     ;;
   wheels) ;; # only the wheels carried (installed above), e.g. the first call's .whl-base
   *) el "unknown step $s (see the header)" && failed=1 ;;

@@ -50,6 +50,7 @@ class Row:
     reranked_many: tuple[float, float]
     dot_1_p50: float
     clients: int
+    tiled: str = ""  # "x50 of <version>" for a version benchmarks/startup_scale.py tiled
 
 
 def version_bytes(index_dir: Path, n: int) -> dict[str, float]:
@@ -59,6 +60,14 @@ def version_bytes(index_dir: Path, n: int) -> dict[str, float]:
         group: sum((version / f).stat().st_size for f in names if (version / f).exists()) / n
         for group, names in FILES.items()
     }
+
+
+def tiled_from(index_dir: Path) -> str:
+    """ "x<times> of <version>" when the served version is a tiled one (a source version
+    repeated under new ids, its indexes Flat whatever its size), else ""."""
+    manifest = json.loads(((index_dir / "current").resolve() / "manifest.json").read_text())
+    tiled = manifest.get("tiled")
+    return f"x{tiled['times']} of {tiled['from']}" if isinstance(tiled, dict) else ""
 
 
 def rss_mb(pid: int) -> float:
@@ -122,6 +131,7 @@ def measure(n: int, index_dir: Path, args: argparse.Namespace, pool: LoadPool) -
             ),
             dot_1_p50=round(cells["dot_1"].q(50), 2),
             clients=args.clients,
+            tiled=tiled_from(index_dir),
         )
 
 
@@ -139,11 +149,21 @@ def table(rows: list[Row], device: str) -> str:
     for r in rows:
         b = r.bytes_per_image
         gpu = "-" if r.gpu_mb is None else f"{r.gpu_mb:,.0f}"
+        images = f"{r.n:,} (tiled)" if r.tiled else f"{r.n:,}"
         out.append(
-            f"| {r.n:,} | {r.start_s} | {r.rss_mb:,.0f} | {gpu} | {b['vectors']:,.0f} | "
+            f"| {images} | {r.start_s} | {r.rss_mb:,.0f} | {gpu} | {b['vectors']:,.0f} | "
             f"{b['tokens']:,.0f} | {b['items']:,.0f} | {r.reranked_1[0]} / {r.reranked_1[1]} | "
             f"{r.reranked_many[0]} / {r.reranked_many[1]} | {r.dot_1_p50} |"
         )
+    out += [
+        f"\n(tiled): {r.n:,} images that are {r.tiled} (`benchmarks/startup_scale.py "
+        "--tile-only`): the start-up, memory and request costs of that many rows, vectors and "
+        "tokens, with Flat indexes where the builder would write IVF at that size (its "
+        "vectors' bytes and RSS are Flat's) and copies of each image, so search quality means "
+        "nothing."
+        for r in rows
+        if r.tiled
+    ]
     return "\n".join(out)
 
 

@@ -82,6 +82,7 @@ def tile(source: Path, times: int, out: Path) -> Path:
         n_images, n_texts = _copy_rows(src, items, times)
     src.close()
     items.close()
+    manifest["tiled"] = {"from": manifest["version"], "times": times}  # kept, not read
     manifest["version"] = name
     manifest["counts"] = {"images": n_images * times, "texts": n_texts * times}
     for kind in ("image", "text"):
@@ -130,11 +131,20 @@ def main() -> None:
         type=Path,
         help="a tree whose `duet serve` is timed (repeatable; default this one)",
     )
+    ap.add_argument(
+        "--tile-only",
+        action="store_true",
+        help="write the tiled version to --out and stop (scale_serve's million row on a GPU "
+        "host without the million-image build: benchmarks/gpu_check.sh, step scale-tiled)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--port", type=int, default=8396)
     args = ap.parse_args()
     source = resolve_current(args.index_dir)
     tiled = tile(source, args.times, args.out)
+    if args.tile_only:
+        print(f"tiled {source} {args.times} times: {resolve_current(tiled)}")
+        return
     repos = [r.resolve() for r in (args.repo or [serve_load.REPO])]
     sizes = {"source": args.index_dir, "tiled": tiled}
     got: dict[tuple[str, str], list[float]] = {}

@@ -279,3 +279,22 @@ def test_a_version_tiled_for_the_start_up_benchmark_is_whole(
         small.close()
     finally:
         version.close()
+    # scale_serve's million row from a tiled version says so (Flat indexes, copies)
+    from benchmarks.scale_serve import Row, table, tiled_from
+
+    assert tiled_from(tmp_path / "tiled") == f"x3 of {source.name}"
+    assert tiled_from(index_dir) == ""
+    row = Row(
+        n=6_000,
+        start_s=1.0,
+        rss_mb=1.0,
+        gpu_mb=None,
+        bytes_per_image={"vectors": 1.0, "tokens": 1.0, "items": 1.0},
+        reranked_1=(1.0, 2.0),
+        reranked_many=(1.0, 2.0),
+        dot_1_p50=0.5,
+        clients=2,
+        tiled=tiled_from(tmp_path / "tiled"),
+    )
+    text = table([row], "cpu")
+    assert "| 6,000 (tiled) |" in text and f"x3 of {source.name}" in text
