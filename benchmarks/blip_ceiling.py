@@ -3,7 +3,10 @@ plain script runs, `HFBlipReranker.plain_scores`) against duet's scorer (`score_
 `models.blip_itm`), at several pairs per call, with the states already on the device (as a
 resident table's rows are), and the largest logit difference between the two.
 
-Texts are the demo world's captions, one per pair, so lengths vary as queries' do.
+Texts are the demo world's captions, one per pair, so lengths vary as queries' do (the
+scorer's hardest case: a served request's pairs share one sentence). The scorer's call cost
+is measured first, as the service does at start (`HFBlipReranker.calibrate`), so its length
+groups are the ones the service would form.
 
     python benchmarks/blip_base.py --out /tmp/blip-base --device cuda
     python benchmarks/blip_ceiling.py /tmp/blip-base --device cuda --out gpu-out/blip_ceiling.md
@@ -37,6 +40,10 @@ def measure(
 
     reranker = HFBlipReranker(directory, device)
     sync = torch.cuda.synchronize if reranker.device.type == "cuda" else (lambda: None)
+    # what serving measures at start (app.heavy): a scorer call's own cost, for the groups
+    probe = torch.randn(64 if reranker.device.type == "cuda" else 4, *reranker.token_shape)
+    cost = reranker.calibrate(probe.to(reranker.device, reranker.model.dtype))
+    print(f"a scorer call costs {cost:.0f} pair-tokens beyond its pairs", flush=True)
     rng = random.Random(5)
     rows = []
     for n in sizes:

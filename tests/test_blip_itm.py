@@ -93,6 +93,23 @@ def test_pairs_are_grouped_by_sentence_length() -> None:
     assert [g.tolist() for g in groups] == [[0, 2, 4], [1, 3, 5], [6]]
 
 
+def test_groups_too_small_to_pay_for_their_call_join_the_next_longer() -> None:
+    lengths = np.array([3, 12, 8, 9, 1, 16, 17, 30, 31, 29])
+    split = [[0, 2, 4], [1, 3, 5], [6], [7, 8, 9]]
+    assert [g.tolist() for g in length_groups(lengths, 8, call_cost=0)] == split
+    # padding [0, 2, 4] to 16 tokens is 3 x 8 = 24 pair-tokens: under 25 it joins; the six
+    # then to 17 is 6 x 1 = 6 (joins); those seven to 31 is 7 x 14 = 98 (stays apart)
+    merged = length_groups(lengths, 8, call_cost=25)
+    assert [g.tolist() for g in merged] == [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    assert [g.tolist() for g in length_groups(lengths, 8, call_cost=23)] == [
+        [0, 2, 4],
+        [1, 3, 5, 6],
+        [7, 8, 9],
+    ]
+    whole = length_groups(lengths, 8, call_cost=1e9)  # every pair in one padded call
+    assert [g.tolist() for g in whole] == [list(range(10))]
+
+
 def test_a_model_not_laid_out_as_blip_gets_no_scorer() -> None:
     assert BlipItmScorer.of(object()) is None
     model = _model()
@@ -112,6 +129,11 @@ def test_the_reranker_scores_as_its_plain_forward(tmp_path: Path) -> None:
     np.testing.assert_allclose(reranker.score_pairs(texts, states), plain, rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="6 texts but 2"):
         reranker.score_pairs(texts, states[:2])
+    cost = reranker.calibrate(states[:4])  # measured on this CPU: a number, kept
+    assert cost >= 0 and np.isfinite(cost) and reranker.call_cost == cost
+    reranker.call_cost = 1e9  # every pair in one call, padded: the same logits
+    np.testing.assert_allclose(reranker.score_pairs(texts, states), plain, rtol=1e-4, atol=1e-6)
+    reranker.call_cost = 0.0
     reranker.processor.tokenizer.padding_side = "left"  # the scorer cuts columns from the right
     np.testing.assert_array_equal(
         reranker.score_pairs(texts, states), reranker.plain_scores(texts, states)
