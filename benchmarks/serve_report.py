@@ -125,6 +125,12 @@ def write_report(
             "",
         ]
         lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
+        if args.device != "cpu":
+            lines += [
+                "",
+                "On a GPU duet's default layout serves from its device step, not the host "
+                "path: the step's own pairs/s are `benchmarks/ce_ceiling.py`'s table.",
+            ]
     lines += _stages(results)
     lines += _cores(levels, results)
     if offered:
