@@ -169,7 +169,7 @@ for s in $STEPS; do
         --corpus-out data/demo --images 2000 --seed 7 --no-progress
     ;;
   serve)
-    step serve 260 90 "${SERVE[@]}" --concurrency 1,8,64,256,512 --procs 8 --open-loop 2000 \
+    step serve 260 90 "${SERVE[@]}" --concurrency 1,8,64,128,256,512 --procs 8 --open-loop 2000 \
       --overload 512 "${LAYOUT[@]}" --out "$OUT/serve_gpu.md"
     ;;
   single)

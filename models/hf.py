@@ -203,31 +203,40 @@ class HFBlipReranker:
     def calibrate(self, states: np.ndarray | torch.Tensor, text: str = "a warm up query") -> float:
         """Measure what one more scorer call costs, in pair-tokens of work, and keep it for
         `score_pairs`' length groups: the scorer timed on 1 pair and on `len(states)` pairs
-        of `text` (each after an untimed call), the difference giving the cost per pair and
-        the rest of the 1-pair call the call's own. About zero on a CPU, where the pairs are
-        the work; a few hundred pair-tokens on a GPU, where launching a call's kernels is."""
+        of `text` (each the best of two, after an untimed call), the difference giving the
+        cost per pair and the rest of the 1-pair call the call's own. `states` should be
+        enough pairs to keep the device busy (a few hundred on a GPU), so that the cost per
+        pair is the one a large batch pays; no more is claimed than was measured (at most
+        the pair-tokens timed). About zero on a CPU, where the pairs are the work; hundreds
+        on a GPU, where launching a call's kernels is. Out of device memory: unchanged."""
         if self.scorer is None or len(states) < 2:
             return self.call_cost
-        enc = _tokenize(self.processor.tokenizer, self._tokenizing, [text] * len(states), True)
+        scorer, n = self.scorer, len(states)
+        enc = _tokenize(self.processor.tokenizer, self._tokenizing, [text] * n, True)
         ids, mask = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
-        image = self.states(states)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
 
-        def timed(n: int) -> float:
+        def timed(k: int) -> float:
             best = float("inf")
-            for _ in range(2):
+            for _ in range(3):  # the first builds the shape's kernels
                 sync()
                 t0 = time.perf_counter()
-                self.scorer.logits(ids[:n], mask[:n], image[:n])  # type: ignore[union-attr]
+                scorer.logits(ids[:k], mask[:k], image[:k])
                 sync()
                 best = min(best, time.perf_counter() - t0)
             return best
 
-        n = len(states)
-        one, many = timed(1), timed(n)
-        per_pair = max(many - one, 1e-9) / (n - 1)
+        try:
+            image = self.states(states)
+            one, many = timed(1), timed(n)
+        except RuntimeError:  # out of device memory: the groups stay as they are
+            return self.call_cost
         tokens = int(mask[0].sum())
-        self.call_cost = max(0.0, (one - per_pair) / per_pair * tokens)
+        measured = n * tokens  # pair-tokens: past them the cost per pair is not known
+        per_pair = (many - one) / (n - 1)
+        own = one - per_pair
+        self.call_cost = min(measured, own / per_pair * tokens) if per_pair > 0 else float(measured)
+        self.call_cost = max(0.0, self.call_cost)
         return self.call_cost
 
     def image_tokens(self, images: Sequence[Image.Image]) -> np.ndarray:
