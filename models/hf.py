@@ -203,8 +203,9 @@ class HFBlipReranker:
     def calibrate(self, states: np.ndarray | torch.Tensor, text: str = "a warm up query") -> float:
         """Measure what one more scorer call costs, in pair-tokens of work, and keep it for
         `score_pairs`' length groups: the scorer timed on 1 pair and on `len(states)` pairs
-        of `text` (each the best of two, after an untimed call), the difference giving the
-        cost per pair and the rest of the 1-pair call the call's own. `states` should be
+        of `text` (each the best of three calls, the first building its kernels), the
+        difference giving the cost per pair and the rest of the 1-pair call the call's own.
+        `states` should be
         enough pairs to keep the device busy (a few hundred on a GPU), so that the cost per
         pair is the one a large batch pays; no more is claimed than was measured (at most
         the pair-tokens timed). About zero on a CPU, where the pairs are the work; hundreds
