@@ -117,20 +117,7 @@ def write_report(
                 f"{d.q(50):.1f} | {script[2]} | {d.q(99):.1f} | {script[3]} | "
                 f"{d.degraded} / {d.refused} | {script[4]} |"
             )
-    if bound:  # none with --skip-bound
-        lines += [
-            "",
-            "Cross-encoder alone, one request's "
-            f"{args.candidates} pairs per call, in the same run (the compute bound):",
-            "",
-        ]
-        lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
-        if args.device != "cpu":
-            lines += [
-                "",
-                "On a GPU duet's default layout serves from its device step, not the host "
-                "path: the step's own pairs/s are `benchmarks/ce_ceiling.py`'s table.",
-            ]
+    lines += _bound(args, bound)
     lines += _stages(results)
     lines += _cores(levels, results)
     if offered:
@@ -222,6 +209,26 @@ def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
                 f"{d.cores('fronts'):.2f} | {d.cores('front max'):.2f} | "
                 f"{d.cores('load'):.2f} | {per:.2f} | {fronts:.2f} |"
             )
+    return lines
+
+
+def _bound(args: argparse.Namespace, bound: dict[str, float]) -> list[str]:
+    """The cross-encoder alone (none with --skip-bound)."""
+    if not bound:
+        return []
+    lines = [
+        "",
+        "Cross-encoder alone, one request's "
+        f"{args.candidates} pairs per call, in the same run (the compute bound):",
+        "",
+    ]
+    lines += [f"- {name}: {rate:.0f} pairs/s" for name, rate in bound.items()]
+    if args.device != "cpu":
+        lines += [
+            "",
+            "On a GPU duet's default layout serves from its device step, not the host "
+            "path: the step's own pairs/s are `benchmarks/ce_ceiling.py`'s table.",
+        ]
     return lines
 
 

@@ -320,8 +320,19 @@ def test_ctrl_c_is_one_line_exit_130_and_the_rerun_resumes(
         "2",
         "--no-progress",
     ]
-    # a terminal's Ctrl-C: SIGINT to the whole foreground group, the loader's workers too
-    proc = subprocess.Popen(cmd, env=ENV, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # a terminal's Ctrl-C: SIGINT to the whole foreground group, the loader's workers too.
+    # The build starts with SIGINT's default action, as from a terminal: a suite started in
+    # the background (`make test &`) passes SIGINT on ignored, and an ignored Ctrl-C is no
+    # interruption
+    sigint = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    sigint += "os.execv(sys.argv[1], sys.argv[1:])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", sigint, *cmd],
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while not list(out.glob(".shards/*/shard-*.npy")):
         assert proc.poll() is None, "the build ended before it wrote a shard"
