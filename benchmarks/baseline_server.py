@@ -1,8 +1,9 @@
 """The plain alternative duet is measured against: the FastAPI script a user would write.
 
-Same model, same index, per request: encode -> FAISS top-M -> the model's cross-encoder
-forward (`JointModel.itm_logits`, its PyTorch module as trained) -> ADD_lambda -> top-k. A
-sync endpoint (FastAPI runs it in its thread pool), torch's default threads, no cache, no
+Same model, same index, per request (a sentence at /search/text, an upload at
+/search/image): encode -> FAISS top-M -> the model's cross-encoder forward
+(`JointModel.itm_logits`, its PyTorch module as trained) -> ADD_lambda -> top-k. A sync
+endpoint (FastAPI runs it in its thread pool), torch's default threads, no cache, no
 batching, no admission control.
 
     python benchmarks/baseline_server.py --index indexes/current --port 8100
@@ -11,6 +12,8 @@ batching, no admission control.
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import sqlite3
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 import uvicorn
 from fastapi import FastAPI
+from PIL import Image
 from pydantic import BaseModel
 
 from models.builtin import BuiltinModel
@@ -27,6 +31,13 @@ from models.fusion import DEFAULT_FUSION_LAMBDA, sigmoid
 
 class Query(BaseModel):
     query: str
+    top_k: int = 10
+    candidates: int = 50
+    rerank: bool = True
+
+
+class ImageQuery(BaseModel):
+    image_b64: str
     top_k: int = 10
     candidates: int = 50
     rerank: bool = True
@@ -43,10 +54,33 @@ def make_app(index_dir: Path, device: str = "cpu", reranker: Path | None = None)
 
         blip = HFBlipReranker(reranker, device=device)
     index = faiss.read_index(str(index_dir / "image.faiss"))
+    captions = faiss.read_index(str(index_dir / "text.faiss"))
     tokens = np.load(index_dir / "image_tokens.npy", mmap_mode="r")
     db = sqlite3.connect(index_dir / "items.sqlite", check_same_thread=False)
     ids = [row[0] for row in db.execute("SELECT id FROM images ORDER BY row")]
+    texts = db.execute("SELECT id, text FROM texts ORDER BY row").fetchall()
     app = FastAPI()
+
+    @app.post("/search/image")
+    def search_image(q: ImageQuery) -> dict[str, object]:
+        """An upload finds captions: encode it, FAISS over the captions, the cross-encoder
+        over (each candidate caption, the upload's states)."""
+        img = Image.open(io.BytesIO(base64.b64decode(q.image_b64))).convert("RGB")
+        with torch.inference_mode():
+            vec, states = model.encode_images([img])
+            dots, rows = captions.search(vec, q.candidates if q.rerank else q.top_k)
+            dots, rows = dots[0], rows[0]
+            score = dots
+            if q.rerank:
+                ids_t, pad = model.tokenizer.batch([texts[r][1] for r in rows])
+                ids_t, pad = ids_t.to(model.device), pad.to(model.device)
+                text = model.model.text_tokens(ids_t, pad)
+                img_t = torch.from_numpy(np.asarray(states, dtype=np.float32)).to(model.device)
+                logits = model.model.itm_logits(text, pad, img_t.expand(len(rows), -1, -1))
+                ce = torch.sigmoid(logits).cpu().numpy()
+                score = DEFAULT_FUSION_LAMBDA * dots + (1 - DEFAULT_FUSION_LAMBDA) * ce
+            order = np.argsort(-score)[: q.top_k]
+        return {"hits": [{"id": texts[rows[i]][0], "score": float(score[i])} for i in order]}
 
     @app.post("/search/text")
     def search(q: Query) -> dict[str, object]:

@@ -23,6 +23,8 @@
 #             -> serve_nograph.md
 #   gcoff     the same with DUET_GC_FREEZE=0: the A/B for freezing the start-up heap
 #             -> serve_gcoff.md
+#   image     (not in the default steps) /search/image under load, duet against the plain
+#             script's upload route, at 1 and 64 clients -> serve_image.md
 #   single    the A/B for the fronts: the same with one process (DUET_FRONTENDS=0) at 1, 64
 #             and 512 clients -> serve_single.md
 #   ab        serve_load with DUET_LAYOUT=cpu (the host path, as before issue 35) at 1 and 64
@@ -171,6 +173,10 @@ for s in $STEPS; do
   serve)
     step serve 260 90 "${SERVE[@]}" --concurrency 1,8,64,128,256,512 --procs 8 --open-loop 2000 \
       --overload 512 "${LAYOUT[@]}" --out "$OUT/serve_gpu.md"
+    ;;
+  image)
+    step image 120 60 "${SERVE[@]}" --route image --concurrency 1,64 --procs 8 --overload 0 \
+      --skip-bound "${LAYOUT[@]}" --out "$OUT/serve_image.md"
     ;;
   single)
     step single 120 60 "${SERVE[@]}" --concurrency 1,64,512 --procs 6 --overload 0 --skip-bound --no-baseline \

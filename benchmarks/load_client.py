@@ -16,6 +16,8 @@ class Queries:
     """Different captions (a held-out world seed, scenes drawn without rendering them), made
     before the load starts so the load generator spends its CPU on requests only."""
 
+    path = "/search/text"
+
     def __init__(self, seed: int, n: int = 150_000) -> None:
         rng = random.Random(seed)
         seen: dict[str, None] = {}
@@ -26,6 +28,22 @@ class Queries:
 
     def next(self) -> str:
         return next(self._it)
+
+    def body(self, rerank: bool, candidates: int) -> bytes:
+        """The next request's JSON body, for `path`."""
+        return json.dumps(
+            {"query": self.next(), "top_k": 10, "candidates": candidates, "rerank": rerank}
+        ).encode()
+
+
+def queries_for(route: str, seed: int, n: int = 150_000) -> Queries:
+    """The load's requests for `route`: "text" (captions) or "image" (uploads of rendered
+    scenes, benchmarks/image_queries.py)."""
+    if route == "image":
+        from benchmarks.image_queries import ImageQueries
+
+        return ImageQueries(seed)
+    return Queries(seed, n)
 
 
 async def finish_message(
@@ -102,11 +120,9 @@ async def closed_loop(
     async def one() -> None:
         conn = Conn(url)
         while (now := time.perf_counter()) < t_end:
-            body = json.dumps(
-                {"query": queries.next(), "top_k": 10, "candidates": candidates, "rerank": rerank}
-            ).encode()
+            body = queries.body(rerank, candidates)
             try:
-                status, headers, data = await conn.request("POST", "/search/text", body)
+                status, headers, data = await conn.request("POST", queries.path, body)
             except (ConnectionError, asyncio.IncompleteReadError):
                 if now >= t_start:
                     cell.errors += 1
@@ -144,10 +160,8 @@ async def overload(
         conn = Conn(url)
         while time.perf_counter() < t_end:
             t0 = time.perf_counter()
-            body = json.dumps(
-                {"query": queries.next(), "top_k": 10, "candidates": candidates}
-            ).encode()
-            status, headers, data = await conn.request("POST", "/search/text", body)
+            body = queries.body(True, candidates)
+            status, headers, data = await conn.request("POST", queries.path, body)
             if status == 429:
                 cell.refused += 1
                 retry_after.append(int(headers.get("retry-after", "0")))
@@ -189,13 +203,13 @@ async def overload(
 _QUERIES: Queries | None = None
 
 
-def _init_worker(seed: int, n: int) -> None:
-    """Each load process draws its own captions (seed + its pid: no two share a cache key)."""
+def _init_worker(seed: int, n: int, route: str = "text") -> None:
+    """Each load process draws its own queries (seed + its pid: no two share a cache key)."""
     import gc
     import os
 
     global _QUERIES
-    _QUERIES = Queries(seed + os.getpid() % 10_000 * 1_000, n)
+    _QUERIES = queries_for(route, seed + os.getpid() % 10_000 * 1_000, n)
     # its start-up heap (~27,000 objects, a 9 ms full pass) frozen as duet's is (app.heap,
     # a floor above the benchmarks, so not imported): a pause here would count as duet's
     # latency in the open loop, which times from when each request was due
@@ -239,7 +253,9 @@ class LoadPool:
 
     LEAD = 0.5  # seconds from a cell's call to its processes' start
 
-    def __init__(self, procs: int, seed: int, queries_each: int = 60_000) -> None:
+    def __init__(
+        self, procs: int, seed: int, queries_each: int = 60_000, route: str = "text"
+    ) -> None:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
@@ -248,7 +264,7 @@ class LoadPool:
             procs,
             mp_context=mp.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(seed, queries_each),
+            initargs=(seed, queries_each, route),
         )
         list(self._pool.map(time.sleep, [0.0] * procs))  # every process up before timing
 
@@ -330,11 +346,9 @@ async def open_loop(
         else:
             cell.errors += counted
             return
-        body = json.dumps(
-            {"query": queries.next(), "top_k": 10, "candidates": candidates, "rerank": rerank}
-        ).encode()
+        body = queries.body(rerank, candidates)
         try:
-            status, _, data = await conn.request("POST", "/search/text", body)
+            status, _, data = await conn.request("POST", queries.path, body)
         except (ConnectionError, asyncio.IncompleteReadError):
             conn.close()
             opened -= 1

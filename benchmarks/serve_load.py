@@ -47,7 +47,13 @@ from benchmarks.duet_metrics import (  # noqa: E402
     own_quantiles,
     stage_totals,
 )
-from benchmarks.load_client import LoadPool, Queries, closed_loop, overload  # noqa: E402
+from benchmarks.load_client import (  # noqa: E402
+    LoadPool,
+    Queries,
+    closed_loop,
+    overload,
+    queries_for,
+)
 from benchmarks.procstat import CpuSnapshot, add_server_cpu, cpu_seconds  # noqa: E402
 from benchmarks.serve_report import write_report  # noqa: E402
 
@@ -282,6 +288,9 @@ def _args() -> argparse.Namespace:
         type=_modes,
         help="the closed-loop modes to run, comma-separated (default: both)",
     )
+    p.add_argument(  # image: benchmarks/image_queries.py, each upload its own bytes
+        "--route", choices=("text", "image"), default="text", help="text: sentences; image: uploads"
+    )
     p.add_argument("--skip-bound", action="store_true", help="skip the cross-encoder-alone figure")
     p.add_argument(
         "--no-baseline",
@@ -346,12 +355,13 @@ def main() -> None:
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
 
     bound: dict[str, float] = {}
-    if not args.skip_bound and args.reranker is None:  # the builtin cross-encoder's figure
+    # the builtin cross-encoder's figure (a sentence's pairs: the text route's)
+    if not args.skip_bound and args.reranker is None and args.route == "text":
         print("cross-encoder alone ...", flush=True)
         bound = pairs_per_second(
             args.index_dir, args.device, args.candidates, min(3.0, args.seconds)
         )
-    queries = Queries(seed=2_000_000)
+    queries = queries_for(args.route, seed=2_000_000)
     results: dict[str, Cell] = {}
     duet_port, base_port = _free_port(), _free_port()
     duet_cmd, duet_env, base_cmd = _commands(args, duet_port, base_port)
@@ -365,7 +375,7 @@ def main() -> None:
         baseline as base,
     ):
         urls = {"duet": duet.url} | ({} if base is None else {"baseline": base.url})
-        pool = LoadPool(args.procs, seed=2_000_000) if args.procs > 1 else None
+        pool = LoadPool(args.procs, 2_000_000, route=args.route) if args.procs > 1 else None
         over = None
         try:
             pids = {"duet": duet.proc.pid} | ({} if base is None else {"baseline": base.proc.pid})

@@ -90,7 +90,7 @@ def write_report(
         f"{'; duet alone, no plain script in this run' if args.no_baseline else ''}). "
         f"Index: `{_shown(args.index_dir)}/current`; "
         f"{args.candidates} candidates, top 10; closed-loop clients, {args.seconds:g} s per cell "
-        f"x {args.rounds} interleaved rounds; every query a different caption (no cache hits).",
+        f"x {args.rounds} interleaved rounds; {_queries(args)}.",
         "The baseline (`benchmarks/baseline_server.py`) is the script a user would write: a sync "
         "FastAPI endpoint running encode -> FAISS -> the model's PyTorch cross-encoder forward "
         f"-> ADD_{DEFAULT_FUSION_LAMBDA} per request, torch's default threads, no cache, no "
@@ -210,6 +210,16 @@ def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
                 f"{d.cores('load'):.2f} | {per:.2f} | {fronts:.2f} |"
             )
     return lines
+
+
+def _queries(args: argparse.Namespace) -> str:
+    """What the clients sent."""
+    if getattr(args, "route", "text") == "image":
+        return (
+            "every query an upload to /search/image of a rendered scene, its bytes its own "
+            "(no cache hits)"
+        )
+    return "every query a different caption (no cache hits)"
 
 
 def _bound(args: argparse.Namespace, bound: dict[str, float]) -> list[str]:

@@ -52,6 +52,39 @@ async def test_baseline_script_ranks_as_duet_does(index_dir: Path) -> None:
                 assert got[0] == got[1], (q, rerank)
 
 
+async def test_baseline_script_ranks_uploads_as_duet_does(index_dir: Path) -> None:
+    """The plain script's /search/image (`serve_load --route image`) answers an upload with
+    duet's captions and scores; the load's uploads are each their own bytes, one picture."""
+    import base64
+    import io
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from benchmarks.image_queries import ImageQueries
+
+    baseline = make_app(resolve_current(index_dir))
+    duet = create_app(Settings(index_dir=index_dir, index_poll_s=0))
+    queries = ImageQueries(seed=11, scenes=2)
+    bodies = [json.loads(queries.body(rerank, 20)) for rerank in (True, False, True)]
+    files = [base64.b64decode(b["image_b64"]) for b in bodies]
+    assert len(set(files)) == 3  # no two share a cache key
+    first, third = (np.asarray(Image.open(io.BytesIO(f))) for f in (files[0], files[2]))
+    np.testing.assert_array_equal(first, third)  # the same scene, other bytes
+    async with duet.router.lifespan_context(duet):
+        for body in bodies:
+            body["top_k"] = 5
+            got = []
+            for app in (duet, baseline):
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
+                    r = await c.post("/search/image", json=body)
+                    assert r.status_code == 200, r.text
+                    got.append([(h["id"], round(h["score"], 4)) for h in r.json()["hits"]])
+            assert got[0] == got[1], body["rerank"]
+
+
 @pytest.mark.slow
 def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "performance.md"
