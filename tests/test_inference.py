@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -58,3 +60,39 @@ def test_shipped_model_scores_equal_the_training_forward(model: BuiltinModel) ->
 def test_unknown_precision_is_refused() -> None:
     with pytest.raises(ValueError, match="precision"):
         CrossEncoderRuntime(JointModel(JointConfig(vocab_size=10)), "int4")  # type: ignore[arg-type]
+
+
+def test_an_image_querys_captions_are_scored_in_one_masked_call(model: BuiltinModel) -> None:
+    """Few pairs per sentence length (an image query's candidate captions) go through one
+    padded, masked call; one sentence against many images through the runtime. Both give
+    the training forward's logits."""
+    from models.builtin import FEW_PAIRS_PER_LENGTH
+
+    words = ["red", "circle", "above", "a", "small", "blue", "square", "two", "green", "cross"]
+    captions = [" ".join(words[: 1 + k % len(words)]) for k in range(12)]  # 10 lengths
+    rng = np.random.default_rng(1)
+    one = rng.standard_normal((1, *model.token_shape)).astype(np.float16)
+    many = rng.standard_normal((40, *model.token_shape)).astype(np.float16)
+    cases = [(captions, np.repeat(one, len(captions), axis=0)), (["a red circle"] * 40, many)]
+    for texts, toks in cases:
+        ids, pad = model.tokenizer.batch(texts)
+        with torch.inference_mode():
+            states = model.model.text_tokens(ids, pad)
+            ref = model.model.itm_logits(states, pad, torch.from_numpy(toks).float())
+        lengths = len(set((~pad).sum(1).tolist()))
+        masked = len(texts) < FEW_PAIRS_PER_LENGTH * lengths
+        assert masked == (texts is captions)
+        calls: list[int] = []
+        runtime = model.cross.logits
+
+        def counted(*args: Any, calls: list[int] = calls, runtime: Any = runtime) -> torch.Tensor:
+            calls.append(1)
+            return runtime(*args)
+
+        model.cross.logits = counted  # type: ignore[method-assign,assignment]
+        try:
+            got = model.score_pairs(texts, toks)
+        finally:
+            del model.cross.logits  # the class's method again
+        assert calls == ([] if masked else [1])
+        np.testing.assert_allclose(got, ref.numpy(), rtol=1e-4, atol=1e-5)
