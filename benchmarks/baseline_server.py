@@ -21,7 +21,7 @@ import faiss
 import numpy as np
 import torch
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from PIL import Image
 from pydantic import BaseModel
 
@@ -65,6 +65,8 @@ def make_app(index_dir: Path, device: str = "cpu", reranker: Path | None = None)
     def search_image(q: ImageQuery) -> dict[str, object]:
         """An upload finds captions: encode it, FAISS over the captions, the cross-encoder
         over (each candidate caption, the upload's states)."""
+        if blip is not None:  # its states are the index's images', not an upload's
+            raise HTTPException(501, "uploads are re-ranked with the builtin model only")
         img = Image.open(io.BytesIO(base64.b64decode(q.image_b64))).convert("RGB")
         with torch.inference_mode():
             vec, states = model.encode_images([img])
