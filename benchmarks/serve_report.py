@@ -81,7 +81,8 @@ def write_report(
     lines = [
         "# Serving performance: duet against the plain script",
         "",
-        f"Written by `python benchmarks/serve_load.py --device {args.device}` "
+        f"Written by `python benchmarks/serve_load.py --device {args.device}"
+        f"{' --route image' if getattr(args, 'route', 'text') == 'image' else ''}` "
         f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
         f"device {_device_name(args.device)}, duet's cross-encoder in "
         f"DUET_PRECISION={PRECISION}{', ' + args.duet_env if args.duet_env else ''}"
