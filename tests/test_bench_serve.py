@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -34,6 +35,15 @@ def _run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     return res
 
 
+async def _hits(app: Any, path: str, body: dict[str, object]) -> list[tuple[str, float]]:
+    """`app`'s hits for one search, as (id, score to 4 places)."""
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
+        r = await c.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return [(h["id"], round(h["score"], 4)) for h in r.json()["hits"]]
+
+
 async def test_baseline_script_ranks_as_duet_does(index_dir: Path) -> None:
     baseline = make_app(resolve_current(index_dir))
     duet = create_app(Settings(index_dir=index_dir, index_poll_s=0))
@@ -42,13 +52,7 @@ async def test_baseline_script_ranks_as_duet_does(index_dir: Path) -> None:
         for rerank in (True, False):
             for q in queries:
                 body = {"query": q, "top_k": 5, "candidates": 20, "rerank": rerank}
-                got = []
-                for app in (duet, baseline):
-                    transport = httpx.ASGITransport(app=app)
-                    async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
-                        r = await c.post("/search/text", json=body)
-                        assert r.status_code == 200, r.text
-                        got.append([(h["id"], round(h["score"], 4)) for h in r.json()["hits"]])
+                got = [await _hits(app, "/search/text", body) for app in (duet, baseline)]
                 assert got[0] == got[1], (q, rerank)
 
 
@@ -75,13 +79,7 @@ async def test_baseline_script_ranks_uploads_as_duet_does(index_dir: Path) -> No
     async with duet.router.lifespan_context(duet):
         for body in bodies:
             body["top_k"] = 5
-            got = []
-            for app in (duet, baseline):
-                transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
-                    r = await c.post("/search/image", json=body)
-                    assert r.status_code == 200, r.text
-                    got.append([(h["id"], round(h["score"], 4)) for h in r.json()["hits"]])
+            got = [await _hits(app, "/search/image", body) for app in (duet, baseline)]
             assert got[0] == got[1], body["rerank"]
 
 
