@@ -26,7 +26,7 @@ from PIL import Image
 from pydantic import BaseModel
 
 from models.builtin import BuiltinModel
-from models.fusion import DEFAULT_FUSION_LAMBDA, sigmoid
+from models.fusion import DEFAULT_FUSION_LAMBDA, fuse, sigmoid
 
 
 class Query(BaseModel):
@@ -79,8 +79,7 @@ def make_app(index_dir: Path, device: str = "cpu", reranker: Path | None = None)
                 text = model.model.text_tokens(ids_t, pad)
                 img_t = torch.from_numpy(np.asarray(states, dtype=np.float32)).to(model.device)
                 logits = model.model.itm_logits(text, pad, img_t.expand(len(rows), -1, -1))
-                ce = torch.sigmoid(logits).cpu().numpy()
-                score = DEFAULT_FUSION_LAMBDA * dots + (1 - DEFAULT_FUSION_LAMBDA) * ce
+                score = fuse(dots, logits.cpu().numpy(), DEFAULT_FUSION_LAMBDA)
             order = np.argsort(-score)[: q.top_k]
         return {"hits": [{"id": texts[rows[i]][0], "score": float(score[i])} for i in order]}
 
