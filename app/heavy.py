@@ -96,10 +96,8 @@ def measure_pair_budget(
     best pairs/s, stopping at `cap` pairs or once a call takes a quarter of `deadline_s`
     (a bigger batch would only add waiting, or leave no room for the queue)."""
     total = len(index.image_tokens)
-    # what a scorer call costs beyond its pairs, for the length groups: timed on enough pairs
-    # to keep a GPU busy (on a CPU few: there each is ~60 ms of BLIP base, and the answer is
-    # about zero anyway)
-    probe = np.arange(512 if reranker.device.type == "cuda" else 4) % total
+    # what a scorer call costs beyond its pairs, for the length groups
+    probe = np.arange(reranker.calibration_pairs) % total
     cost = reranker.calibrate(states_of(index, probe), PROBE_TEXT)
     log.info("heavy re-ranker: a scorer call costs %.0f pair-tokens beyond its pairs", cost)
     rates: dict[int, tuple[float, float]] = {}

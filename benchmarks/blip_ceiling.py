@@ -41,7 +41,7 @@ def measure(
     reranker = HFBlipReranker(directory, device)
     sync = torch.cuda.synchronize if reranker.device.type == "cuda" else (lambda: None)
     # what serving measures at start (app.heavy): a scorer call's own cost, for the groups
-    probe = torch.randn(512 if reranker.device.type == "cuda" else 4, *reranker.token_shape)
+    probe = torch.randn(reranker.calibration_pairs, *reranker.token_shape)
     cost = reranker.calibrate(probe.to(reranker.device, reranker.model.dtype))
     print(f"a scorer call costs {cost:.0f} pair-tokens beyond its pairs", flush=True)
     rng = random.Random(5)

@@ -199,6 +199,9 @@ class HFBlipReranker:
         vision = self.model.config.vision_config
         self.token_shape = ((vision.image_size // vision.patch_size) ** 2 + 1, vision.hidden_size)
         self.call_cost = 0.0  # pair-tokens a scorer call costs beyond its pairs (calibrate)
+        # pairs `calibrate` times: enough to keep a GPU busy; few on a CPU, where each is ~60
+        # ms of BLIP base and the answer is about zero anyway
+        self.calibration_pairs = 512 if self.device.type == "cuda" else 4
 
     def calibrate(self, states: np.ndarray | torch.Tensor, text: str = "a warm up query") -> float:
         """Measure what one more scorer call costs, in pair-tokens of work, and keep it for
