@@ -116,7 +116,8 @@ class BuiltinModel:
         self.device = device or torch.device("cpu")
         self.model = model.to(self.device).eval().serve_kernels()  # models.fastpath
         self.cross = CrossEncoderRuntime(self.model, precision)
-        self._masked_cross: MaskedCrossEncoder | None = None  # score_pairs' few-pairs calls
+        # score_pairs' calls with few pairs per sentence length (the device step's encoder)
+        self.masked = MaskedCrossEncoder(self.model, DTYPES[precision])
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
         self.name = NAME
@@ -206,16 +207,8 @@ class BuiltinModel:
         lengths = (~pad).sum(dim=1).tolist()
         img = torch.from_numpy(np.array(image_tokens, dtype=np.float32)).to(self.device)
         if len(texts) < FEW_PAIRS_PER_LENGTH * len(set(lengths)):  # an image query's captions
-            masked = self._masked()
-            return masked.logits(states, ~pad, torch.tensor(rows), img).cpu().numpy()
+            return self.masked.logits(states, ~pad, torch.tensor(rows), img).cpu().numpy()
         return self.cross.logits(states, lengths, torch.tensor(rows), img).cpu().numpy()
-
-    def _masked(self) -> MaskedCrossEncoder:
-        """The device step's cross-encoder (one padded call, masked), made on first use."""
-        if self._masked_cross is None:
-            dtype = DTYPES[self.cross.precision]
-            self._masked_cross = MaskedCrossEncoder(self.model, dtype)
-        return self._masked_cross
 
     def _batch(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pad = self.tokenizer.batch(list(texts))
