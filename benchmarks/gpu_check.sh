@@ -108,7 +108,9 @@ step() { # step NAME CAP MIN CMD...: run it within min(CAP, what is left), or sk
     return 0
   fi
   el "$name (at most ${limit}s)"
-  timeout "$limit" "$@" 2>&1 | grep -v " INFO " | tail -60 | tee -a "$LOG"
+  # the whole output kept (in all.tgz); of duet's INFO lines only a build's progress shown
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.out" | awk '!/ INFO / || / encoding/' |
+    tail -60 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   case "$*" in *serve_load.py*) duetlog "$name" ;; esac
   [ "$rc" -eq 0 ] || { el "$name failed (exit $rc)" && failed=1; }

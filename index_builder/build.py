@@ -27,6 +27,7 @@ import torch
 from index_builder.assemble import assemble
 from index_builder.corpus import CorpusError, CorpusItem, CorpusSelection, read_corpus
 from index_builder.cpu_encode import encode_cpu_shards
+from index_builder.device_decode import jpeg_decoder
 from index_builder.encode import (
     _encode_local,
     _encode_rgb,
@@ -158,6 +159,23 @@ class _Build:
             if self.joint is not None
             else torch.device(str(model.device))
         )
+        if opts.decode_jpeg not in ("cpu", "gpu"):
+            raise BuildError(f"unknown --decode-jpeg {opts.decode_jpeg!r}: use cpu or gpu")
+        self.gpu_jpeg = opts.decode_jpeg == "gpu" and self.dev.type == "cuda"
+        if self.gpu_jpeg and (self.joint is None or opts.engine == "ray"):
+            raise BuildError(
+                "--decode-jpeg gpu is for duet's builtin model with --engine local; "
+                "leave it out (JPEGs are then decoded on the CPU)"
+            )
+        if self.gpu_jpeg and jpeg_decoder(self.dev) is None:
+            raise BuildError(
+                "--decode-jpeg gpu needs torchvision (pip install torchvision, the build "
+                "matching your torch); leave it out to decode JPEGs on the CPU"
+            )
+        if opts.decode_jpeg == "gpu" and self.dev.type != "cuda":
+            log.warning(
+                "--decode-jpeg gpu: the build runs on %s, so JPEGs are decoded on the CPU", self.dev
+            )
         workers = default_workers(self.dev) if opts.workers is None else opts.workers
         if workers < 0:
             raise BuildError("--workers must be 0 or more")
@@ -247,6 +265,7 @@ class _Build:
             opts.batch_size,
             opts.shard_size,
             self.base,
+            gpu_jpeg=self.gpu_jpeg,
         )
         corpus_path = Path(self.corpus) if self.corpus is not None else Path("-")
         where = {it.line: it.where for it in self.items}
@@ -309,6 +328,7 @@ class _Build:
                 opts.progress,
                 self._check_shard,
                 self.stages,
+                gpu_jpeg=self.gpu_jpeg,
             )
         self.encode_seconds = time.perf_counter() - t_enc
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from index_builder.decode import DecodedBatch, PlanItem, decode, shard_batches
 from index_builder.encode import Encoder, ShardBuilder, shard_bytes, shard_path
+from index_builder.progress import EncodeProgress
 from index_builder.stages import Stages
 from models.builtin import BuiltinModel
 from store import indexio
@@ -114,9 +114,7 @@ def encode_cpu_shards(
     """Encode the `missing` shards on the CPU in `workers` processes, write each in order.
     Stage times are the workers' summed: with several workers they exceed the wall time."""
     jobs = ShardJobs(plan, missing, model, batch_size)
-    with tqdm(
-        total=sum(b - a for _, a, b in missing), desc="encoding", unit="item", disable=not progress
-    ) as bar:
+    with EncodeProgress(sum(b - a for _, a, b in missing), progress) as bar:
         for (k, a, b), (got, arrays, seconds) in zip(
             missing, encoded_shards(jobs, workers), strict=True
         ):

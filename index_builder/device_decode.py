@@ -43,14 +43,17 @@ def jpeg_decoder(device: torch.device) -> JpegDecoder | None:
 
 
 def resize(img: torch.Tensor, size: int) -> torch.Tensor:
-    """uint8 (3, H, W) -> uint8 (3, size, size) on its own device, bilinear with PIL's
-    antialiasing when shrinking; unchanged when already that size."""
+    """uint8 (3, H, W), or a stack (B, 3, H, W) of one size, -> uint8 (3, size, size) (or
+    (B, 3, size, size)) on its own device, bilinear with PIL's antialiasing when shrinking;
+    unchanged when already that size."""
     if tuple(img.shape[-2:]) == (size, size):
         return img
+    x = img[None] if img.dim() == 3 else img
     x = F.interpolate(
-        img[None].float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False
+        x.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False
     )
-    return x.round_().clamp_(0, 255).to(torch.uint8)[0]
+    x = x.round_().clamp_(0, 255).to(torch.uint8)
+    return x[0] if img.dim() == 3 else x
 
 
 def resolve(
@@ -78,9 +81,11 @@ def resolve(
     items = list(batch.items)
     at = {d.pos: i for i, d in enumerate(items)}
     keep = [True] * n
+    same_size: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
     for (row, d), img in zip(batch.deferred, images, strict=True):
         if img is not None:
-            out[row] = resize(upright(img, d.orientation), size)
+            turned = upright(img, d.orientation)
+            same_size.setdefault(tuple(turned.shape), []).append((row, turned))
             continue
         got = decode_at(plan[d.pos], d.jpeg or b"", d.sha256, size)
         if got.error:
@@ -88,6 +93,9 @@ def resolve(
             keep[row] = False
         else:
             out[row] = got.pixels.to(device)
+    for group in same_size.values():  # one resize per picture size, not per picture
+        rows = torch.tensor([row for row, _ in group], device=device)
+        out[rows] = resize(torch.stack([img for _, img in group]), size)
     if not all(keep):
         out = out[torch.tensor(keep, device=device)]
     return DecodedBatch(items, out, list(range(len(out))), [])

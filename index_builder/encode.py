@@ -23,7 +23,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from index_builder.decode import (
     Decoded,
@@ -35,6 +34,7 @@ from index_builder.decode import (
     shard_batches,
 )
 from index_builder.device_decode import jpeg_decoder, resolve
+from index_builder.progress import EncodeProgress
 from index_builder.stages import Stages
 from models.builtin import BuiltinModel, encode_ids, encode_pixels
 from models.joint import JointModel
@@ -76,12 +76,13 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def default_workers(device: torch.device) -> int:
     """Workers, by the cores this process may run on. On a GPU the CPU only decodes: cores - 1
-    decoding processes (at most 8). On CPU each worker encodes whole shards on one thread
-    (`index_builder.cpu_encode`): one per core (at most 32), none on a single core."""
+    decoding processes (at most 32; this process feeds the GPU). On CPU each worker encodes
+    whole shards on one thread (`index_builder.cpu_encode`): one per core (at most 32), none
+    on a single core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
     if device.type == "cuda":
-        return max(0, min(8, cores - 1))
+        return max(0, min(32, cores - 1))
     return min(32, cores) if cores > 1 else 0
 
 
@@ -281,11 +282,13 @@ def _encode_local(
     progress: bool,
     on_shard: Any,
     stages: Stages,
+    gpu_jpeg: bool = False,
 ) -> None:
-    """Decode in `workers` DataLoader processes, encode here, write each shard as it ends."""
+    """Decode in `workers` DataLoader processes, encode here, write each shard as it ends;
+    with `gpu_jpeg`, the workers only read JPEGs and the device decodes them."""
     encoder = Encoder(model, dev)
     per_shard = [shard_batches(plan, a, b, batch_size) for _, a, b in missing]
-    gpu_jpeg = jpeg_decoder(dev)  # None unless CUDA and torchvision
+    jpegs = jpeg_decoder(dev) if gpu_jpeg else None  # None unless CUDA and torchvision
     size = encoder.image_size
     batches = decoded_batches(
         plan,
@@ -293,18 +296,16 @@ def _encode_local(
         size,
         workers,
         pin=dev.type == "cuda",
-        defer_jpeg=gpu_jpeg is not None,
+        defer_jpeg=jpegs is not None,
     )
-    with tqdm(
-        total=sum(b - a for _, a, b in missing), desc="encoding", unit="item", disable=not progress
-    ) as bar:
+    with EncodeProgress(sum(b - a for _, a, b in missing), progress) as bar:
         for (k, a, b), bs in zip(missing, per_shard, strict=True):
             shard = ShardBuilder(plan[a:b], encoder, batch_size, stages)
             for _ in bs:
                 with stages("decode"):
                     batch = next(batches)
-                    if gpu_jpeg is not None:
-                        batch = resolve(batch, plan, size, dev, gpu_jpeg)
+                    if jpegs is not None:
+                        batch = resolve(batch, plan, size, dev, jpegs)
                 shard.add(batch)
             arrays = shard.finish(model.dim, model.token_shape)
             with stages("shards"):
@@ -333,9 +334,7 @@ def _encode_rgb(
         model.device,
         batch_size,
     )
-    with tqdm(
-        total=sum(b - a for _, a, b in missing), desc="encoding", unit="item", disable=not progress
-    ) as bar:
+    with EncodeProgress(sum(b - a for _, a, b in missing), progress) as bar:
         for k, a, b in missing:
             t0 = time.perf_counter()
             shard = ShardBuilder(plan[a:b], encoder, batch_size, stages)

@@ -48,3 +48,6 @@ class BuildOptions:
     ray_actors: int | None = None
     split: str | None = None
     images_root: Path | None = None
+    # where a CUDA build decodes JPEGs: "cpu" (the decode workers, as the service decodes an
+    # upload) or "gpu" (nvJPEG through torchvision, when installed)
+    decode_jpeg: str = "cpu"

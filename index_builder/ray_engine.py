@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from index_builder.encode import (
     Encoder,
@@ -34,6 +33,7 @@ from index_builder.encode import (
     shard_bytes,
     shard_path,
 )
+from index_builder.progress import EncodeProgress
 from models.builtin import BuiltinModel
 from models.errors import UserError
 from store import indexio
@@ -120,9 +120,7 @@ def encode_ray(
         },
     )
     sizes = {k: b - a for k, a, b in missing}
-    with tqdm(
-        total=sum(sizes.values()), desc="encoding (ray)", unit="item", disable=not progress
-    ) as bar:
+    with EncodeProgress(sum(sizes.values()), progress, "encoding (ray)") as bar:
         for row in ds.iter_rows():
             k = int(row["shard"])
             data = bytes(row["data"])

@@ -50,6 +50,7 @@ def _shard_key(
     batch_size: int,
     shard_size: int,
     base: _Base | None,
+    gpu_jpeg: bool = False,
 ) -> str:
     """What decides the shards' bytes: a changed corpus or argument never reuses stale ones."""
     h = hashlib.sha256()
@@ -66,6 +67,9 @@ def _shard_key(
                 "shard_size": shard_size,
                 "base": base.manifest.version if base else None,
                 "corpus": selection.as_json(),  # a different --split or --images-root never resumes
+                # JPEGs decoded by nvJPEG (--decode-jpeg gpu) are other pixels; named only
+                # then, so CPU-decoded builds keep their keys
+                **({"jpeg": "gpu"} if gpu_jpeg else {}),
             },
             sort_keys=True,
         ).encode()

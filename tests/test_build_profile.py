@@ -179,6 +179,11 @@ def test_the_device_resize_is_pils_bilinear_to_a_level_or_so() -> None:
     diff = (pil.int() - ours.int()).abs()
     assert ours.dtype == torch.uint8 and ours.shape == (3, 64, 64)
     assert int(diff.max()) <= 2 and float(diff.float().mean()) < 0.5
+    # a batch's pictures of one size are resized in one call, each as it would be alone
+    other = torch.from_numpy(rng.integers(0, 255, (3, 384, 512), dtype=np.uint8))
+    both = resize(torch.stack([torch.from_numpy(arr).permute(2, 0, 1), other]), 64)
+    assert both.shape == (2, 3, 64, 64)
+    assert torch.equal(both[0], ours) and torch.equal(both[1], resize(other, 64))
 
 
 def test_faiss_clustering_hook_trains_the_same_ivf_and_no_gpu_means_none() -> None:
@@ -241,3 +246,46 @@ def test_the_gpu_feeder_path_runs_on_cpu_and_encodes_the_same(
         np.testing.assert_allclose(
             np.load(fed.path / name), np.load(ref.path / name), atol=1e-5, err_msg=name
         )
+
+
+def test_gpu_jpeg_decoding_is_asked_for_and_keyed_apart(
+    tmp_path: Path, corpus: Path, model: BuiltinModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--decode-jpeg gpu` names other shards (nvJPEG's pixels are not the CPU's); on a CPU
+    build it is said and ignored, and the build is the default one, shards and all."""
+    from index_builder.corpus import CorpusSelection
+    from index_builder.plan import plan_shards
+
+    manifest = _small(corpus, tmp_path / "c", 3)
+    sel = CorpusSelection("manifest")
+    dev = torch.device("cpu")
+    dirs = {
+        gpu: plan_shards(tmp_path / "k", manifest, sel, [], model, dev, 4, 8, None, gpu).directory
+        for gpu in (False, True)
+    }
+    assert dirs[False] != dirs[True]
+    with caplog.at_level("WARNING", logger="duet.build"):
+        asked = build(manifest, tmp_path / "a", model, progress=False, workers=0, decode_jpeg="gpu")
+    assert "JPEGs are decoded on the CPU" in caplog.text
+    plain = build(manifest, tmp_path / "b", model, progress=False, workers=0)
+    for name in ("image_vectors.npy", "text_vectors.npy"):
+        assert (asked.path / name).read_bytes() == (plain.path / name).read_bytes()
+    with pytest.raises(Exception, match="unknown --decode-jpeg"):
+        build(manifest, tmp_path / "d", model, progress=False, decode_jpeg="nvjpeg")
+
+
+def test_without_a_bar_the_encode_step_logs_how_far_and_how_fast(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`--no-progress` (a log, a benchmark that may be cut short): a line every `every`
+    seconds with the items done, the rate and the time left; a bar logs nothing."""
+    from index_builder.progress import EncodeProgress
+
+    with caplog.at_level("INFO", logger="duet.build"):
+        with EncodeProgress(4000, progress=False, every=0.0) as bar:
+            bar.update(1000)
+        with EncodeProgress(4000, progress=True, every=0.0) as shown:
+            shown.update(1000)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("encoding: 1,000 of 4,000 items (25.0 %), ")
+    assert "items/s, about" in lines[0] and lines[0].endswith("left")

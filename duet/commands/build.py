@@ -99,8 +99,16 @@ def _add_build_options(b: argparse.ArgumentParser, weights: Path) -> None:
         type=int,
         default=None,
         help="worker processes. On a GPU they decode images for it (default: cores - 1, "
-        "at most 8); on CPU each decodes and encodes whole shards on one thread (default: "
+        "at most 32); on CPU each decodes and encodes whole shards on one thread (default: "
         "one per core, at most 32). 0 = all in the main process",
+    )
+    b.add_argument(
+        "--decode-jpeg",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="where a CUDA build decodes JPEGs: cpu (default: in the worker processes, "
+        "exactly as the service decodes an upload) or gpu (nvJPEG, needs torchvision; its "
+        "pixels differ from the CPU's by a level or so)",
     )
     b.add_argument(
         "--device",
@@ -213,6 +221,7 @@ def _build(args: argparse.Namespace) -> int:
         factory=settings.index_factory or None,
         shard_size=args.shard_size,
         workers=args.workers,
+        decode_jpeg=args.decode_jpeg,
         device=settings.device,
         engine=args.engine,
         append=args.append is not None,
