@@ -21,13 +21,14 @@ import os
 import platform
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.cell import Cell  # noqa: E402
+from benchmarks.duet_metrics import stage_totals  # noqa: E402
 from benchmarks.load_client import LoadPool  # noqa: E402
 from benchmarks.serve_load import server  # noqa: E402
 
@@ -51,6 +52,12 @@ class Row:
     dot_1_p50: float
     clients: int
     tiled: str = ""  # "x50 of <version>" for a version benchmarks/startup_scale.py tiled
+    # a lone request's mean ms by duet's own clock, per 1-client cell: "request" (the server's
+    # whole handling) and its stages (`duet_stage_seconds`)
+    lone: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+LONE_STAGES = ("request", "cache", "queue", "device", "encode", "search", "rerank", "lookup")
 
 
 def version_bytes(index_dir: Path, n: int) -> dict[str, float]:
@@ -116,7 +123,10 @@ def measure(n: int, index_dir: Path, args: argparse.Namespace, pool: LoadPool) -
             ("dot_1", 1, False),
         ):
             cell = Cell()
+            before = stage_totals(duet.url) if clients == 1 else {}
             pool.closed(duet.url, clients, args.seconds, rerank, args.candidates, cell)
+            if clients == 1:
+                cell.add_stages(before, stage_totals(duet.url))
             cells[name] = cell
         return Row(
             n=n,
@@ -132,6 +142,10 @@ def measure(n: int, index_dir: Path, args: argparse.Namespace, pool: LoadPool) -
             dot_1_p50=round(cells["dot_1"].q(50), 2),
             clients=args.clients,
             tiled=tiled_from(index_dir),
+            lone={
+                name: {s: round(cells[name].stage_ms(s), 3) for s in LONE_STAGES}
+                for name in ("reranked_1", "dot_1")
+            },
         )
 
 
@@ -155,6 +169,7 @@ def table(rows: list[Row], device: str) -> str:
             f"{b['tokens']:,.0f} | {b['items']:,.0f} | {r.reranked_1[0]} / {r.reranked_1[1]} | "
             f"{r.reranked_many[0]} / {r.reranked_many[1]} | {r.dot_1_p50} |"
         )
+    out += lone_table(rows)
     out += [
         f"\n(tiled): {r.n:,} images that are {r.tiled} (`benchmarks/startup_scale.py "
         "--tile-only`): the start-up, memory and request costs of that many rows, vectors and "
@@ -165,6 +180,37 @@ def table(rows: list[Row], device: str) -> str:
         if r.tiled
     ]
     return "\n".join(out)
+
+
+def lone_table(rows: list[Row]) -> list[str]:
+    """Where a lone request's time went, by duet's own clock (the means of its 1-client
+    cells): the server's handling, its stages, and what no stage covers (the hop to the
+    process that owns the model and back, the event loops, rendering the answer)."""
+    out = [
+        "",
+        "A lone request by duet's own clock, mean ms (`duet_request_seconds` of /search/*, "
+        "`duet_stage_seconds`; the client's p50 beside them; `other`: the server's time no "
+        "stage covers):",
+        "",
+        "| images | mode | client p50 | server | " + " | ".join(LONE_STAGES[1:]) + " | other |",
+        "|---|---|---|---|" + "---|" * len(LONE_STAGES),
+    ]
+    for r in rows:
+        for name, mode, p50 in (
+            ("reranked_1", "re-ranked", r.reranked_1[0]),
+            ("dot_1", "dot only", r.dot_1_p50),
+        ):
+            got = r.lone.get(name, {})
+            if not got:
+                continue
+            parts = [got.get(s, float("nan")) for s in LONE_STAGES[1:]]
+            other = got.get("request", float("nan")) - sum(v for v in parts if v == v)
+            out.append(
+                f"| {r.n:,} | {mode} | {p50} | {got.get('request', float('nan')):.2f} | "
+                + " | ".join(f"{v:.2f}" for v in parts)
+                + f" | {other:.2f} |"
+            )
+    return out
 
 
 def main() -> None:

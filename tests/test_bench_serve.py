@@ -310,6 +310,12 @@ def test_scale_serve_measures_a_row_per_index(index_dir: Path, tmp_path: Path) -
     assert row["reranked_many"][0] > 0 and row["reranked_1"][1] >= row["reranked_1"][0]
     tokens = row["bytes_per_image"]["tokens"]  # fp16 states, plus the .npy header per image
     assert tokens >= 16 * 128 * 2
+    # where a lone request went, by duet's own clock: the server's handling covers its stages
+    for cell in ("reranked_1", "dot_1"):
+        lone = row["lone"][cell]
+        assert lone["request"] > 0 and lone["lookup"] > 0
+        assert lone["request"] >= sum(v for k, v in lone.items() if k != "request" and v == v)
+    assert "| re-ranked |" in res.stdout and "| dot only |" in res.stdout
 
 
 def test_duets_own_quantiles_are_read_off_its_histograms_buckets() -> None:
