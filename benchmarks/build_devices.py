@@ -4,11 +4,14 @@ builder's own stage times) and whether the indexes agree.
     .venv/bin/python benchmarks/build_devices.py --devices cpu,cuda    # on a GPU host
     .venv/bin/python benchmarks/build_devices.py --devices cpu --images 256  # quick, CPU only
     .venv/bin/python benchmarks/build_devices.py --devices cpu --format jpeg --cpus '0;0,1'
+    .venv/bin/python benchmarks/build_devices.py --corpus /tmp/m200k.jsonl \
+        --runs 'cpu;cpu@0,1;cuda;cuda-nvjpeg'          # runs as listed, on a corpus file
 
 Generates one synthetic corpus (`duet demo-corpus`: the world's 64-pixel PNGs, or with
 `--format jpeg` photo-sized JPEGs that cost what users' photos cost to decode), or reuses
-`--corpus DIR`, then runs the same `duet build` command once per device and CPU set (`--cpus`,
-`taskset -c`), in turn, on that corpus (a fresh index directory each, Flat factory), timing
+`--corpus` (a folder or a manifest file), then runs the same `duet build` command once per
+device and CPU set (`--cpus`, `taskset -c`; or the runs `--runs` lists, each
+`DEVICE[@CPUS]`), in turn, on that corpus (a fresh index directory each, Flat factory), timing
 the whole command as a user runs it (model load, decoding, encoding, FAISS, writing). Each row
 carries the build's stage times (`build.stages` of its manifest.json, `index_builder.stages`;
 on CPU the encode stages add up the shard workers' seconds), the encode step's wall time
@@ -18,8 +21,9 @@ model).
 The first run is the reference: for each other one it reports the speed-up over it, the
 smallest cosine between the two builds' vectors of the same image / caption and how many of
 each caption's top 10 images by dot product the two builds share (CUDA encodes under
-autocast, so the vectors differ in the last digits; the rankings should not). Prints one JSON
-line per run.
+autocast, so the vectors differ in the last digits; the rankings should not). The device
+`cuda-nvjpeg` is a CUDA build whose JPEGs the GPU decodes (`duet build --decode-jpeg gpu`,
+torchvision's nvJPEG) instead of the decode workers. Prints one JSON line per run.
 """
 
 from __future__ import annotations
@@ -49,10 +53,13 @@ def build(
     """Seconds `duet build` takes on `device` (on CPUs `cpus` only, when given), as one
     command."""
     start = time.perf_counter()
-    cmd = [*DUET, "build", "--corpus", str(corpus / "manifest.jsonl"), "--out", str(out)]
+    cmd = [*DUET, "build", "--corpus", str(corpus), "--out", str(out)]
     cmd += ["--device", device, "--factory", "Flat", "--batch-size", str(batch), "--no-progress"]
     if workers is not None:
         cmd += ["--workers", str(workers)]
+    if device == "cuda-nvjpeg":  # the GPU decodes the JPEGs, not the workers
+        cmd[cmd.index("cuda-nvjpeg")] = "cuda"
+        cmd += ["--decode-jpeg", "gpu"]
     if cpus:
         cmd = ["taskset", "-c", cpus, *cmd]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
@@ -61,7 +68,7 @@ def build(
 
 # the stages inside the encode step: with CPU shard workers they are the workers' seconds
 # summed (more than the wall time), so the step counts by its wall time, `encode_seconds`
-ENCODE_STAGES = ("decode", "encode_images", "encode_texts", "shards", "decode_busy")
+ENCODE_STAGES = ("setup", "decode", "encode_images", "encode_texts", "shards", "decode_busy")
 
 
 def stages(out: Path, seconds: float) -> dict[str, object]:
@@ -140,7 +147,19 @@ def parse() -> argparse.Namespace:
     p.add_argument("--images", type=int, default=20000)
     p.add_argument("--format", choices=("png", "jpeg"), default="png", help="the corpus images")
     p.add_argument("--image-size", default=None, help="JPEG WxH (default 512x384)")
-    p.add_argument("--corpus", type=Path, default=None, help="an existing corpus folder to use")
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="an existing corpus to use: a folder with manifest.jsonl, or a manifest file "
+        "(e.g. benchmarks/repeat_corpus.py's)",
+    )
+    p.add_argument(
+        "--runs",
+        default="",
+        help="semicolon-separated DEVICE[@CPUS] runs, in order, instead of --devices x --cpus "
+        "(e.g. 'cpu;cpu@0,1;cuda;cuda-nvjpeg'; the first is the reference)",
+    )
     p.add_argument("--workers", type=int, default=None, help="--workers for duet build")
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass (both)")
     p.add_argument("--seed", type=int, default=3)
@@ -149,6 +168,14 @@ def parse() -> argparse.Namespace:
     if len(set(args.devices)) != len(args.devices):
         p.error(f"--devices names a device twice: {','.join(args.devices)}")
     args.cpus = [c for c in args.cpus.split(";") if c] or [None]
+    if args.runs:
+        specs = [r.strip() for r in args.runs.split(";") if r.strip()]
+        args.runs = [(d, c or None) for d, _, c in (r.partition("@") for r in specs)]
+    else:
+        args.runs = [(d, c) for d in args.devices for c in args.cpus]
+    for d, _ in args.runs:
+        if d not in ("cpu", "cuda", "cuda-nvjpeg"):
+            p.error(f"unknown device {d!r}: use cpu, cuda or cuda-nvjpeg")
     return args
 
 
@@ -158,10 +185,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="duet-build-devices-") as tmp:
         corpus = args.corpus
         if corpus is None:
+            make_corpus(args, Path(tmp) / "corpus")
             corpus = Path(tmp) / "corpus"
-            make_corpus(args, corpus)
-        n = sum(1 for line in (corpus / "manifest.jsonl").open() if line.strip())
-        runs = [(d, c) for d in args.devices for c in args.cpus]
+        if corpus.is_dir():
+            corpus = corpus / "manifest.jsonl"
+        n = sum(1 for line in corpus.open() if line.strip())
+        runs = args.runs
         first: tuple[Path, float] | None = None
         for k, (d, cpus) in enumerate(runs):
             out = Path(tmp) / f"index-{k}"

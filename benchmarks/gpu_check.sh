@@ -38,9 +38,12 @@
 #   (the A/B steps, nograph gcoff single ab fp32 workers1, run duet alone: --no-baseline; the
 #   plain script's figures are open's and serve's, on the same machine)
 #   tests     the other CUDA tests (model, search, builder, inference, training)
-#   build     duet build of 20,000 photo-sized JPEGs on the GPU, on 16 cores and on 2
+#   build     duet build of the scale corpus (20,000 photo-sized JPEGs): the CPU on 16 cores
+#             and on 2, CUDA with the workers decoding and with nvJPEG decoding
 #             (benchmarks/build_devices.py: per-stage times, speed-ups, top-10 agreement;
 #             issue 38; JSON lines in log.txt)
+#   build-big (not in the default steps) the same 20,000 listed 10 times (200,000 items, the
+#             issue's size): the CPU on every core against CUDA
 #   suite     the rest of the suite, as far as the budget goes (one line per test in suite.log)
 #   wheels    (not in the default steps) nothing but installing the wheels carried: the first
 #             call's .whl-base
@@ -77,10 +80,10 @@ WHEELS=${WHEELS:-.whl}
 BUDGET=${BUDGET:-560}
 STEPS=${STEPS:-sync index serve blip single ab fp32 workers1 ceiling quality tests build suite}
 DRY=${DRY:-0}
-DEV=cuda CELL=3 BUILD=(--devices cpu,cuda --images 20000 --cpus '0-15;0,1') BLIP=() CEIL=()
+DEV=cuda CELL=3 RUNS='cpu;cpu@0,1;cuda;cuda-nvjpeg' BIG=10 BIGRUNS='cpu;cuda' BLIP=() CEIL=()
 QUAL=() SCALE=(20000 50) LAYOUT=() BLIPPAIRS=50,400,1600 OFFER=2000
 if [ "$DRY" = 1 ]; then
-  DEV=cpu CELL=1 BUILD=(--devices cpu --images 400 --cpus '0,1;0') BLIP=(--tiny)
+  DEV=cpu CELL=1 RUNS='cpu;cpu@0' BIG=2 BIGRUNS='cpu;cpu@0' BLIP=(--tiny)
   CEIL=(--pairs 50,400) QUAL=(--images 100) SCALE=(400 5) BLIPPAIRS=50 OFFER=100
   # the serve step as a GPU host runs it by default (the device step, fronts, the paced cap;
   # batches of at most 8 queries and a fixed pair budget: the CPU builds fewer shapes)
@@ -122,6 +125,7 @@ else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG"
 fi
 echo "cores: $(nproc)" | tee -a "$LOG"
+lscpu 2>/dev/null | grep -E "^(Model name|Socket|Core|Thread)" | tr -s ' ' | tee -a "$LOG"
 # the wheels of benchmarks/gpu_wheels.sh (.whl-base, .whl, .whl-hf: whichever came), into
 # the host's Python; where its pip refuses or is missing, unpacked into a folder on PYTHONPATH
 wheels=$(compgen -G "$WHEELS-base/*.whl"; compgen -G "$WHEELS/*.whl"; compgen -G "$WHEELS-hf/*.whl") || true
@@ -142,10 +146,8 @@ python3 -c "import torch, faiss, numpy; print('torch', torch.__version__, torch.
   tee -a "$LOG"
 
 S=/tmp/duet-scale n=${SCALE[0]} big=$((SCALE[0] * SCALE[1]))
-scale_small() { # issue 38's corpus (n photo-sized JPEGs, and the same listed SCALE[1] times)
-  # and the n-image version, made once per warm machine: a second call goes on where the
-  # first stopped (a finished version is not built again; the big build resumes from the
-  # shards it had written, each written whole or not at all)
+scale_corpus() { # issue 38's corpus (n photo-sized JPEGs, and the same listed SCALE[1] times),
+  # made once per warm machine
   if [ -e "$S/corpus.done" ]; then
     el "scale: the corpus in $S is kept ($(ls "$S/i-big/.shards"/*/ 2>/dev/null | wc -l) shard files of the big build there)"
   else
@@ -155,7 +157,12 @@ scale_small() { # issue 38's corpus (n photo-sized JPEGs, and the same listed SC
       python3 benchmarks/repeat_corpus.py "$S/small" --times "${SCALE[1]}" --out "$S/big.jsonl" |
       tee -a "$LOG" && [ "${PIPESTATUS[0]}" -eq 0 ] && touch "$S/corpus.done"
   fi
-  [ -e "$S/corpus.done" ] &&
+  [ -e "$S/corpus.done" ]
+}
+scale_small() { # the corpus and its n-image version: a second call goes on where the first
+  # stopped (a finished version is not built again; the big build resumes from the shards it
+  # had written, each written whole or not at all)
+  scale_corpus &&
     { [ -e "$S/i-small/current" ] || step scale-build-small 120 30 python3 -m duet.cli build \
       --corpus "$S/small/manifest.jsonl" --out "$S/i-small" --device $DEV --batch-size 256 \
       --no-progress; }
@@ -234,7 +241,14 @@ for s in $STEPS; do
   build)
     python3 -c "import faiss, importlib.util as u; print('torchvision', bool(u.find_spec('torchvision')),
       'faiss gpus', getattr(faiss, 'get_num_gpus', lambda: 0)())" | tee -a "$LOG"
-    step build 420 180 python3 benchmarks/build_devices.py "${BUILD[@]}" --format jpeg --batch-size 256
+    scale_corpus && step build 420 120 python3 benchmarks/build_devices.py --corpus "$S/small" \
+      --runs "$RUNS" --batch-size 256
+    ;;
+  build-big) # the goal's size: the n JPEGs listed BIG times, the CPU on every core, then CUDA
+    scale_corpus && python3 benchmarks/repeat_corpus.py "$S/small" --times "$BIG" \
+      --out "$S/x$BIG.jsonl" | tee -a "$LOG" &&
+      step build-big 420 120 python3 benchmarks/build_devices.py --corpus "$S/x$BIG.jsonl" \
+        --runs "$BIGRUNS" --batch-size 256
     ;;
   suite)
     n=$(left)

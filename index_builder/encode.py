@@ -286,7 +286,8 @@ def _encode_local(
 ) -> None:
     """Decode in `workers` DataLoader processes, encode here, write each shard as it ends;
     with `gpu_jpeg`, the workers only read JPEGs and the device decodes them."""
-    encoder = Encoder(model, dev)
+    with stages("setup"):
+        encoder = Encoder(model, dev)
     per_shard = [shard_batches(plan, a, b, batch_size) for _, a, b in missing]
     jpegs = jpeg_decoder(dev) if gpu_jpeg else None  # None unless CUDA and torchvision
     size = encoder.image_size

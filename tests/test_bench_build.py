@@ -75,6 +75,14 @@ def test_build_devices_benchmark_runs() -> None:
         cwd=REPO,
     )
     assert twice.returncode == 2 and "names a device twice" in twice.stderr
+    unknown = subprocess.run(
+        [*SCRIPT, "--runs", "cpu;cuda@0-7;tpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert unknown.returncode == 2 and "unknown device 'tpu'" in unknown.stderr
 
 
 def test_a_repeated_corpus_builds_with_every_item_under_new_ids(
