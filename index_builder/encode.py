@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -285,12 +286,15 @@ def _encode_local(
     gpu_jpeg: bool = False,
 ) -> None:
     """Decode in `workers` DataLoader processes, encode here, write each shard as it ends;
-    with `gpu_jpeg`, the workers only read JPEGs and the device decodes them."""
-    with stages("setup"):
-        encoder = Encoder(model, dev)
+    with `gpu_jpeg`, the workers only read JPEGs and the device decodes them.
+
+    The workers start (forked before this process touches CUDA) and decode while the model
+    goes to the device; a shard is written and checked by a thread of its own while the next
+    one encodes (one at most in flight; its error, such as an unreadable image, is raised
+    here at the next shard or the end)."""
     per_shard = [shard_batches(plan, a, b, batch_size) for _, a, b in missing]
     jpegs = jpeg_decoder(dev) if gpu_jpeg else None  # None unless CUDA and torchvision
-    size = encoder.image_size
+    size = model.model.cfg.image_size
     batches = decoded_batches(
         plan,
         [b for bs in per_shard for b in bs],
@@ -299,7 +303,17 @@ def _encode_local(
         pin=dev.type == "cuda",
         defer_jpeg=jpegs is not None,
     )
-    with EncodeProgress(sum(b - a for _, a, b in missing), progress) as bar:
+    with stages("setup"):
+        encoder = Encoder(model, dev)
+
+    def write(k: int, arrays: dict[str, np.ndarray]) -> None:
+        with stages("shards"):
+            indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+            on_shard(k, arrays)
+
+    total = sum(b - a for _, a, b in missing)
+    with EncodeProgress(total, progress) as bar, ThreadPoolExecutor(1, "duet-shards") as writer:
+        written: Future[None] | None = None
         for (k, a, b), bs in zip(missing, per_shard, strict=True):
             shard = ShardBuilder(plan[a:b], encoder, batch_size, stages)
             for _ in bs:
@@ -309,10 +323,12 @@ def _encode_local(
                         batch = resolve(batch, plan, size, dev, jpegs)
                 shard.add(batch)
             arrays = shard.finish(model.dim, model.token_shape)
-            with stages("shards"):
-                indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
-                on_shard(k, arrays)
+            if written is not None:
+                written.result()  # the shard before, on disk and checked
+            written = writer.submit(write, k, arrays)
             bar.update(b - a)
+        if written is not None:
+            written.result()
 
 
 def _encode_rgb(

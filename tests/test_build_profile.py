@@ -246,6 +246,16 @@ def test_the_gpu_feeder_path_runs_on_cpu_and_encodes_the_same(
         np.testing.assert_allclose(
             np.load(fed.path / name), np.load(ref.path / name), atol=1e-5, err_msg=name
         )
+    # shards are written by a thread of their own: an unreadable image in the third shard
+    # still stops the build there, naming it, with the two shards before it kept
+    bad = json.loads(manifest.read_text().splitlines()[4])["image"]
+    (manifest.parent / bad).write_bytes(b"not an image")
+    from index_builder.corpus import CorpusError
+
+    with pytest.raises(CorpusError, match="cannot read image"):
+        build(manifest, tmp_path / "bad", model, progress=False, batch_size=1, shard_size=2)
+    kept = sorted(p.name for p in (tmp_path / "bad").glob(".shards/*/shard-*.npy"))
+    assert kept == ["shard-000000.npy", "shard-000001.npy", "shard-000002.npy"]
 
 
 def test_gpu_jpeg_decoding_is_asked_for_and_keyed_apart(
