@@ -27,7 +27,7 @@ import torch
 from index_builder.assemble import assemble
 from index_builder.corpus import CorpusError, CorpusItem, CorpusSelection, read_corpus
 from index_builder.cpu_encode import encode_cpu_shards
-from index_builder.device_decode import jpeg_decoder
+from index_builder.device_decode import decode_on_gpu
 from index_builder.encode import (
     _encode_local,
     _encode_rgb,
@@ -159,23 +159,9 @@ class _Build:
             if self.joint is not None
             else torch.device(str(model.device))
         )
-        if opts.decode_jpeg not in ("cpu", "gpu"):
-            raise BuildError(f"unknown --decode-jpeg {opts.decode_jpeg!r}: use cpu or gpu")
-        self.gpu_jpeg = opts.decode_jpeg == "gpu" and self.dev.type == "cuda"
-        if self.gpu_jpeg and (self.joint is None or opts.engine == "ray"):
-            raise BuildError(
-                "--decode-jpeg gpu is for duet's builtin model with --engine local; "
-                "leave it out (JPEGs are then decoded on the CPU)"
-            )
-        if self.gpu_jpeg and jpeg_decoder(self.dev) is None:
-            raise BuildError(
-                "--decode-jpeg gpu needs torchvision (pip install torchvision, the build "
-                "matching your torch); leave it out to decode JPEGs on the CPU"
-            )
-        if opts.decode_jpeg == "gpu" and self.dev.type != "cuda":
-            log.warning(
-                "--decode-jpeg gpu: the build runs on %s, so JPEGs are decoded on the CPU", self.dev
-            )
+        self.gpu_jpeg = decode_on_gpu(
+            opts.decode_jpeg, self.dev, self.joint is not None and opts.engine == "local"
+        )
         workers = default_workers(self.dev) if opts.workers is None else opts.workers
         if workers < 0:
             raise BuildError("--workers must be 0 or more")

@@ -14,13 +14,17 @@ by a level or so per pixel: vectors differ in the last digits, as autocast makes
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from index_builder.decode import Decoded, DecodedBatch, PlanItem, decode_at
+from index_builder.errors import BuildError
 from models.images import upright
+
+log = logging.getLogger("duet.build")
 
 # file bytes (uint8 1-D CPU tensors) -> RGB images (3, H, W) uint8 on the device
 JpegDecoder = Callable[[list[torch.Tensor]], list[torch.Tensor]]
@@ -40,6 +44,32 @@ def jpeg_decoder(device: torch.device) -> JpegDecoder | None:
         return list(out) if isinstance(out, list | tuple) else [out]
 
     return run
+
+
+def decode_on_gpu(asked: str, device: torch.device, fast_path: bool) -> bool:
+    """Whether a build decodes its JPEGs on the GPU (`duet build --decode-jpeg`): "gpu" on a
+    CUDA device, for the builtin model's local engine (`fast_path`), with torchvision there;
+    a clear BuildError otherwise, and a warning where the build runs on the CPU anyway."""
+    if asked not in ("cpu", "gpu"):
+        raise BuildError(f"unknown --decode-jpeg {asked!r}: use cpu or gpu")
+    if asked == "cpu":
+        return False
+    if device.type != "cuda":
+        log.warning(
+            "--decode-jpeg gpu: the build runs on %s, so JPEGs are decoded on the CPU", device
+        )
+        return False
+    if not fast_path:
+        raise BuildError(
+            "--decode-jpeg gpu is for duet's builtin model with --engine local; "
+            "leave it out (JPEGs are then decoded on the CPU)"
+        )
+    if jpeg_decoder(device) is None:
+        raise BuildError(
+            "--decode-jpeg gpu needs torchvision (pip install torchvision, the build "
+            "matching your torch); leave it out to decode JPEGs on the CPU"
+        )
+    return True
 
 
 def resize(img: torch.Tensor, size: int) -> torch.Tensor:

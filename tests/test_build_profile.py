@@ -282,6 +282,12 @@ def test_gpu_jpeg_decoding_is_asked_for_and_keyed_apart(
         assert (asked.path / name).read_bytes() == (plain.path / name).read_bytes()
     with pytest.raises(Exception, match="unknown --decode-jpeg"):
         build(manifest, tmp_path / "d", model, progress=False, decode_jpeg="nvjpeg")
+    from index_builder.device_decode import decode_on_gpu
+    from index_builder.errors import BuildError
+
+    with pytest.raises(BuildError, match="builtin model with --engine local"):
+        decode_on_gpu("gpu", torch.device("cuda"), fast_path=False)  # Ray, or HF models
+    assert decode_on_gpu("cpu", torch.device("cuda"), fast_path=True) is False
 
 
 def test_without_a_bar_the_encode_step_logs_how_far_and_how_fast(
