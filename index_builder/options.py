@@ -10,6 +10,15 @@ from store.manifest import Manifest
 
 DEFAULT_SHARD_SIZE = 1024
 
+# images per forward pass for the builtin model: a GPU launches a quarter of 64's kernels, and
+# on the CPU batches of 256 took about 15 % fewer CPU seconds (docs/scale.md)
+BUILTIN_BATCH = 256
+
+
+def default_batch(model: object) -> int:
+    """`--batch-size` left out: 256 for duet's builtin model, 64 for Hugging Face models."""
+    return BUILTIN_BATCH if getattr(model, "joint", None) is not None else 64
+
 
 @dataclass
 class BuildReport:

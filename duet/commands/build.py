@@ -17,6 +17,7 @@ from duet.commands.common import (
     model_options,
     setup_logging,
 )
+from index_builder.options import default_batch
 
 
 def add(sub: Any) -> None:
@@ -87,7 +88,13 @@ def _add_build_options(b: argparse.ArgumentParser, weights: Path) -> None:
         "IVF4096_HNSW32,SQ8, IVF1024,PQ16, HNSW32, ... (DUET_INDEX_FACTORY; default: "
         "by size, Flat up to 200k vectors, IVF above)",
     )
-    b.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
+    b.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="images per forward pass (default: 256 for duet's builtin model, 64 for Hugging "
+        "Face models, whose activations are larger)",
+    )
     b.add_argument(
         "--shard-size",
         type=int,
@@ -215,7 +222,7 @@ def _build(args: argparse.Namespace) -> int:
         Path(corpus) if corpus else None,
         Path(args.out),
         model,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size or default_batch(model),
         skip_bad=args.skip_bad,
         progress=not args.no_progress,
         factory=settings.index_factory or None,

@@ -115,6 +115,7 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
     import fcntl
 
     from index_builder.build import build
+    from index_builder.options import default_batch
     from models.loading import load_models
     from models.world import write_corpus
 
@@ -143,6 +144,7 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
             manifest,
             out,
             model,
+            batch_size=default_batch(model),
             progress=not args.no_progress,
             factory=settings.index_factory or None,
         )
