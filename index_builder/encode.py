@@ -288,8 +288,8 @@ def _encode_local(
     """Decode in `workers` DataLoader processes, encode here, write each shard as it ends;
     with `gpu_jpeg`, the workers only read JPEGs and the device decodes them.
 
-    The workers start (forked before this process touches CUDA) and decode while the model
-    goes to the device; a shard is written and checked by a thread of its own while the next
+    The workers start first and decode while the encoder's copy of the model is made on the
+    device; a shard is written and checked by a thread of its own while the next
     one encodes (one at most in flight; its error, such as an unreadable image, is raised
     here at the next shard or the end)."""
     per_shard = [shard_batches(plan, a, b, batch_size) for _, a, b in missing]

@@ -5,8 +5,8 @@ The stages, in build order:
 
 - `read`: the corpus file (and the base of an append / delete), the shard plan and its key
   (a stat of every image);
-- `setup`: a GPU build's encoder made: the model copied to the device (the first CUDA call
-  starts the CUDA context);
+- `setup`: a GPU build's encoder made: its copy of the model on the device (CUDA's own start
+  comes before, when `duet build` loads the model on `--device`);
 - `decode`: the time the encoder waited for decoded batches (read, sha256, decode, resize);
   with decode workers most of it overlaps encoding, so `decode_busy` adds up the seconds
   each image's decoding took, in whichever process or thread did it;
