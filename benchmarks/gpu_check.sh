@@ -248,7 +248,7 @@ for s in $STEPS; do
     scale_corpus && python3 benchmarks/repeat_corpus.py "$S/small" --times "$BIG" \
       --out "$S/x$BIG.jsonl" | tee -a "$LOG" &&
       step build-big 420 120 python3 benchmarks/build_devices.py --corpus "$S/x$BIG.jsonl" \
-        --runs "$BIGRUNS" --batch-size 256
+        --runs "$BIGRUNS" --batch-size 256 --no-agreement
     ;;
   suite)
     n=$(left)
@@ -282,7 +282,7 @@ for s in $STEPS; do
     scale_small &&
       step scale-tile 240 60 python3 benchmarks/startup_scale.py --tile-only \
         --index-dir "$S/i-small" --times "${SCALE[1]}" --out "$S/i-tiled" &&
-      step scale-serve 300 90 python3 benchmarks/scale_serve.py --device $DEV --procs 4 \
+      step scale-serve-tiled 300 90 python3 benchmarks/scale_serve.py --device $DEV --procs 4 \
         --seconds 4 --index "$n=$S/i-small" --index "$big=$S/i-tiled" --json "$OUT/scale_tiled.json"
     ;;
   wheels) ;; # only the wheels carried (installed above), e.g. the first call's .whl-base

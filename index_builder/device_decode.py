@@ -26,6 +26,9 @@ from models.images import upright
 
 log = logging.getLogger("duet.build")
 
+# input pixels resized in one call at most (64 MPix: ~0.8 GB as float32 RGB)
+RESIZE_PIXELS = 64 * 1024 * 1024
+
 # file bytes (uint8 1-D CPU tensors) -> RGB images (3, H, W) uint8 on the device
 JpegDecoder = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
@@ -124,8 +127,12 @@ def resolve(
         else:
             out[row] = got.pixels.to(device)
     for group in same_size.values():  # one resize per picture size, not per picture
-        rows = torch.tensor([row for row, _ in group], device=device)
-        out[rows] = resize(torch.stack([img for _, img in group]), size)
+        _, h, w = group[0][1].shape
+        step = max(1, RESIZE_PIXELS // (h * w))  # 256 phone photos at once: ~47 GB as floats
+        for lo in range(0, len(group), step):
+            part = group[lo : lo + step]
+            rows = torch.tensor([row for row, _ in part], device=device)
+            out[rows] = resize(torch.stack([img for _, img in part]), size)
     if not all(keep):
         out = out[torch.tensor(keep, device=device)]
     return DecodedBatch(items, out, list(range(len(out))), [])

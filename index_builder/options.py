@@ -16,8 +16,12 @@ BUILTIN_BATCH = 256
 
 
 def default_batch(model: object) -> int:
-    """`--batch-size` left out: 256 for duet's builtin model, 64 for Hugging Face models."""
-    return BUILTIN_BATCH if getattr(model, "joint", None) is not None else 64
+    """`--batch-size` left out: 256 for duet's builtin model (a `BuiltinModel`, or `Models`
+    whose encoder and token source it is), 64 for Hugging Face models."""
+    from models.builtin import BuiltinModel
+
+    builtin = isinstance(model, BuiltinModel) or getattr(model, "joint", None) is not None
+    return BUILTIN_BATCH if builtin else 64
 
 
 @dataclass

@@ -67,9 +67,10 @@ def _shard_key(
                 "shard_size": shard_size,
                 "base": base.manifest.version if base else None,
                 "corpus": selection.as_json(),  # a different --split or --images-root never resumes
-                # JPEGs decoded by nvJPEG (--decode-jpeg gpu) are other pixels; named only
-                # then, so CPU-decoded builds keep their keys
-                **({"jpeg": "gpu"} if gpu_jpeg else {}),
+                # where a GPU build decoded its JPEGs (nvJPEG's pixels are not PIL's; a GPU
+                # build before --decode-jpeg used nvJPEG with no key of it); CPU builds, which
+                # always decode on the CPU, keep their keys
+                **({"jpeg": "gpu" if gpu_jpeg else "cpu"} if dev.type == "cuda" else {}),
             },
             sort_keys=True,
         ).encode()

@@ -11,14 +11,15 @@ The stages, in build order:
   with decode workers most of it overlaps encoding, so `decode_busy` adds up the seconds
   each image's decoding took, in whichever process or thread did it;
 - `encode_images`, `encode_texts`: the forward passes (copies to the device included);
-- `shards`: writing the encoded shards (and checking them for unreadable images);
+- `shards`: writing the encoded shards (and checking them for unreadable images); on a GPU
+  build a thread does it while the next shard encodes, so it overlaps the encode stages;
 - `assemble`: the rows, the vectors out of the shards, the content hash;
 - `faiss`: training and filling both indexes; `recall`: their recall@10 against exact search;
 - `write`: the index files, arrays and item store, fsynced;
 - `hash`: the sha256 of every data file, for the manifest.
 
 Whatever is not a stage (starting Python, loading the model) is the command's wall time less
-their sum.
+their sum (less the encode step's wall time instead of its stages, where they overlap).
 """
 
 from __future__ import annotations

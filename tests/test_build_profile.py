@@ -246,16 +246,18 @@ def test_the_gpu_feeder_path_runs_on_cpu_and_encodes_the_same(
         np.testing.assert_allclose(
             np.load(fed.path / name), np.load(ref.path / name), atol=1e-5, err_msg=name
         )
-    # shards are written by a thread of their own: an unreadable image in the third shard
-    # still stops the build there, naming it, with the two shards before it kept
-    bad = json.loads(manifest.read_text().splitlines()[4])["image"]
-    (manifest.parent / bad).write_bytes(b"not an image")
+    # shards are written and checked by a thread of their own: an unreadable image in the
+    # second of four shards stops the build at the next shard, naming it, with the shards up
+    # to its own written and none after it
+    eight = _small(corpus, tmp_path / "c8", 8)
+    bad = json.loads(eight.read_text().splitlines()[2])["image"]
+    (eight.parent / bad).write_bytes(b"not an image")
     from index_builder.corpus import CorpusError
 
     with pytest.raises(CorpusError, match="cannot read image"):
-        build(manifest, tmp_path / "bad", model, progress=False, batch_size=1, shard_size=2)
+        build(eight, tmp_path / "bad", model, progress=False, batch_size=1, shard_size=2)
     kept = sorted(p.name for p in (tmp_path / "bad").glob(".shards/*/shard-*.npy"))
-    assert kept == ["shard-000000.npy", "shard-000001.npy", "shard-000002.npy"]
+    assert kept == ["shard-000000.npy", "shard-000001.npy"]
 
 
 def test_gpu_jpeg_decoding_is_asked_for_and_keyed_apart(
@@ -268,12 +270,13 @@ def test_gpu_jpeg_decoding_is_asked_for_and_keyed_apart(
 
     manifest = _small(corpus, tmp_path / "c", 3)
     sel = CorpusSelection("manifest")
-    dev = torch.device("cpu")
     dirs = {
-        gpu: plan_shards(tmp_path / "k", manifest, sel, [], model, dev, 4, 8, None, gpu).directory
-        for gpu in (False, True)
+        (dev, gpu): plan_shards(
+            tmp_path / "k", manifest, sel, [], model, torch.device(dev), 4, 8, None, gpu
+        ).directory
+        for dev, gpu in (("cpu", False), ("cuda", False), ("cuda", True))
     }
-    assert dirs[False] != dirs[True]
+    assert len(set(dirs.values())) == 3  # a GPU build names where it decoded its JPEGs
     with caplog.at_level("WARNING", logger="duet.build"):
         asked = build(manifest, tmp_path / "a", model, progress=False, workers=0, decode_jpeg="gpu")
     assert "JPEGs are decoded on the CPU" in caplog.text
@@ -305,3 +308,30 @@ def test_without_a_bar_the_encode_step_logs_how_far_and_how_fast(
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("encoding: 1,000 of 4,000 items (25.0 %), ")
     assert "items/s, about" in lines[0] and lines[0].endswith("left")
+
+
+def test_device_resizes_in_chunks_give_the_same_pixels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pictures of one size are resized a pixel budget at a time (a batch of phone photos
+    at once would be tens of GB as floats): one at a time, the same pixels as all at once."""
+    import index_builder.device_decode as device_decode
+
+    paths = [tmp_path / f"{i}.jpg" for i in range(3)]
+    for i, p in enumerate(paths):
+        _jpeg(p, (48, 32), 10 + i)
+    plan = [PlanItem(i, f"i{i}", str(p), p.name, i + 1, ()) for i, p in enumerate(paths)]
+
+    def pil(data: list[torch.Tensor]) -> list[torch.Tensor]:  # stands in for nvJPEG
+        imgs = [Image.open(io.BytesIO(d.numpy().tobytes())).convert("RGB") for d in data]
+        return [torch.from_numpy(np.asarray(i).copy()).permute(2, 0, 1) for i in imgs]
+
+    def run() -> torch.Tensor:
+        batch = DecodedBatch.collate([decode(it, 16, defer_jpeg=True) for it in plan])
+        got = resolve(batch, plan, 16, torch.device("cpu"), pil)
+        assert got.pixels is not None
+        return got.pixels
+
+    together = run()
+    monkeypatch.setattr(device_decode, "RESIZE_PIXELS", 48 * 32)  # one picture a call
+    assert torch.equal(run(), together) and together.shape == (3, 3, 16, 16)

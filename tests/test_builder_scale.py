@@ -296,7 +296,7 @@ def test_ray_engine_writes_the_same_index_as_local(
 
 
 def test_the_cli_builds_the_builtin_model_256_images_a_pass_unless_told(
-    tmp_path: Path, corpus: Path
+    tmp_path: Path, corpus: Path, model: BuiltinModel
 ) -> None:
     """`--batch-size` left out: 256 for duet's builtin model (a quarter of the GPU's launches,
     fewer CPU seconds), 64 for a Hugging Face model; given, as given."""
@@ -305,7 +305,13 @@ def test_the_cli_builds_the_builtin_model_256_images_a_pass_unless_told(
     from index_builder.options import default_batch
 
     assert default_batch(SimpleNamespace(joint=None)) == 64  # Hugging Face parts
+    assert default_batch(model) == 256 and default_batch(SimpleNamespace(joint=model)) == 256
     manifest = _corpus(corpus, tmp_path / "c", _lines(corpus)[:3])
+    zero = [*DUET, "build", "--corpus", str(manifest), "--out", str(tmp_path / "z")]
+    proc = subprocess.run([*zero, "--batch-size", "0"], env=ENV, capture_output=True, text=True)
+    assert (
+        proc.returncode == 2 and "--batch-size and --shard-size must be at least 1" in proc.stderr
+    )
     for args, want in (([], 256), (["--batch-size", "2"], 2)):
         out = tmp_path / f"idx{want}"
         cmd = [*DUET, "build", "--corpus", str(manifest), "--out", str(out), "--no-progress"]

@@ -222,7 +222,7 @@ def _build(args: argparse.Namespace) -> int:
         Path(corpus) if corpus else None,
         Path(args.out),
         model,
-        batch_size=args.batch_size or default_batch(model),
+        batch_size=default_batch(model) if args.batch_size is None else args.batch_size,
         skip_bad=args.skip_bad,
         progress=not args.no_progress,
         factory=settings.index_factory or None,
