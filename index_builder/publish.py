@@ -86,8 +86,8 @@ def publish(
     stages: Stages | None = None,
     device: str = "cpu",
 ) -> Manifest:
-    """Write `contents` as a new version of `out`, make it `current`; its manifest. FAISS
-    trains on the GPU where `device` is cuda and faiss-gpu is installed."""
+    """Write `contents` as a new version of `out`, make it `current`; its manifest. An IVF's
+    k-means runs on the GPU where `device` is cuda (`index_builder.kmeans`)."""
     version = _new_version(out, contents.digest)
     with _building(out, version) as tmp:
         manifest = _write_version(

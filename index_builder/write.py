@@ -14,6 +14,7 @@ import faiss
 import numpy as np
 
 from index_builder.errors import BuildError
+from index_builder.kmeans import gpu_kmeans
 from index_builder.sources import _Base
 from index_builder.stages import Stages
 from store import ann, indexio
@@ -54,13 +55,13 @@ def _write_indexes(
     device: str = "cpu",
 ) -> dict[str, IndexStats]:
     """Train and fill both indexes, measure recall@10 against exact search, write them; FAISS
-    on all the cores, IVF training on the GPU for a CUDA build with faiss-gpu."""
+    on all the cores, an IVF's k-means on the GPU for a CUDA build (`index_builder.kmeans`)."""
     stages = stages or Stages()
     knobs = ann.SearchKnobs()
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(cpu_threads())  # every core this process may use
     try:
-        return _write_both(tmp, factories, ivecs, tvecs, stages, knobs, gpu_clustering(device))
+        return _write_both(tmp, factories, ivecs, tvecs, stages, knobs, gpu_kmeans(device))
     finally:
         faiss.omp_set_num_threads(threads)
 
@@ -72,20 +73,6 @@ def cpu_threads() -> int:
     return os.cpu_count() or 1
 
 
-def gpu_clustering(device: str) -> Callable[[int, int], Any] | None:
-    """For a CUDA build with faiss-gpu installed: IVF k-means assigns on the GPU (training
-    dominates an IVF build); the index itself stays a CPU index. None otherwise."""
-    if device != "cuda" or not hasattr(faiss, "index_cpu_to_all_gpus"):
-        return None
-    if faiss.get_num_gpus() < 1:
-        return None
-
-    def make(dim: int, metric: int) -> Any:
-        return faiss.index_cpu_to_all_gpus(faiss.IndexFlat(dim, metric))
-
-    return make
-
-
 def _write_both(
     tmp: Path,
     factories: tuple[str, str],
@@ -93,7 +80,7 @@ def _write_both(
     tvecs: np.ndarray,
     stages: Stages,
     knobs: ann.SearchKnobs,
-    clustering: Callable[[int, int], Any] | None,
+    centroids: Callable[[np.ndarray, int], np.ndarray] | None,
 ) -> dict[str, IndexStats]:
     info: dict[str, IndexStats] = {}
     for name, file, factory, vecs, other in (
@@ -102,7 +89,7 @@ def _write_both(
     ):
         try:
             with stages("faiss"):
-                index = ann.build_index(factory, vecs, clustering=clustering)
+                index = ann.build_index(factory, vecs, centroids=centroids)
         except ann.FactoryError as exc:
             raise BuildError(str(exc)) from exc
         # text->image searches query the image index with text vectors, and the other way

@@ -11,6 +11,7 @@ Search parameters (nprobe, efSearch) are passed per call (`faiss.SearchParameter
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,15 +119,16 @@ def build_index(
     factory: str,
     vectors: np.ndarray,
     seed: int = TRAIN_SEED,
-    clustering: Any = None,
+    centroids: Callable[[np.ndarray, int], np.ndarray] | None = None,
 ) -> faiss.Index:
     """Make, train (on a seeded sample) and fill an index; deterministic for the same input.
 
     HNSW graphs built by several threads depend on thread timing, so an HNSW index is filled
     on a single thread: the same vectors give the same bytes.
 
-    `clustering(dim, metric)`, when given, makes the index an IVF's k-means assigns with
-    while training (a GPU `IndexFlat`, say); only for IVFs whose coarse quantizer is flat.
+    `centroids(sample, nlist)`, when given, makes an IVF's coarse centroids from the training
+    sample instead of FAISS's k-means (`index_builder.kmeans`: on a CUDA build's GPU); FAISS
+    then trains the rest (an SQ or PQ encoder). Only for a bare IVF (no pre-transform).
     """
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     n, dim = vectors.shape
@@ -139,30 +141,34 @@ def build_index(
             )
         _seed(index, seed)
         sample = vectors[training_sample(n, training_size(index, n), seed)]
-        ivf = _ivf(index) if clustering is not None else None
-        helper = None
-        if ivf is not None and _trains_alone(ivf) == 0:
-            helper = clustering(ivf.d, ivf.quantizer.metric_type)
-            ivf.clustering_index = helper  # `helper` keeps it alive while training
+        ivf = faiss.downcast_index(index) if centroids is not None else None
+        if centroids is not None and isinstance(ivf, faiss.IndexIVF) and not ivf.quantizer.ntotal:
+            made = np.ascontiguousarray(centroids(sample, int(ivf.nlist)), dtype=np.float32)
+            # an IVF whose quantizer holds its nlist centroids skips k-means in train();
+            # an HNSW quantizer's graph built on one thread: the same centroids, the same bytes
+            _on_one_thread(lambda: ivf.quantizer.add(made))
         try:
             index.train(sample)
         except RuntimeError as exc:
             raise FactoryError(
                 f"training {factory!r} on {len(sample)} vectors failed: {exc}"
             ) from exc
-        finally:
-            if ivf is not None and helper is not None:
-                ivf.clustering_index = None
     if _add_builds_a_graph(index):
-        threads = faiss.omp_get_max_threads()
-        faiss.omp_set_num_threads(1)
-        try:
-            index.add(vectors)
-        finally:
-            faiss.omp_set_num_threads(threads)
+        _on_one_thread(lambda: index.add(vectors))
     else:
         index.add(vectors)
     return index
+
+
+def _on_one_thread(fn: Callable[[], None]) -> None:
+    """`fn()` with FAISS on one OpenMP thread (an HNSW graph's bytes then do not depend on
+    thread timing)."""
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        fn()
+    finally:
+        faiss.omp_set_num_threads(threads)
 
 
 def _add_builds_a_graph(index: faiss.Index) -> bool:
@@ -358,12 +364,6 @@ def _has_pq(index: faiss.Index) -> bool:
     ivf = _ivf(index)
     target = faiss.downcast_index(ivf) if ivf is not None else _inner(index)
     return getattr(target, "pq", None) is not None
-
-
-def _trains_alone(ivf: Any) -> int:
-    """An IVF's `quantizer_trains_alone` (a C++ char: SWIG hands it over as a str)."""
-    value = ivf.quantizer_trains_alone
-    return ord(value) if isinstance(value, str) else int(value)
 
 
 def _seed(index: faiss.Index, seed: int) -> None:

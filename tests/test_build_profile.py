@@ -23,7 +23,7 @@ from index_builder.decode import DecodedBatch, PlanItem, decode
 from index_builder.device_decode import jpeg_decoder, resize, resolve
 from index_builder.encode import Encoder, ShardBuilder
 from index_builder.stages import EXTRA, STAGES
-from index_builder.write import IDENTICAL_FILES, gpu_clustering
+from index_builder.write import IDENTICAL_FILES
 from models.builtin import BuiltinModel, pixel_bytes
 from models.world import PhotoStyle, write_corpus
 from store import ann
@@ -186,20 +186,40 @@ def test_the_device_resize_is_pils_bilinear_to_a_level_or_so() -> None:
     assert torch.equal(both[0], ours) and torch.equal(both[1], resize(other, 64))
 
 
-def test_faiss_clustering_hook_trains_the_same_ivf_and_no_gpu_means_none() -> None:
-    assert gpu_clustering("cpu") is None
-    vecs = np.random.default_rng(0).standard_normal((2000, 32)).astype(np.float32)
+def test_ivf_centroids_made_in_torch_train_an_index_as_good_as_faiss_kmeans() -> None:
+    """A CUDA build's k-means (`index_builder.kmeans`, run here on the CPU): the IVF holds
+    exactly the centroids it made, FAISS trains only the encoder, the same input gives the
+    same bytes, and recall@10 is FAISS's own k-means' to within noise. A pre-transformed IVF
+    keeps FAISS's k-means. No GPU, no hook."""
+    from index_builder.kmeans import gpu_kmeans, spherical_kmeans
+
+    assert gpu_kmeans("cpu") is None
+    rng = np.random.default_rng(0)
+    centers = rng.standard_normal((200, 32)).astype(np.float32)
+    vecs = centers[rng.integers(0, 200, 6000)] + rng.standard_normal((6000, 32)).astype(np.float32)
     vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
-    made: list[int] = []
+    queries = vecs[:300] + 0.1 * rng.standard_normal((300, 32)).astype(np.float32)
+    made: list[np.ndarray] = []
 
-    def on_cpu(dim: int, metric: int) -> faiss.Index:  # what a GPU IndexFlat stands in for
-        made.append(metric)
-        return faiss.IndexFlat(dim, metric)
+    def on_cpu(sample: np.ndarray, k: int) -> np.ndarray:
+        made.append(spherical_kmeans(sample, k, torch.device("cpu")))
+        return made[-1]
 
-    plain = ann.build_index("IVF16,Flat", vecs)
-    hooked = ann.build_index("IVF16,Flat", vecs, clustering=on_cpu)
-    assert made == [faiss.METRIC_INNER_PRODUCT]
-    assert faiss.serialize_index(plain).tobytes() == faiss.serialize_index(hooked).tobytes()
+    knobs = ann.SearchKnobs(nprobe=4)
+    for factory in ("IVF64,Flat", "IVF64_HNSW32,SQ8"):
+        plain = ann.build_index(factory, vecs)
+        hooked = ann.build_index(factory, vecs, centroids=on_cpu)
+        again = ann.build_index(factory, vecs, centroids=on_cpu)
+        quantizer = faiss.extract_index_ivf(hooked).quantizer
+        np.testing.assert_array_equal(quantizer.reconstruct_n(0, 64), made[-2])
+        assert faiss.serialize_index(hooked).tobytes() == faiss.serialize_index(again).tobytes()
+        want = ann.recall_at_k(plain, vecs, queries, 10, knobs)
+        got = ann.recall_at_k(hooked, vecs, queries, 10, knobs)
+        assert got > want - 0.03, (factory, got, want)
+    np.testing.assert_allclose(np.linalg.norm(made[-1], axis=1), 1.0, atol=1e-5)
+    calls = len(made)
+    ann.build_index("PCA16,IVF16,Flat", vecs, centroids=on_cpu)
+    assert len(made) == calls  # its IVF sees PCA's output: FAISS trains it whole
 
 
 def test_recall_at_k_without_a_dense_matrix_counts_ties_as_before() -> None:
@@ -335,3 +355,19 @@ def test_device_resizes_in_chunks_give_the_same_pixels(
     together = run()
     monkeypatch.setattr(device_decode, "RESIZE_PIXELS", 48 * 32)  # one picture a call
     assert torch.equal(run(), together) and together.shape == (3, 3, 16, 16)
+
+
+def test_kmeans_splits_empty_clusters_from_populated_ones() -> None:
+    """Points that all pick one centroid leave the others empty: each empty one takes half
+    of a populated cluster (moved apart by FAISS's epsilon), so none stays empty or NaN."""
+    from index_builder.kmeans import spherical_kmeans
+
+    rng = np.random.default_rng(1)
+    base = rng.standard_normal((1, 8)).astype(np.float32)
+    x = np.repeat(base / np.linalg.norm(base), 40, axis=0)  # 40 copies of one point
+    cent = spherical_kmeans(x, 4, torch.device("cpu"))
+    assert cent.shape == (4, 8) and np.isfinite(cent).all()
+    np.testing.assert_allclose(np.linalg.norm(cent, axis=1), 1.0, atol=1e-5)
+    assert len({c.tobytes() for c in cent}) == 4  # four distinct centroids
+    with pytest.raises(ValueError, match="k-means of 3 vectors into 4"):
+        spherical_kmeans(x[:3], 4, torch.device("cpu"))
