@@ -76,14 +76,17 @@ def _split_empty(
     return out
 
 
-def gpu_kmeans(device: str) -> Callable[[np.ndarray, int], np.ndarray] | None:
+def gpu_kmeans(device: str) -> Callable[[np.ndarray, int, int], np.ndarray] | None:
     """For a CUDA build: the IVF centroids made on its GPU (`spherical_kmeans`). None on the
     CPU, where FAISS's own k-means runs on every core."""
     if device != "cuda" or not torch.cuda.is_available():
         return None
     dev = torch.device("cuda")
 
-    def make(sample: np.ndarray, k: int) -> np.ndarray:
-        return spherical_kmeans(sample, k, dev)
+    def make(sample: np.ndarray, k: int, seed: int) -> np.ndarray:
+        try:
+            return spherical_kmeans(sample, k, dev, seed=seed)
+        finally:
+            torch.cuda.empty_cache()  # the sample and score blocks: ~1 GB at 16k lists
 
     return make

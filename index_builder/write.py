@@ -80,7 +80,7 @@ def _write_both(
     tvecs: np.ndarray,
     stages: Stages,
     knobs: ann.SearchKnobs,
-    centroids: Callable[[np.ndarray, int], np.ndarray] | None,
+    centroids: Callable[[np.ndarray, int, int], np.ndarray] | None,
 ) -> dict[str, IndexStats]:
     info: dict[str, IndexStats] = {}
     for name, file, factory, vecs, other in (

@@ -119,16 +119,17 @@ def build_index(
     factory: str,
     vectors: np.ndarray,
     seed: int = TRAIN_SEED,
-    centroids: Callable[[np.ndarray, int], np.ndarray] | None = None,
+    centroids: Callable[[np.ndarray, int, int], np.ndarray] | None = None,
 ) -> faiss.Index:
     """Make, train (on a seeded sample) and fill an index; deterministic for the same input.
 
     HNSW graphs built by several threads depend on thread timing, so an HNSW index is filled
     on a single thread: the same vectors give the same bytes.
 
-    `centroids(sample, nlist)`, when given, makes an IVF's coarse centroids from the training
-    sample instead of FAISS's k-means (`index_builder.kmeans`: on a CUDA build's GPU); FAISS
-    then trains the rest (an SQ or PQ encoder). Only for a bare IVF (no pre-transform).
+    `centroids(sample, nlist, seed)`, when given, makes an IVF's coarse centroids from the
+    training sample instead of FAISS's k-means (`index_builder.kmeans`: on a CUDA build's
+    GPU); FAISS then trains the rest (an SQ or PQ encoder). Only for a bare IVF (no
+    pre-transform) whose coarse quantizer is flat or HNSW; others keep FAISS's k-means.
     """
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     n, dim = vectors.shape
@@ -141,9 +142,11 @@ def build_index(
             )
         _seed(index, seed)
         sample = vectors[training_sample(n, training_size(index, n), seed)]
-        ivf = faiss.downcast_index(index) if centroids is not None else None
-        if centroids is not None and isinstance(ivf, faiss.IndexIVF) and not ivf.quantizer.ntotal:
-            made = np.ascontiguousarray(centroids(sample, int(ivf.nlist)), dtype=np.float32)
+        ivf: Any = faiss.downcast_index(index) if centroids is not None else None
+        if centroids is not None and _plain_quantizer(ivf):
+            made = np.ascontiguousarray(centroids(sample, int(ivf.nlist), seed), dtype=np.float32)
+            if made.shape != (ivf.nlist, ivf.d):
+                raise ValueError(f"{made.shape} centroids for {ivf.nlist} lists of {ivf.d}")
             # an IVF whose quantizer holds its nlist centroids skips k-means in train();
             # an HNSW quantizer's graph built on one thread: the same centroids, the same bytes
             _on_one_thread(lambda: ivf.quantizer.add(made))
@@ -158,6 +161,14 @@ def build_index(
     else:
         index.add(vectors)
     return index
+
+
+def _plain_quantizer(ivf: Any) -> bool:
+    """An IVF whose empty coarse quantizer is flat or HNSW: one that takes centroids as they
+    are (an IMI's, a residual or PQ quantizer's would not)."""
+    if not isinstance(ivf, faiss.IndexIVF) or ivf.quantizer.ntotal:
+        return False
+    return isinstance(faiss.downcast_index(ivf.quantizer), faiss.IndexFlat | faiss.IndexHNSWFlat)
 
 
 def _on_one_thread(fn: Callable[[], None]) -> None:

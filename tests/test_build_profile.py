@@ -201,8 +201,8 @@ def test_ivf_centroids_made_in_torch_train_an_index_as_good_as_faiss_kmeans() ->
     queries = vecs[:300] + 0.1 * rng.standard_normal((300, 32)).astype(np.float32)
     made: list[np.ndarray] = []
 
-    def on_cpu(sample: np.ndarray, k: int) -> np.ndarray:
-        made.append(spherical_kmeans(sample, k, torch.device("cpu")))
+    def on_cpu(sample: np.ndarray, k: int, seed: int) -> np.ndarray:
+        made.append(spherical_kmeans(sample, k, torch.device("cpu"), seed=seed))
         return made[-1]
 
     knobs = ann.SearchKnobs(nprobe=4)
@@ -211,6 +211,7 @@ def test_ivf_centroids_made_in_torch_train_an_index_as_good_as_faiss_kmeans() ->
         hooked = ann.build_index(factory, vecs, centroids=on_cpu)
         again = ann.build_index(factory, vecs, centroids=on_cpu)
         quantizer = faiss.extract_index_ivf(hooked).quantizer
+        assert quantizer.ntotal == 64  # FAISS trained no centroids of its own beside them
         np.testing.assert_array_equal(quantizer.reconstruct_n(0, 64), made[-2])
         assert faiss.serialize_index(hooked).tobytes() == faiss.serialize_index(again).tobytes()
         want = ann.recall_at_k(plain, vecs, queries, 10, knobs)
@@ -220,6 +221,8 @@ def test_ivf_centroids_made_in_torch_train_an_index_as_good_as_faiss_kmeans() ->
     calls = len(made)
     ann.build_index("PCA16,IVF16,Flat", vecs, centroids=on_cpu)
     assert len(made) == calls  # its IVF sees PCA's output: FAISS trains it whole
+    with pytest.raises(ValueError, match="centroids for 64 lists"):
+        ann.build_index("IVF64,Flat", vecs, centroids=lambda s, k, seed: s[: k - 1])
 
 
 def test_recall_at_k_without_a_dense_matrix_counts_ties_as_before() -> None:
@@ -359,7 +362,8 @@ def test_device_resizes_in_chunks_give_the_same_pixels(
 
 def test_kmeans_splits_empty_clusters_from_populated_ones() -> None:
     """Points that all pick one centroid leave the others empty: each empty one takes half
-    of a populated cluster (moved apart by FAISS's epsilon), so none stays empty or NaN."""
+    of a populated cluster (moved apart by FAISS's epsilon), so none stays empty, zero or
+    NaN (without the split, three rows would be zeros)."""
     from index_builder.kmeans import spherical_kmeans
 
     rng = np.random.default_rng(1)
@@ -368,6 +372,7 @@ def test_kmeans_splits_empty_clusters_from_populated_ones() -> None:
     cent = spherical_kmeans(x, 4, torch.device("cpu"))
     assert cent.shape == (4, 8) and np.isfinite(cent).all()
     np.testing.assert_allclose(np.linalg.norm(cent, axis=1), 1.0, atol=1e-5)
-    assert len({c.tobytes() for c in cent}) == 4  # four distinct centroids
+    apart = np.linalg.norm(cent[:, None] - cent[None], axis=-1)
+    assert apart.max() > 1e-4  # split apart, not four copies of one
     with pytest.raises(ValueError, match="k-means of 3 vectors into 4"):
         spherical_kmeans(x[:3], 4, torch.device("cpu"))
