@@ -58,12 +58,8 @@ def _write_indexes(
     on all the cores, an IVF's k-means on the GPU for a CUDA build (`index_builder.kmeans`)."""
     stages = stages or Stages()
     knobs = ann.SearchKnobs()
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(cpu_threads())  # every core this process may use
-    try:
+    with ann.faiss_threads(cpu_threads()):  # every core this process may use
         return _write_both(tmp, factories, ivecs, tvecs, stages, knobs, gpu_kmeans(device))
-    finally:
-        faiss.omp_set_num_threads(threads)
 
 
 def cpu_threads() -> int:

@@ -10,8 +10,9 @@ Search parameters (nprobe, efSearch) are passed per call (`faiss.SearchParameter
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,16 +150,15 @@ def build_index(
                 raise ValueError(f"{made.shape} centroids for {ivf.nlist} lists of {ivf.d}")
             # an IVF whose quantizer holds its nlist centroids skips k-means in train();
             # an HNSW quantizer's graph built on one thread: the same centroids, the same bytes
-            _on_one_thread(lambda: ivf.quantizer.add(made))
+            with faiss_threads(1):
+                ivf.quantizer.add(made)
         try:
             index.train(sample)
         except RuntimeError as exc:
             raise FactoryError(
                 f"training {factory!r} on {len(sample)} vectors failed: {exc}"
             ) from exc
-    if _add_builds_a_graph(index):
-        _on_one_thread(lambda: index.add(vectors))
-    else:
+    with faiss_threads(1 if _add_builds_a_graph(index) else None):
         index.add(vectors)
     return index
 
@@ -171,13 +171,15 @@ def _plain_quantizer(ivf: Any) -> bool:
     return isinstance(faiss.downcast_index(ivf.quantizer), faiss.IndexFlat | faiss.IndexHNSWFlat)
 
 
-def _on_one_thread(fn: Callable[[], None]) -> None:
-    """`fn()` with FAISS on one OpenMP thread (an HNSW graph's bytes then do not depend on
-    thread timing)."""
+@contextlib.contextmanager
+def faiss_threads(n: int | None) -> Iterator[None]:
+    """FAISS on `n` OpenMP threads within the block (None: as it is), then as before. One
+    thread: an HNSW graph's bytes do not depend on thread timing."""
     threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
+    if n is not None:
+        faiss.omp_set_num_threads(n)
     try:
-        fn()
+        yield
     finally:
         faiss.omp_set_num_threads(threads)
 

@@ -67,22 +67,14 @@ def test_build_devices_benchmark_runs() -> None:
     (row,) = [json.loads(line) for line in res.stdout.splitlines()]
     assert row["device"] == "cpu" and row["images"] == 48 and row["images_per_s"] > 0
     assert row["stages"]["encode_images"] > 0 and row["cpus"] == "all"
-    twice = subprocess.run(
-        [*SCRIPT, "--devices", "cpu,cpu"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
-    assert twice.returncode == 2 and "names a device twice" in twice.stderr
-    unknown = subprocess.run(
-        [*SCRIPT, "--runs", "cpu;cuda@0-7;tpu"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
-    assert unknown.returncode == 2 and "unknown device 'tpu'" in unknown.stderr
+    for args, said in (
+        (["--devices", "cpu,cpu"], "names a device twice"),
+        (["--runs", "cpu;cuda@0-7;tpu"], "unknown device 'tpu'"),
+    ):
+        refused = subprocess.run(
+            [*SCRIPT, *args], capture_output=True, text=True, timeout=60, cwd=REPO
+        )
+        assert refused.returncode == 2 and said in refused.stderr, args
 
 
 def test_a_repeated_corpus_builds_with_every_item_under_new_ids(
