@@ -17,10 +17,10 @@ import io
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -62,6 +62,8 @@ __all__ = [
 log = logging.getLogger("duet.build")
 
 TEXT_BATCH_MIN = 1024
+
+_Out = TypeVar("_Out", np.ndarray, tuple[np.ndarray, np.ndarray])
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -107,19 +109,22 @@ class Encoder:
         if pixels.device.type == "cpu" and self.device.type == "cuda" and not pixels.is_pinned():
             pixels = pixels.pin_memory()  # page-locked, so the copy can overlap the last batch
         x = pixels.to(self.device, non_blocking=True).float() / 255.0
-        vec, tok = encode_pixels(self.net, x, self.dtype)
-        if self.dtype is not None and not (np.isfinite(vec).all() and np.isfinite(tok).all()):
-            vec, tok = encode_pixels(self.net, x, None)  # overflowed the half type
-        return vec, tok
+        return self._finite(lambda dtype: encode_pixels(self.net, x, dtype))
 
     def texts(self, texts: Sequence[str]) -> np.ndarray:
         """Captions -> (n, dim) float32 unit vectors, by the service's own `encode_ids`."""
         ids, pad = self.tokenizer.batch(list(texts))
         ids, pad = ids.to(self.device), pad.to(self.device)
-        vec = encode_ids(self.net, ids, pad, self.dtype)
-        if self.dtype is not None and not np.isfinite(vec).all():
-            vec = encode_ids(self.net, ids, pad, None)  # overflowed the half type
-        return vec
+        return self._finite(lambda dtype: encode_ids(self.net, ids, pad, dtype))
+
+    def _finite(self, run: Callable[[torch.dtype | None], _Out]) -> _Out:
+        """`run(self.dtype)`, or `run(None)` (fp32) when the half type overflowed: any of
+        its arrays not finite."""
+        got = run(self.dtype)
+        arrays = got if isinstance(got, tuple) else (got,)
+        if self.dtype is not None and not all(np.isfinite(a).all() for a in arrays):
+            got = run(None)
+        return got
 
 
 class ImageEncoder(Protocol):
