@@ -23,7 +23,9 @@ smallest cosine between the two builds' vectors of the same image / caption and 
 each caption's top 10 images by dot product the two builds share (CUDA encodes under
 autocast, so the vectors differ in the last digits; the rankings should not). The device
 `cuda-nvjpeg` is a CUDA build whose JPEGs the GPU decodes (`duet build --decode-jpeg gpu`,
-torchvision's nvJPEG) instead of the decode workers. Prints one JSON line per run.
+torchvision's nvJPEG) instead of the decode workers, `cuda-nvjpeg:0.4` one that leaves that
+share of them to the GPU and has the workers decode the rest (`--decode-jpeg 0.4`). Prints
+one JSON line per run.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ def build(
     cmd += ["--device", device, "--factory", "Flat", "--batch-size", str(batch), "--no-progress"]
     if workers is not None:
         cmd += ["--workers", str(workers)]
-    if device == "cuda-nvjpeg":  # the GPU decodes the JPEGs, not the workers
-        cmd[cmd.index("cuda-nvjpeg")] = "cuda"
-        cmd += ["--decode-jpeg", "gpu"]
+    if device.startswith("cuda-nvjpeg"):  # the GPU decodes the JPEGs (or a share of them)
+        cmd[cmd.index(device)] = "cuda"
+        cmd += ["--decode-jpeg", device.partition(":")[2] or "gpu"]
     if cpus:
         cmd = ["taskset", "-c", cpus, *cmd]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
@@ -68,7 +70,15 @@ def build(
 
 # the stages inside the encode step: with CPU shard workers they are the workers' seconds
 # summed (more than the wall time), so the step counts by its wall time, `encode_seconds`
-ENCODE_STAGES = ("setup", "decode", "encode_images", "encode_texts", "shards", "decode_busy")
+ENCODE_STAGES = (
+    "setup",
+    "decode",
+    "encode_images",
+    "encode_texts",
+    "shards",
+    "decode_busy",
+    "device_decode",
+)
 
 
 def stages(out: Path, seconds: float) -> dict[str, object]:
@@ -186,9 +196,18 @@ def parse() -> argparse.Namespace:
     else:
         args.runs = [(d, c) for d in args.devices for c in args.cpus]
     for d, _ in args.runs:
-        if d not in ("cpu", "cuda", "cuda-nvjpeg"):
-            p.error(f"unknown device {d!r}: use cpu, cuda or cuda-nvjpeg")
+        name, _, share = d.partition(":")
+        if name not in ("cpu", "cuda", "cuda-nvjpeg") or (share and not _share(share)):
+            p.error(f"unknown device {d!r}: use cpu, cuda, cuda-nvjpeg or cuda-nvjpeg:SHARE")
     return args
+
+
+def _share(text: str) -> bool:
+    """Whether `text` is a share between 0 and 1 (for `cuda-nvjpeg:SHARE`)."""
+    try:
+        return 0.0 < float(text) < 1.0
+    except ValueError:
+        return False
 
 
 def main() -> None:

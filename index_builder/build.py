@@ -27,7 +27,7 @@ import torch
 from index_builder.assemble import assemble
 from index_builder.corpus import CorpusError, CorpusItem, CorpusSelection, read_corpus
 from index_builder.cpu_encode import encode_cpu_shards
-from index_builder.device_decode import decode_on_gpu
+from index_builder.device_decode import gpu_share_of
 from index_builder.encode import (
     _encode_local,
     _encode_rgb,
@@ -159,7 +159,7 @@ class _Build:
             if self.joint is not None
             else torch.device(str(model.device))
         )
-        self.gpu_jpeg = decode_on_gpu(
+        self.gpu_share = gpu_share_of(
             opts.decode_jpeg, self.dev, self.joint is not None and opts.engine == "local"
         )
         workers = default_workers(self.dev) if opts.workers is None else opts.workers
@@ -251,7 +251,7 @@ class _Build:
             opts.batch_size,
             opts.shard_size,
             self.base,
-            gpu_jpeg=self.gpu_jpeg,
+            gpu_share=self.gpu_share,
         )
         corpus_path = Path(self.corpus) if self.corpus is not None else Path("-")
         where = {it.line: it.where for it in self.items}
@@ -314,7 +314,7 @@ class _Build:
                 opts.progress,
                 self._check_shard,
                 self.stages,
-                gpu_jpeg=self.gpu_jpeg,
+                gpu_share=self.gpu_share,
             )
         self.encode_seconds = time.perf_counter() - t_enc
 

@@ -55,6 +55,17 @@ def decode(item: PlanItem, size: int, defer_jpeg: bool = False) -> Decoded:
     return _decode(item, side_for(size), _to(size), defer_jpeg)
 
 
+def left_to_device(pos: int, share: float) -> bool:
+    """Whether the image at plan position `pos` is among the `share` (0 to 1) a build leaves
+    to the GPU to decode when it is a JPEG (`duet build --decode-jpeg`): spread evenly, by
+    position alone (every other one at 0.5), so a rerun or a resumed build leaves the same
+    ones whichever worker decodes them."""
+    if share >= 1.0 or share <= 0.0:
+        return share >= 1.0
+    per_mille = round(share * 1000)
+    return (pos + 1) * per_mille // 1000 > pos * per_mille // 1000
+
+
 def decode_at(item: PlanItem, data: bytes, sha: bytes, size: int) -> Decoded:
     """`decode_bytes` of a file already read, resized to `size` as `decode` resizes."""
     return decode_bytes(item, data, sha, side_for(size), _to(size))
@@ -166,18 +177,19 @@ class DecodedBatch:
 
 
 class DecodeDataset(torch.utils.data.Dataset[Decoded]):
-    """Images of the plan by position, decoded in DataLoader workers."""
+    """Images of the plan by position, decoded in DataLoader workers; the JPEGs among the
+    `gpu_share` of positions (`left_to_device`) only read and hashed, for the GPU."""
 
-    def __init__(self, plan: Sequence[PlanItem], size: int, defer_jpeg: bool = False) -> None:
+    def __init__(self, plan: Sequence[PlanItem], size: int, gpu_share: float = 0.0) -> None:
         self.plan = plan
         self.size = size
-        self.defer_jpeg = defer_jpeg
+        self.gpu_share = gpu_share
 
     def __len__(self) -> int:
         return len(self.plan)
 
     def __getitem__(self, pos: int) -> Decoded:
-        return decode(self.plan[pos], self.size, self.defer_jpeg)
+        return decode(self.plan[pos], self.size, left_to_device(pos, self.gpu_share))
 
 
 def shard_batches(
@@ -194,14 +206,15 @@ def decoded_batches(
     size: int,
     workers: int,
     pin: bool = False,
-    defer_jpeg: bool = False,
+    gpu_share: float = 0.0,
 ) -> Iterator[DecodedBatch]:
     """The decoded batches, in order, from `workers` DataLoader processes (0 = this one),
-    stacked there; page-locked by the loader's own thread with `pin` (a CUDA build)."""
+    stacked there; page-locked by the loader's own thread with `pin` (a CUDA build). The
+    JPEGs among `gpu_share` of the positions are left for the device (`left_to_device`)."""
     if not batches:
         return iter(())
     loader = torch.utils.data.DataLoader(
-        DecodeDataset(plan, size, defer_jpeg),
+        DecodeDataset(plan, size, gpu_share),
         batch_sampler=batches,
         num_workers=workers,
         collate_fn=DecodedBatch.collate,

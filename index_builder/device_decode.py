@@ -3,10 +3,14 @@
 antialiased). Only when the build runs on CUDA and torchvision is installed; torchvision is
 not a dependency of duet, so without it every image is decoded by PIL in the loader workers.
 
-The loader workers still read and hash every file (`decode(..., defer_jpeg=True)`); other
-formats are decoded there. A JPEG the device cannot decode (CMYK, progressive on some nvJPEG
-versions, a broken file) is decoded by PIL here instead, which names the file if it cannot
-either. The device turns each picture upright by the EXIF orientation the worker read from
+`duet build --decode-jpeg gpu` leaves every JPEG to the GPU, a fraction (`0.4`) that share
+of them, spread evenly by position (`decode.left_to_device`): the workers decode the rest
+at the same time, so both decoders work. The loader workers still read and hash every file
+(`decode(..., defer_jpeg=True)`); other formats are decoded there. A thread of its own
+(`DecodeAhead`) has the GPU decode a batch or two ahead of the encoder.
+
+A JPEG the device cannot decode (CMYK, progressive on some nvJPEG versions, a broken file)
+is decoded by PIL here instead, which names the file if it cannot either. The device turns each picture upright by the EXIF orientation the worker read from
 the file's headers, as PIL does on the CPU. nvJPEG decodes at full size (it has no DCT
 scaling) and its IDCT and the GPU resize differ from libjpeg's scaled decode and PIL's resize
 by a level or so per pixel: vectors differ in the last digits, as autocast makes them
@@ -15,13 +19,16 @@ by a level or so per pixel: vectors differ in the last digits, as autocast makes
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from index_builder.decode import Decoded, DecodedBatch, PlanItem, decode_at
 from index_builder.errors import BuildError
+from index_builder.stages import Stages
 from models.images import upright
 
 log = logging.getLogger("duet.build")
@@ -49,30 +56,118 @@ def jpeg_decoder(device: torch.device) -> JpegDecoder | None:
     return run
 
 
-def decode_on_gpu(asked: str, device: torch.device, fast_path: bool) -> bool:
-    """Whether a build decodes its JPEGs on the GPU (`duet build --decode-jpeg`): "gpu" on a
-    CUDA device, for the builtin model's local engine (`fast_path`), with torchvision there;
-    a clear BuildError otherwise, and a warning where the build runs on the CPU anyway."""
-    if asked not in ("cpu", "gpu"):
-        raise BuildError(f"unknown --decode-jpeg {asked!r}: use cpu or gpu")
-    if asked == "cpu":
-        return False
+def gpu_share_of(asked: str, device: torch.device, fast_path: bool) -> float:
+    """The share of a build's JPEGs the GPU decodes (`duet build --decode-jpeg`): 0 for
+    "cpu", 1 for "gpu", or a fraction ("0.4": the workers decode the rest at the same time),
+    on a CUDA device, for the builtin model's local engine (`fast_path`), with torchvision
+    there; a clear BuildError otherwise, and a warning (and 0) where the build runs on the
+    CPU anyway."""
+    share = {"cpu": 0.0, "gpu": 1.0}.get(asked)
+    if share is None:
+        try:
+            share = float(asked)
+        except ValueError:
+            share = -1.0
+        if not 0.0 < share < 1.0:
+            raise BuildError(
+                f"unknown --decode-jpeg {asked!r}: use cpu, gpu, or the share of JPEGs the "
+                "GPU decodes, between 0 and 1 (e.g. 0.4)"
+            )
+    if share == 0.0:
+        return 0.0
     if device.type != "cuda":
         log.warning(
-            "--decode-jpeg gpu: the build runs on %s, so JPEGs are decoded on the CPU", device
+            "--decode-jpeg %s: the build runs on %s, so JPEGs are decoded on the CPU",
+            asked,
+            device,
         )
-        return False
+        return 0.0
     if not fast_path:
         raise BuildError(
-            "--decode-jpeg gpu is for duet's builtin model with --engine local; "
+            f"--decode-jpeg {asked} is for duet's builtin model with --engine local; "
             "leave it out (JPEGs are then decoded on the CPU)"
         )
     if jpeg_decoder(device) is None:
         raise BuildError(
-            "--decode-jpeg gpu needs torchvision (pip install torchvision, the build "
+            f"--decode-jpeg {asked} needs torchvision (pip install torchvision, the build "
             "matching your torch); leave it out to decode JPEGs on the CPU"
         )
-    return True
+    return share
+
+
+def jpeg_key(share: float) -> str:
+    """Where a GPU build decoded its JPEGs, for its shard key: cpu, gpu, or the GPU's share."""
+    return "cpu" if share <= 0.0 else "gpu" if share >= 1.0 else f"gpu {share:g}"
+
+
+class DecodeAhead:
+    """`fix(batch)` for each batch in order, run by a thread of its own up to `depth` batches
+    ahead of the caller (started at once, so it works while the encoder is made), so the
+    GPU's JPEG decoding (whose calls let go of the GIL) overlaps the encoder's work on the
+    caller's thread; the thread's seconds go to the `device_decode` stage. An error in the
+    thread is raised by `next`, at the batch it reached; `close` (or the `with` block's end)
+    stops the thread, which a caller that stops early must do."""
+
+    def __init__(
+        self,
+        batches: Iterator[DecodedBatch],
+        fix: Callable[[DecodedBatch], DecodedBatch],
+        stages: Stages,
+        depth: int = 2,
+    ) -> None:
+        self._batches, self._fix, self._stages = batches, fix, stages
+        self._out: queue.Queue[tuple[DecodedBatch | None, BaseException | None]]
+        self._out = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="duet-device-decode", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: tuple[DecodedBatch | None, BaseException | None]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for batch in self._batches:
+                with self._stages("device_decode"):
+                    fixed = self._fix(batch)
+                if not self._put((fixed, None)):
+                    return
+        except BaseException as exc:  # handed to the caller, raised there
+            self._put((None, exc))
+            return
+        self._put((None, None))
+
+    def __iter__(self) -> DecodeAhead:
+        return self
+
+    def __next__(self) -> DecodedBatch:
+        if self._done:
+            raise StopIteration
+        batch, exc = self._out.get()
+        if batch is None:
+            self.close()
+            if exc is not None:
+                raise exc
+            raise StopIteration
+        return batch
+
+    def close(self) -> None:
+        self._done = True
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> DecodeAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def resize(img: torch.Tensor, size: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ boundaries, so a shard's contents do not depend on which engine or how many work
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -34,7 +35,7 @@ from index_builder.decode import (
     decoded_batches,
     shard_batches,
 )
-from index_builder.device_decode import jpeg_decoder, resolve
+from index_builder.device_decode import DecodeAhead, jpeg_decoder, resolve
 from index_builder.progress import EncodeProgress
 from index_builder.stages import Stages
 from models.builtin import BuiltinModel, encode_ids, encode_pixels
@@ -288,17 +289,18 @@ def _encode_local(
     progress: bool,
     on_shard: Any,
     stages: Stages,
-    gpu_jpeg: bool = False,
+    gpu_share: float = 0.0,
 ) -> None:
     """Decode in `workers` DataLoader processes, encode here, write each shard as it ends;
-    with `gpu_jpeg`, the workers only read JPEGs and the device decodes them.
+    with a `gpu_share`, the workers only read that share of the JPEGs and the device decodes
+    them, in a thread of its own a batch or two ahead (`device_decode.DecodeAhead`).
 
     The workers start first and decode while the encoder's copy of the model is made on the
     device; a shard is written and checked by a thread of its own while the next
     one encodes (one at most in flight; its error, such as an unreadable image, is raised
     here at the next shard or the end)."""
     per_shard = [shard_batches(plan, a, b, batch_size) for _, a, b in missing]
-    jpegs = jpeg_decoder(dev) if gpu_jpeg else None  # None unless CUDA and torchvision
+    jpegs = jpeg_decoder(dev) if gpu_share > 0 else None  # None unless CUDA and torchvision
     size = model.model.cfg.image_size
     batches = decoded_batches(
         plan,
@@ -306,10 +308,20 @@ def _encode_local(
         size,
         workers,
         pin=dev.type == "cuda",
-        defer_jpeg=jpegs is not None,
+        gpu_share=gpu_share if jpegs is not None else 0.0,
     )
-    with stages("setup"):
-        encoder = Encoder(model, dev)
+    ahead: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if jpegs is not None:  # its thread stops at the `with` block's end, whatever ends it
+        decoder = jpegs  # bound for the thread's closure
+        batches = ahead = DecodeAhead(
+            batches, lambda b: resolve(b, plan, size, dev, decoder), stages
+        )
+    try:
+        with stages("setup"):
+            encoder = Encoder(model, dev)
+    except BaseException:
+        ahead.__exit__(None, None, None)
+        raise
 
     def write(k: int, arrays: dict[str, np.ndarray]) -> None:
         with stages("shards"):
@@ -317,15 +329,17 @@ def _encode_local(
             on_shard(k, arrays)
 
     total = sum(b - a for _, a, b in missing)
-    with EncodeProgress(total, progress) as bar, ThreadPoolExecutor(1, "duet-shards") as writer:
+    with (
+        EncodeProgress(total, progress) as bar,
+        ThreadPoolExecutor(1, "duet-shards") as writer,
+        ahead,
+    ):
         written: Future[None] | None = None
         for (k, a, b), bs in zip(missing, per_shard, strict=True):
             shard = ShardBuilder(plan[a:b], encoder, batch_size, stages)
             for _ in bs:
                 with stages("decode"):
                     batch = next(batches)
-                    if jpegs is not None:
-                        batch = resolve(batch, plan, size, dev, jpegs)
                 shard.add(batch)
             arrays = shard.finish(model.dim, model.token_shape)
             if written is not None:

@@ -65,7 +65,7 @@ def plan_shards(
     batch_size: int,
     shard_size: int,
     base: _Base | None,
-    gpu_jpeg: bool = False,
+    gpu_share: float = 0.0,
 ) -> ShardPlan:
     """`items` cut into shards of `shard_size`, in a folder named by everything that decides
     their bytes, with the ones an earlier run of the same build finished."""
@@ -81,7 +81,7 @@ def plan_shards(
         for i, it in enumerate(items)
     ]
     out.mkdir(parents=True, exist_ok=True)
-    key = _shard_key(corpus, selection, plan, model, dev, batch_size, shard_size, base, gpu_jpeg)
+    key = _shard_key(corpus, selection, plan, model, dev, batch_size, shard_size, base, gpu_share)
     directory = out / SHARDS_DIR / key
     n = len(plan)
     ranges = [(k, a, min(a + shard_size, n)) for k, a in enumerate(range(0, n, shard_size))]

@@ -17,6 +17,7 @@ import faiss
 import numpy as np
 
 from index_builder.corpus import CorpusItem, CorpusSelection
+from index_builder.device_decode import jpeg_key
 from index_builder.encode import PlanItem, autocast_dtype, read_shard
 from index_builder.errors import BuildError
 from models.builtin import BuiltinModel
@@ -50,7 +51,7 @@ def _shard_key(
     batch_size: int,
     shard_size: int,
     base: _Base | None,
-    gpu_jpeg: bool = False,
+    gpu_share: float = 0.0,
 ) -> str:
     """What decides the shards' bytes: a changed corpus or argument never reuses stale ones."""
     h = hashlib.sha256()
@@ -67,10 +68,10 @@ def _shard_key(
                 "shard_size": shard_size,
                 "base": base.manifest.version if base else None,
                 "corpus": selection.as_json(),  # a different --split or --images-root never resumes
-                # where a GPU build decoded its JPEGs (nvJPEG's pixels are not PIL's; a GPU
-                # build before --decode-jpeg used nvJPEG with no key of it); CPU builds, which
-                # always decode on the CPU, keep their keys
-                **({"jpeg": "gpu" if gpu_jpeg else "cpu"} if dev.type == "cuda" else {}),
+                # where a GPU build decoded its JPEGs, or what share on the GPU (nvJPEG's
+                # pixels are not PIL's; a GPU build before --decode-jpeg used nvJPEG with no
+                # key of it); CPU builds, which always decode on the CPU, keep their keys
+                **({"jpeg": jpeg_key(gpu_share)} if dev.type == "cuda" else {}),
             },
             sort_keys=True,
         ).encode()

@@ -9,7 +9,8 @@ The stages, in build order:
   comes before, when `duet build` loads the model on `--device`);
 - `decode`: the time the encoder waited for decoded batches (read, sha256, decode, resize);
   with decode workers most of it overlaps encoding, so `decode_busy` adds up the seconds
-  each image's decoding took, in whichever process or thread did it;
+  each image's decoding took, in whichever process or thread did it, and `device_decode`
+  the seconds the thread that has the GPU decode JPEGs (`--decode-jpeg`) spent on them;
 - `encode_images`, `encode_texts`: the forward passes (copies to the device included);
 - `shards`: writing the encoded shards (and checking them for unreadable images); on a GPU
   build a thread does it while the next shard encodes, so it overlaps the encode stages;
@@ -42,7 +43,7 @@ STAGES = (
     "hash",
 )
 # seconds that overlap the stages above (decoding in workers), reported beside them
-EXTRA = ("decode_busy",)
+EXTRA = ("decode_busy", "device_decode")
 
 
 class Stages:
@@ -70,5 +71,5 @@ class Stages:
         return {k: round(v, 3) for k, v in self.seconds.items()}
 
     def total(self) -> float:
-        """The stages' sum (`decode_busy` left out: it overlaps them)."""
+        """The stages' sum (`decode_busy` and `device_decode` left out: they overlap them)."""
         return sum(self.seconds[k] for k in STAGES)

@@ -297,9 +297,9 @@ def test_gpu_jpeg_decoding_is_asked_for_and_keyed_apart(
         (dev, gpu): plan_shards(
             tmp_path / "k", manifest, sel, [], model, torch.device(dev), 4, 8, None, gpu
         ).directory
-        for dev, gpu in (("cpu", False), ("cuda", False), ("cuda", True))
+        for dev, gpu in (("cpu", 0.0), ("cuda", 0.0), ("cuda", 1.0), ("cuda", 0.4))
     }
-    assert len(set(dirs.values())) == 3  # a GPU build names where it decoded its JPEGs
+    assert len(set(dirs.values())) == 4  # a GPU build names where (and what share) it decoded
     with caplog.at_level("WARNING", logger="duet.build"):
         asked = build(manifest, tmp_path / "a", model, progress=False, workers=0, decode_jpeg="gpu")
     assert "JPEGs are decoded on the CPU" in caplog.text
@@ -308,12 +308,12 @@ def test_gpu_jpeg_decoding_is_asked_for_and_keyed_apart(
         assert (asked.path / name).read_bytes() == (plain.path / name).read_bytes()
     with pytest.raises(Exception, match="unknown --decode-jpeg"):
         build(manifest, tmp_path / "d", model, progress=False, decode_jpeg="nvjpeg")
-    from index_builder.device_decode import decode_on_gpu
+    from index_builder.device_decode import gpu_share_of
     from index_builder.errors import BuildError
 
     with pytest.raises(BuildError, match="builtin model with --engine local"):
-        decode_on_gpu("gpu", torch.device("cuda"), fast_path=False)  # Ray, or HF models
-    assert decode_on_gpu("cpu", torch.device("cuda"), fast_path=True) is False
+        gpu_share_of("gpu", torch.device("cuda"), fast_path=False)  # Ray, or HF models
+    assert gpu_share_of("cpu", torch.device("cuda"), fast_path=True) == 0.0
 
 
 def test_without_a_bar_the_encode_step_logs_how_far_and_how_fast(

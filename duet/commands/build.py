@@ -111,11 +111,12 @@ def _add_build_options(b: argparse.ArgumentParser, weights: Path) -> None:
     )
     b.add_argument(
         "--decode-jpeg",
-        choices=["cpu", "gpu"],
         default="cpu",
+        metavar="{cpu,gpu,SHARE}",
         help="where a CUDA build decodes JPEGs: cpu (default: in the worker processes, "
-        "exactly as the service decodes an upload) or gpu (nvJPEG, needs torchvision; its "
-        "pixels differ from the CPU's by a level or so)",
+        "exactly as the service decodes an upload), gpu (nvJPEG, needs torchvision; its "
+        "pixels differ from the CPU's by a level or so), or a share between 0 and 1, e.g. "
+        "0.4: that share of them on the GPU, the rest in the workers at the same time",
     )
     b.add_argument(
         "--device",
