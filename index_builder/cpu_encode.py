@@ -1,64 +1,100 @@
-"""The encode step on CPU: whole shards in parallel, one per worker process.
+"""The encode step on CPU: pieces of shards in parallel, one per worker process at a time.
 
 The model is small, and its forward passes do not keep two cores busy (torch's intra-op
 threads wait on each other at every small op, and worse on a busy machine), so cores are
-used across shards instead: each worker (a DataLoader process, forked with the model) reads,
-decodes, resizes and encodes one shard's images and captions on one thread, and hands the
-shard's arrays back in order; this process writes them. `workers=0` does the same here.
+used across pieces of work instead: each worker (a DataLoader process, forked with the
+model) takes a `Unit` on one thread, either one batch of a shard's images (read, decode,
+resize, encode) or one chunk of its captions (`encode.caption_chunks`: sorted by length,
+1024 at a time), and hands the arrays back in order; this process puts each shard together
+(`ShardBuilder`) and writes it. `workers=0` does the same here.
 
-Every shard is encoded on one torch thread whatever the number of workers, so its bytes do
-not depend on how many workers made it, and a build resumed with other --workers writes the
-same files (`IDENTICAL_FILES`).
+Pieces smaller than a shard keep every core busy to the end: 20 shards on 16 workers would
+leave 12 of them idle for the second half of the step. A shard is encoded in the same
+batches and caption chunks as a whole-shard encoder would (a shard's captions are all of
+its items' until an image fails to decode; then this process encodes the shard's captions
+again, without that item's, as a whole-shard encoder would have), on one torch thread
+whatever the number of workers, so its bytes do not depend on how many workers made it, and
+a build resumed with other --workers writes the same files (`IDENTICAL_FILES`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from index_builder.decode import DecodedBatch, PlanItem, decode, shard_batches
-from index_builder.encode import Encoder, ShardBuilder, shard_bytes, shard_path
+from index_builder.decode import Decoded, DecodedBatch, PlanItem, decode, shard_batches
+from index_builder.encode import Encoder
 from index_builder.progress import EncodeProgress
+from index_builder.shard import ShardBuilder, caption_chunks, in_order, shard_bytes, shard_path
 from index_builder.stages import Stages
 from models.builtin import BuiltinModel
 from store import indexio
 
-Encoded = tuple[int, dict[str, np.ndarray], dict[str, float]]  # shard, arrays, stage seconds
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of a shard's encoding: a batch of its images (plan positions) or a chunk
+    of its captions (already in the order they are encoded)."""
+
+    shard: int  # the shard's place in the missing list
+    positions: tuple[int, ...] = ()
+    texts: tuple[str, ...] = ()
 
 
-class ShardJobs(torch.utils.data.Dataset[Encoded]):
-    """The missing shards by number in the list; item i is shard `missing[i]` encoded."""
+# what a unit gives back: its number, its images' outcomes (pixels dropped), their vectors
+# and tokens (None without any decoded), or its captions' vectors, and its stage seconds
+Done = tuple[int, list[Decoded], np.ndarray | None, np.ndarray | None, dict[str, float]]
 
-    def __init__(
-        self,
-        plan: Sequence[PlanItem],
-        missing: list[tuple[int, int, int]],
-        model: BuiltinModel,
-        batch_size: int,
-    ) -> None:
-        self.plan, self.missing, self.model, self.batch_size = plan, missing, model, batch_size
+
+def shard_units(
+    plan: Sequence[PlanItem], missing: list[tuple[int, int, int]], batch_size: int
+) -> tuple[list[Unit], list[int], list[list[int]]]:
+    """Every missing shard's units, shard by shard, images first; how many each shard has;
+    and each shard's caption sort order (`caption_chunks`)."""
+    units: list[Unit] = []
+    counts: list[int] = []
+    orders: list[list[int]] = []
+    for s, (_, a, b) in enumerate(missing):
+        mine = [Unit(s, tuple(p)) for p in shard_batches(plan, a, b, batch_size)]
+        order, chunks = caption_chunks([c for it in plan[a:b] for c in it.captions], batch_size)
+        mine += [Unit(s, texts=tuple(c)) for c in chunks]
+        units += mine
+        counts.append(len(mine))
+        orders.append(order)
+    return units, counts, orders
+
+
+class UnitJobs(torch.utils.data.Dataset[Done]):
+    """The units by number; item i is unit i encoded (in the process that asks)."""
+
+    def __init__(self, plan: Sequence[PlanItem], units: list[Unit], model: BuiltinModel) -> None:
+        self.plan, self.units, self.model = plan, units, model
         self.encoder: Encoder | None = None  # made in the process that encodes
 
     def __len__(self) -> int:
-        return len(self.missing)
+        return len(self.units)
 
-    def __getitem__(self, i: int) -> Encoded:
-        k, a, b = self.missing[i]
+    def __getitem__(self, i: int) -> Done:
         if self.encoder is None:
             self.encoder = Encoder(self.model, torch.device("cpu"))
-        stages = Stages()
-        shard = ShardBuilder(self.plan[a:b], self.encoder, self.batch_size, stages)
-        size = self.encoder.image_size
-        for positions in shard_batches(self.plan, a, b, self.batch_size):
-            with stages("decode"):
-                batch = DecodedBatch.collate([decode(self.plan[p], size) for p in positions])
-            shard.add(batch)
-        arrays = shard.finish(self.model.dim, self.model.token_shape)
-        return k, arrays, stages.seconds
+        unit, stages = self.units[i], Stages()
+        if unit.texts:
+            with stages("encode_texts"):
+                return i, [], self.encoder.texts(unit.texts), None, stages.seconds
+        with stages("decode"):
+            size = self.encoder.image_size
+            batch = DecodedBatch.collate([decode(self.plan[p], size) for p in unit.positions])
+        stages.add("decode_busy", sum(d.seconds for d in batch.items))
+        vec = tok = None
+        if batch.pixels is not None and len(batch.pixels):
+            with stages("encode_images"):
+                vec, tok = self.encoder.images(batch.pixels)
+        return i, batch.items, vec, tok, stages.seconds
 
 
 def _same(x: Any) -> Any:
@@ -79,10 +115,10 @@ def _one_thread() -> Any:
     return OneThread()
 
 
-def encoded_shards(jobs: ShardJobs, workers: int) -> Iterator[Encoded]:
-    """The shards, encoded in `workers` processes (one torch thread each; DataLoader workers
-    set that), never more than there are shards, or here on one thread when there is one
-    shard or no worker, in order."""
+def encoded_units(jobs: UnitJobs, workers: int) -> Iterator[Done]:
+    """The units, encoded in `workers` processes (one torch thread each; DataLoader workers
+    set that), never more than there are units, or here on one thread when there is one
+    unit or no worker, in order."""
     workers = min(workers, len(jobs))
     if workers <= 1:
         with _one_thread():
@@ -94,7 +130,7 @@ def encoded_shards(jobs: ShardJobs, workers: int) -> Iterator[Encoded]:
         batch_size=None,
         num_workers=workers,
         collate_fn=_same,
-        prefetch_factor=1,
+        prefetch_factor=2,
         persistent_workers=False,
     )
     yield from loader
@@ -113,14 +149,27 @@ def encode_cpu_shards(
 ) -> None:
     """Encode the `missing` shards on the CPU in `workers` processes, write each in order.
     Stage times are the workers' summed: with several workers they exceed the wall time."""
-    jobs = ShardJobs(plan, missing, model, batch_size)
+    units, counts, orders = shard_units(plan, missing, batch_size)
+    here = Encoder(model, torch.device("cpu"))  # a shard's captions again, when an image failed
+    done = encoded_units(UnitJobs(plan, units, model), workers)
     with EncodeProgress(sum(b - a for _, a, b in missing), progress) as bar:
-        for (k, a, b), (got, arrays, seconds) in zip(
-            missing, encoded_shards(jobs, workers), strict=True
-        ):
-            assert got == k
-            for name, secs in seconds.items():
-                stages.add(name, secs)
+        for s, (k, a, b) in enumerate(missing):
+            shard = ShardBuilder(plan[a:b], here, batch_size, stages)
+            chunks: list[np.ndarray] = []
+            for _ in range(counts[s]):
+                i, items, vec, tok, seconds = next(done)
+                assert units[i].shard == s
+                for name, secs in seconds.items():
+                    stages.add(name, secs)
+                if units[i].texts:
+                    assert vec is not None
+                    chunks.append(vec)
+                else:
+                    shard.add_encoded(items, vec, tok)
+            with _one_thread():  # the captions again, if an image failed: as a worker would
+                arrays = shard.finish(
+                    model.dim, model.token_shape, in_order(orders[s], chunks) if chunks else None
+                )
             with stages("shards"):
                 indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
                 on_shard(k, arrays)

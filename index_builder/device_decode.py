@@ -10,10 +10,11 @@ at the same time, so both decoders work. The loader workers still read and hash 
 (`DecodeAhead`) has the GPU decode a batch or two ahead of the encoder.
 
 A JPEG the device cannot decode (CMYK, progressive on some nvJPEG versions, a broken file)
-is decoded by PIL here instead, which names the file if it cannot either. The device turns each picture upright by the EXIF orientation the worker read from
-the file's headers, as PIL does on the CPU. nvJPEG decodes at full size (it has no DCT
-scaling) and its IDCT and the GPU resize differ from libjpeg's scaled decode and PIL's resize
-by a level or so per pixel: vectors differ in the last digits, as autocast makes them
+is decoded by PIL here instead, which names the file if it cannot either. The device turns
+each picture upright by the EXIF orientation the worker read from the file's headers, as
+PIL does on the CPU. nvJPEG decodes at full size (it has no DCT scaling) and its IDCT and
+the GPU resize differ from libjpeg's scaled decode and PIL's resize by a level or so per
+pixel: vectors differ in the last digits, as autocast makes them
 (benchmarks/build_devices.py reports the agreement)."""
 
 from __future__ import annotations

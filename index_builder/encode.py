@@ -5,30 +5,29 @@ to the device, and run under `torch.autocast` (fp16 on a GPU; disabled on CPU, w
 encodes in fp32). Vectors come back float32 and re-normalised. On a GPU
 (`_encode_local`), DataLoader workers decode and stack page-locked batches for one encoder,
 and JPEGs may be decoded on the device (`device_decode`); on CPU, worker processes encode
-whole shards each (`cpu_encode`).
+pieces of shards (a batch of images, a chunk of captions) and this process puts each shard
+together (`cpu_encode`).
 
-Both engines (local and Ray) feed decoded batches into a `ShardBuilder` with the same batch
-boundaries, so a shard's contents do not depend on which engine or how many workers made it.
+Every engine (local, CPU pieces, Ray) feeds a `ShardBuilder` (`index_builder.shard`) the
+same batch boundaries and caption chunks, so a shard's contents do not depend on which
+engine or how many workers made it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from index_builder.decode import (
-    Decoded,
-    DecodedBatch,
     PlanItem,
     decode,
     decode_rgb,
@@ -37,13 +36,22 @@ from index_builder.decode import (
 )
 from index_builder.device_decode import DecodeAhead, jpeg_decoder, resolve
 from index_builder.progress import EncodeProgress
+from index_builder.shard import (
+    SHARD_FIELDS,
+    ShardBuilder,
+    read_shard,
+    read_shard_bytes,
+    shard_bytes,
+    shard_path,
+)
 from index_builder.stages import Stages
 from models.builtin import BuiltinModel, encode_ids, encode_pixels
 from models.joint import JointModel
 from models.loading import Models
 from store import indexio
 
-# PlanItem, decode and shard_batches live in `index_builder.decode`; importable from here too
+# PlanItem, decode and shard_batches live in `index_builder.decode`, the shard's builder and
+# file in `index_builder.shard`; importable from here too
 __all__ = [
     "SHARD_FIELDS",
     "Encoder",
@@ -62,8 +70,6 @@ __all__ = [
 
 log = logging.getLogger("duet.build")
 
-TEXT_BATCH_MIN = 1024
-
 _Out = TypeVar("_Out", np.ndarray, tuple[np.ndarray, np.ndarray])
 
 
@@ -81,8 +87,8 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 def default_workers(device: torch.device) -> int:
     """Workers, by the cores this process may run on. On a GPU the CPU only decodes: cores - 1
     decoding processes (at most 32; this process feeds the GPU). On CPU each worker encodes
-    whole shards on one thread (`index_builder.cpu_encode`): one per core (at most 32), none
-    on a single core."""
+    pieces of shards on one thread (`index_builder.cpu_encode`): one per core (at most 32),
+    none on a single core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
     if device.type == "cuda":
@@ -128,14 +134,6 @@ class Encoder:
         return got
 
 
-class ImageEncoder(Protocol):
-    """What a `ShardBuilder` calls: a batch of decoded images, then the shard's captions."""
-
-    def images(self, decoded: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]: ...
-
-    def texts(self, texts: Sequence[str]) -> np.ndarray: ...
-
-
 class RGBEncoder:
     """Models that take PIL images (`models.loading.Models` with Hugging Face parts) behind the
     `ShardBuilder` interface: `decode_rgb` images in, each model's own processor resizes them.
@@ -156,126 +154,6 @@ def _moved(model: BuiltinModel, device: torch.device) -> JointModel:
     import copy
 
     return copy.deepcopy(model.model).to(device).eval()
-
-
-# -- one shard ---------------------------------------------------------------------------
-
-SHARD_FIELDS = (
-    "image_ok",
-    "image_sha",
-    "image_error",
-    "image_vectors",
-    "image_tokens",
-    "text_vectors",
-)
-
-
-class ShardBuilder:
-    """Collects one shard's encoded image batches, then encodes its captions."""
-
-    def __init__(
-        self,
-        items: Sequence[PlanItem],
-        encoder: ImageEncoder,
-        batch_size: int,
-        stages: Stages | None = None,
-    ) -> None:
-        self.items = list(items)
-        self.encoder = encoder
-        self.batch_size = batch_size
-        self.stages = stages or Stages()
-        self.decoded: list[Decoded] = []
-        self.vecs: list[np.ndarray] = []
-        self.toks: list[np.ndarray] = []
-
-    def add(self, batch: list[Decoded] | DecodedBatch) -> None:
-        """Encode the decodable images of one batch (a `DecodedBatch` with none deferred)."""
-        good: Any
-        if isinstance(batch, DecodedBatch):
-            if batch.deferred:
-                raise ValueError("decode the deferred JPEGs first (device_decode.resolve)")
-            items, good = batch.items, batch.pixels
-        else:
-            items, good = batch, [d.pixels for d in batch if d.pixels is not None]
-        self.decoded.extend(items)
-        self.stages.add("decode_busy", sum(d.seconds for d in items))
-        if good is not None and len(good):
-            with self.stages("encode_images"):
-                vec, tok = self.encoder.images(good)
-            self.vecs.append(vec)
-            self.toks.append(tok)
-
-    def finish(self, dim: int, token_shape: tuple[int, int]) -> dict[str, np.ndarray]:
-        """Encode the captions of every item whose image decoded (or that has none)."""
-        ok = {d.pos: not d.error for d in self.decoded}
-        texts = [c for it in self.items if it.image is None or ok[it.pos] for c in it.captions]
-        with self.stages("encode_texts"):
-            tvecs = self._texts(texts)
-        return {
-            "image_ok": np.array([ok[d.pos] for d in self.decoded], dtype=bool),
-            "image_sha": np.array(
-                [np.frombuffer(d.sha256, np.uint8) for d in self.decoded], dtype=np.uint8
-            ).reshape(-1, 32),
-            "image_error": np.array([d.error for d in self.decoded], dtype=np.str_),
-            "image_vectors": (
-                np.concatenate(self.vecs) if self.vecs else np.zeros((0, dim), np.float32)
-            ),
-            "image_tokens": (
-                np.concatenate(self.toks).astype(np.float16)
-                if self.toks
-                else np.zeros((0, *token_shape), np.float16)
-            ),
-            "text_vectors": tvecs if len(texts) else np.zeros((0, dim), np.float32),
-        }
-
-    def _texts(self, texts: list[str]) -> np.ndarray:
-        """The captions' vectors in order, encoded in large batches of similar length (less
-        padding to compute; a caption's vector does not depend on its batch's padding)."""
-        if not texts:
-            return np.zeros((0, 0), np.float32)
-        step = max(self.batch_size, TEXT_BATCH_MIN)
-        order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))
-        chunks = [
-            self.encoder.texts([texts[j] for j in order[i : i + step]])
-            for i in range(0, len(order), step)
-        ]
-        vecs = np.concatenate(chunks)
-        out = np.empty_like(vecs)
-        out[order] = vecs
-        return out
-
-
-def shard_bytes(arrays: dict[str, np.ndarray]) -> bytes:
-    """A shard file: its arrays as consecutive .npy records (no zip, so no timestamps)."""
-    buf = io.BytesIO()
-    for name in SHARD_FIELDS:
-        np.save(buf, arrays[name], allow_pickle=False)
-    return buf.getvalue()
-
-
-def shard_path(shard_dir: Path, k: int) -> Path:
-    return shard_dir / f"shard-{k:06d}.npy"
-
-
-def read_shard(path: Path, fields: Sequence[str] = SHARD_FIELDS) -> dict[str, np.ndarray]:
-    """A shard's arrays (only `fields`; reading stops after the last one asked for)."""
-    with path.open("rb") as fh:
-        return _read_fields(fh, fields)
-
-
-def read_shard_bytes(data: bytes, fields: Sequence[str] = SHARD_FIELDS) -> dict[str, np.ndarray]:
-    return _read_fields(io.BytesIO(data), fields)
-
-
-def _read_fields(fh: Any, fields: Sequence[str]) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for name in SHARD_FIELDS:
-        if len(out) == len(fields):
-            break
-        arr = np.load(fh, allow_pickle=False)
-        if name in fields:
-            out[name] = arr
-    return out
 
 
 def _encode_local(

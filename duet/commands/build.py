@@ -106,8 +106,9 @@ def _add_build_options(b: argparse.ArgumentParser, weights: Path) -> None:
         type=int,
         default=None,
         help="worker processes. On a GPU they decode images for it (default: cores - 1, "
-        "at most 32); on CPU each decodes and encodes whole shards on one thread (default: "
-        "one per core, at most 32). 0 = all in the main process",
+        "at most 32); on CPU each decodes and encodes pieces of shards (a batch of images, a "
+        "chunk of captions) on one thread (default: one per core, at most 32). 0 = all in "
+        "the main process",
     )
     b.add_argument(
         "--decode-jpeg",

@@ -1,0 +1,170 @@
+"""One shard: its encoded batches and captions put together (`ShardBuilder`), and its file:
+the arrays as consecutive .npy records, read back field by field."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from index_builder.decode import Decoded, DecodedBatch, PlanItem
+from index_builder.stages import Stages
+
+TEXT_BATCH_MIN = 1024
+
+
+class ImageEncoder(Protocol):
+    """What a `ShardBuilder` calls: a batch of decoded images, then the shard's captions."""
+
+    def images(self, decoded: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def texts(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+SHARD_FIELDS = (
+    "image_ok",
+    "image_sha",
+    "image_error",
+    "image_vectors",
+    "image_tokens",
+    "text_vectors",
+)
+
+
+class ShardBuilder:
+    """Collects one shard's encoded image batches, then encodes its captions."""
+
+    def __init__(
+        self,
+        items: Sequence[PlanItem],
+        encoder: ImageEncoder,
+        batch_size: int,
+        stages: Stages | None = None,
+    ) -> None:
+        self.items = list(items)
+        self.encoder = encoder
+        self.batch_size = batch_size
+        self.stages = stages or Stages()
+        self.decoded: list[Decoded] = []
+        self.vecs: list[np.ndarray] = []
+        self.toks: list[np.ndarray] = []
+
+    def add(self, batch: list[Decoded] | DecodedBatch) -> None:
+        """Encode the decodable images of one batch (a `DecodedBatch` with none deferred)."""
+        good: Any
+        if isinstance(batch, DecodedBatch):
+            if batch.deferred:
+                raise ValueError("decode the deferred JPEGs first (device_decode.resolve)")
+            items, good = batch.items, batch.pixels
+        else:
+            items, good = batch, [d.pixels for d in batch if d.pixels is not None]
+        self.stages.add("decode_busy", sum(d.seconds for d in items))
+        vec = tok = None
+        if good is not None and len(good):
+            with self.stages("encode_images"):
+                vec, tok = self.encoder.images(good)
+        self.add_encoded(items, vec, tok)
+
+    def add_encoded(
+        self, items: Sequence[Decoded], vec: np.ndarray | None, tok: np.ndarray | None
+    ) -> None:
+        """A batch's outcomes, its decoded images already encoded (by a worker)."""
+        self.decoded.extend(items)
+        if vec is not None and tok is not None:
+            self.vecs.append(vec)
+            self.toks.append(tok)
+
+    def texts(self) -> list[str]:
+        """The captions the shard encodes: every item's whose image decoded (or has none)."""
+        ok = {d.pos: not d.error for d in self.decoded}
+        return [c for it in self.items if it.image is None or ok[it.pos] for c in it.captions]
+
+    def finish(
+        self, dim: int, token_shape: tuple[int, int], text_vectors: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
+        """Encode the captions of every item whose image decoded (or that has none), unless
+        `text_vectors` holds them already: those of all the shard's captions, encoded by
+        `caption_chunks` elsewhere, which are these when as many (only an image that did not
+        decode takes captions out, so the same count means the same captions)."""
+        texts = self.texts()
+        if text_vectors is not None and len(text_vectors) == len(texts):
+            tvecs = text_vectors
+        else:
+            with self.stages("encode_texts"):
+                tvecs = self._texts(texts)
+        return {
+            "image_ok": np.array([not d.error for d in self.decoded], dtype=bool),
+            "image_sha": np.array(
+                [np.frombuffer(d.sha256, np.uint8) for d in self.decoded], dtype=np.uint8
+            ).reshape(-1, 32),
+            "image_error": np.array([d.error for d in self.decoded], dtype=np.str_),
+            "image_vectors": (
+                np.concatenate(self.vecs) if self.vecs else np.zeros((0, dim), np.float32)
+            ),
+            "image_tokens": (
+                np.concatenate(self.toks).astype(np.float16)
+                if self.toks
+                else np.zeros((0, *token_shape), np.float16)
+            ),
+            "text_vectors": tvecs if len(texts) else np.zeros((0, dim), np.float32),
+        }
+
+    def _texts(self, texts: list[str]) -> np.ndarray:
+        """The captions' vectors in order, encoded in large batches of similar length (less
+        padding to compute; a caption's vector does not depend on its batch's padding)."""
+        if not texts:
+            return np.zeros((0, 0), np.float32)
+        order, chunks = caption_chunks(texts, self.batch_size)
+        return in_order(order, [self.encoder.texts(c) for c in chunks])
+
+
+def caption_chunks(texts: Sequence[str], batch_size: int) -> tuple[list[int], list[list[str]]]:
+    """A shard's captions as it encodes them: sorted by length (then position), cut into
+    chunks of max(batch_size, TEXT_BATCH_MIN); with the sort order, for `in_order`."""
+    step = max(batch_size, TEXT_BATCH_MIN)
+    order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))
+    return order, [[texts[j] for j in order[i : i + step]] for i in range(0, len(order), step)]
+
+
+def in_order(order: list[int], chunks: Sequence[np.ndarray]) -> np.ndarray:
+    """The chunks' vectors (`caption_chunks`) back in the captions' own order."""
+    vecs = np.concatenate(chunks)
+    out = np.empty_like(vecs)
+    out[order] = vecs
+    return out
+
+
+def shard_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """A shard file: its arrays as consecutive .npy records (no zip, so no timestamps)."""
+    buf = io.BytesIO()
+    for name in SHARD_FIELDS:
+        np.save(buf, arrays[name], allow_pickle=False)
+    return buf.getvalue()
+
+
+def shard_path(shard_dir: Path, k: int) -> Path:
+    return shard_dir / f"shard-{k:06d}.npy"
+
+
+def read_shard(path: Path, fields: Sequence[str] = SHARD_FIELDS) -> dict[str, np.ndarray]:
+    """A shard's arrays (only `fields`; reading stops after the last one asked for)."""
+    with path.open("rb") as fh:
+        return _read_fields(fh, fields)
+
+
+def read_shard_bytes(data: bytes, fields: Sequence[str] = SHARD_FIELDS) -> dict[str, np.ndarray]:
+    return _read_fields(io.BytesIO(data), fields)
+
+
+def _read_fields(fh: Any, fields: Sequence[str]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for name in SHARD_FIELDS:
+        if len(out) == len(fields):
+            break
+        arr = np.load(fh, allow_pickle=False)
+        if name in fields:
+            out[name] = arr
+    return out
