@@ -91,6 +91,7 @@ def stages(out: Path, seconds: float) -> dict[str, object]:
     inside = encode + sum(v for k, v in times.items() if k not in ENCODE_STAGES)
     return {
         "workers": b.get("workers"),
+        "jpeg": b.get("jpeg"),  # where a CUDA build decoded its JPEGs
         "encode_wall": round(encode, 2),
         "stages": times,
         "other": round(seconds - inside, 2),

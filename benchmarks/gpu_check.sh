@@ -80,7 +80,10 @@ WHEELS=${WHEELS:-.whl}
 BUDGET=${BUDGET:-560}
 STEPS=${STEPS:-sync index serve blip single ab fp32 workers1 ceiling quality tests build suite}
 DRY=${DRY:-0}
-DEV=cuda CELL=3 RUNS='cpu;cpu@0,1;cuda;cuda-nvjpeg;cuda-nvjpeg:0.5' BIG=10 BIGRUNS='cpu;cuda;cuda-nvjpeg:0.5' BLIP=() CEIL=()
+# the build steps' runs (benchmarks/build_devices.py --runs), which a caller may set
+RUNS=${RUNS:-'cpu;cpu@0,1;cuda;cuda-nvjpeg;cuda-nvjpeg:0.5'}
+BIGRUNS=${BIGRUNS:-'cpu;cuda;cuda-nvjpeg:0.5'}
+DEV=cuda CELL=3 BIG=10 BLIP=() CEIL=()
 QUAL=() SCALE=(20000 50) LAYOUT=() BLIPPAIRS=50,400,1600 OFFER=2000
 if [ "$DRY" = 1 ]; then
   DEV=cpu CELL=1 RUNS='cpu;cpu@0' BIG=2 BIGRUNS='cpu;cpu@0' BLIP=(--tiny)

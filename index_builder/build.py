@@ -27,7 +27,7 @@ import torch
 from index_builder.assemble import assemble
 from index_builder.corpus import CorpusError, CorpusItem, CorpusSelection, read_corpus
 from index_builder.cpu_encode import encode_cpu_shards
-from index_builder.device_decode import gpu_share_of
+from index_builder.device_decode import gpu_share_of, jpeg_key
 from index_builder.encode import (
     _encode_local,
     _encode_rgb,
@@ -386,6 +386,7 @@ class _Build:
                 items_per_s=rate,
                 stages=self.stages.as_json(),
                 decode=self.decode,
+                jpeg=jpeg_key(self.gpu_share) if cuda_joint else None,
             ),
             files=files,
             bytes_per_item=_bytes_per_item(tmp, len(contents.image_rows), len(contents.text_rows)),

@@ -144,6 +144,9 @@ class BuildSettings:
     stages: dict[str, float] = field(default_factory=dict)
     # the image decode that built its vectors (`models.images.DECODE`); 0 in older manifests
     decode: int = 0
+    # where a CUDA build decoded its JPEGs (`--decode-jpeg`): "cpu", "gpu" or "gpu 0.5" (that
+    # share on the GPU); None for a CPU build and in older manifests
+    jpeg: str | None = None
 
 
 @dataclass(frozen=True)

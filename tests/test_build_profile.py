@@ -303,6 +303,7 @@ def test_gpu_jpeg_decoding_is_asked_for_and_keyed_apart(
     with caplog.at_level("WARNING", logger="duet.build"):
         asked = build(manifest, tmp_path / "a", model, progress=False, workers=0, decode_jpeg="gpu")
     assert "JPEGs are decoded on the CPU" in caplog.text
+    assert asked.manifest.build is not None and asked.manifest.build.jpeg is None  # CPU build
     plain = build(manifest, tmp_path / "b", model, progress=False, workers=0)
     for name in ("image_vectors.npy", "text_vectors.npy"):
         assert (asked.path / name).read_bytes() == (plain.path / name).read_bytes()
