@@ -197,17 +197,19 @@ def parse() -> argparse.Namespace:
     else:
         args.runs = [(d, c) for d in args.devices for c in args.cpus]
     for d, _ in args.runs:
-        name, _, share = d.partition(":")
-        if name not in ("cpu", "cuda", "cuda-nvjpeg") or (share and not _share(share)):
+        name, colon, share = d.partition(":")
+        if name not in ("cpu", "cuda", "cuda-nvjpeg") or (
+            colon and (name != "cuda-nvjpeg" or not _share(share))
+        ):
             p.error(f"unknown device {d!r}: use cpu, cuda, cuda-nvjpeg or cuda-nvjpeg:SHARE")
     return args
 
 
 def _share(text: str) -> bool:
-    """Whether `text` is a share between 0 and 1 (for `cuda-nvjpeg:SHARE`)."""
+    """Whether `text` is a share `duet build --decode-jpeg` takes (for `cuda-nvjpeg:SHARE`)."""
     try:
-        return 0.0 < float(text) < 1.0
-    except ValueError:
+        return 0 < round(float(text) * 1000) < 1000
+    except (ValueError, OverflowError):
         return False
 
 

@@ -4,17 +4,17 @@ The model is small, and its forward passes do not keep two cores busy (torch's i
 threads wait on each other at every small op, and worse on a busy machine), so cores are
 used across pieces of work instead: each worker (a DataLoader process, forked with the
 model) takes a `Unit` on one thread, either one batch of a shard's images (read, decode,
-resize, encode) or one chunk of its captions (`encode.caption_chunks`: sorted by length,
-1024 at a time), and hands the arrays back in order; this process puts each shard together
-(`ShardBuilder`) and writes it. `workers=0` does the same here.
+resize, encode) or one chunk of its captions (`shard.caption_chunks`: sorted by length,
+max(batch size, 1024) at a time), and hands the arrays back in order; this process puts
+each shard together (`ShardBuilder.add_encoded`, `finish`) and writes it. `workers=0` does
+the same here.
 
 Pieces smaller than a shard keep every core busy to the end: 20 shards on 16 workers would
 leave 12 of them idle for the second half of the step. A shard is encoded in the same
-batches and caption chunks as a whole-shard encoder would (a shard's captions are all of
-its items' until an image fails to decode; then this process encodes the shard's captions
-again, without that item's, as a whole-shard encoder would have), on one torch thread
-whatever the number of workers, so its bytes do not depend on how many workers made it, and
-a build resumed with other --workers writes the same files (`IDENTICAL_FILES`).
+batches and caption chunks as a whole-shard encoder's (every caption is encoded; those of an
+image that failed to decode are dropped after, by any engine), on one torch thread whatever
+the number of workers, so its bytes do not depend on how many workers made it, and a build
+resumed with other --workers writes the same files (`IDENTICAL_FILES`).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def encode_cpu_shards(
     """Encode the `missing` shards on the CPU in `workers` processes, write each in order.
     Stage times are the workers' summed: with several workers they exceed the wall time."""
     units, counts, orders = shard_units(plan, missing, batch_size)
-    here = Encoder(model, torch.device("cpu"))  # a shard's captions again, when an image failed
+    here = Encoder(model, torch.device("cpu"))  # a ShardBuilder's; the workers did the encoding
     done = encoded_units(UnitJobs(plan, units, model), workers)
     with EncodeProgress(sum(b - a for _, a, b in missing), progress) as bar:
         for s, (k, a, b) in enumerate(missing):
@@ -166,10 +166,8 @@ def encode_cpu_shards(
                     chunks.append(vec)
                 else:
                     shard.add_encoded(items, vec, tok)
-            with _one_thread():  # the captions again, if an image failed: as a worker would
-                arrays = shard.finish(
-                    model.dim, model.token_shape, in_order(orders[s], chunks) if chunks else None
-                )
+            texts = in_order(orders[s], chunks) if chunks else np.zeros((0, model.dim), np.float32)
+            arrays = shard.finish(model.dim, model.token_shape, texts)
             with stages("shards"):
                 indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
                 on_shard(k, arrays)

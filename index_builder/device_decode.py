@@ -66,14 +66,15 @@ def gpu_share_of(asked: str, device: torch.device, fast_path: bool) -> float:
     share = {"cpu": 0.0, "gpu": 1.0}.get(asked)
     if share is None:
         try:
-            share = float(asked)
-        except ValueError:
-            share = -1.0
-        if not 0.0 < share < 1.0:
+            per_mille = round(float(asked) * 1000)  # what `decode.left_to_device` counts in
+        except (ValueError, OverflowError):
+            per_mille = -1
+        if not 0 < per_mille < 1000:
             raise BuildError(
                 f"unknown --decode-jpeg {asked!r}: use cpu, gpu, or the share of JPEGs the "
-                "GPU decodes, between 0 and 1 (e.g. 0.4)"
+                "GPU decodes, between 0.001 and 0.999 (e.g. 0.4)"
             )
+        share = per_mille / 1000
     if share == 0.0:
         return 0.0
     if device.type != "cuda":
@@ -104,8 +105,9 @@ def jpeg_key(share: float) -> str:
 class DecodeAhead:
     """`fix(batch)` for each batch in order, run by a thread of its own up to `depth` batches
     ahead of the caller (started at once, so it works while the encoder is made), so the
-    GPU's JPEG decoding (whose calls let go of the GIL) overlaps the encoder's work on the
-    caller's thread; the thread's seconds go to the `device_decode` stage. An error in the
+    Python around the GPU's JPEG decoding (whose calls let go of the GIL) overlaps the
+    encoder's on the caller's thread (`encode._encode_local` still lets one thread at a time
+    have work on the device); the thread's seconds go to the `device_decode` stage. An error in the
     thread is raised by `next`, at the batch it reached; `close` (or the `with` block's end)
     stops the thread, which a caller that stops early must do."""
 
@@ -159,10 +161,12 @@ class DecodeAhead:
             raise StopIteration
         return batch
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 30.0) -> None:
         self._done = True
         self._stop.set()
-        self._thread.join()
+        self._thread.join(wait_s)  # past a batch in hand: a worker stuck reading a file
+        if self._thread.is_alive():  # must not keep the caller's own error from being told
+            log.warning("the JPEG decoding thread did not stop within %.0f s; left behind", wait_s)
 
     def __enter__(self) -> DecodeAhead:
         return self

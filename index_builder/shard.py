@@ -35,7 +35,8 @@ SHARD_FIELDS = (
 
 
 class ShardBuilder:
-    """Collects one shard's encoded image batches, then encodes its captions."""
+    """Collects one shard's encoded image batches, then encodes its captions (all of them,
+    keeping those of the items whose image decoded or that have none)."""
 
     def __init__(
         self,
@@ -77,24 +78,21 @@ class ShardBuilder:
             self.vecs.append(vec)
             self.toks.append(tok)
 
-    def texts(self) -> list[str]:
-        """The captions the shard encodes: every item's whose image decoded (or has none)."""
-        ok = {d.pos: not d.error for d in self.decoded}
-        return [c for it in self.items if it.image is None or ok[it.pos] for c in it.captions]
-
     def finish(
         self, dim: int, token_shape: tuple[int, int], text_vectors: np.ndarray | None = None
     ) -> dict[str, np.ndarray]:
-        """Encode the captions of every item whose image decoded (or that has none), unless
-        `text_vectors` holds them already: those of all the shard's captions, encoded by
-        `caption_chunks` elsewhere, which are these when as many (only an image that did not
-        decode takes captions out, so the same count means the same captions)."""
-        texts = self.texts()
-        if text_vectors is not None and len(text_vectors) == len(texts):
-            tvecs = text_vectors
-        else:
+        """The shard's arrays. Its captions are all encoded (`caption_chunks`), unless
+        `text_vectors` holds them already (encoded elsewhere, as the CPU build's workers do);
+        then those of items whose image did not decode are dropped. So a caption's vector
+        never depends on another item's image failing, whoever encoded it."""
+        texts = [c for it in self.items for c in it.captions]
+        ok = {d.pos: not d.error for d in self.decoded}
+        keep = [it.image is None or ok[it.pos] for it in self.items for _ in it.captions]
+        if text_vectors is None:
             with self.stages("encode_texts"):
-                tvecs = self._texts(texts)
+                text_vectors = self._texts(texts)
+        if len(text_vectors) != len(texts):
+            raise ValueError(f"{len(text_vectors)} caption vectors for {len(texts)} captions")
         return {
             "image_ok": np.array([not d.error for d in self.decoded], dtype=bool),
             "image_sha": np.array(
@@ -109,7 +107,11 @@ class ShardBuilder:
                 if self.toks
                 else np.zeros((0, *token_shape), np.float16)
             ),
-            "text_vectors": tvecs if len(texts) else np.zeros((0, dim), np.float32),
+            "text_vectors": (
+                text_vectors[np.array(keep, dtype=bool)]
+                if any(keep)
+                else np.zeros((0, dim), np.float32)
+            ),
         }
 
     def _texts(self, texts: list[str]) -> np.ndarray:

@@ -59,8 +59,9 @@ def _shard_key(
         json.dumps(
             {
                 # 2: captions encoded in batches sorted by length; 3: images decoded by
-                # models.images.open_rgb (upright by EXIF, JPEGs at a DCT scale)
-                "shard_format": 3,
+                # models.images.open_rgb (upright by EXIF, JPEGs at a DCT scale); 4: every
+                # caption encoded, a failed image's captions dropped after
+                "shard_format": 4,
                 "model": model.fingerprint,
                 "device": dev.type,
                 "autocast": str(autocast_dtype(dev)),

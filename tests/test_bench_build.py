@@ -71,6 +71,7 @@ def test_build_devices_benchmark_runs() -> None:
         (["--devices", "cpu,cpu"], "names a device twice"),
         (["--runs", "cpu;cuda@0-7;tpu"], "unknown device 'tpu'"),
         (["--runs", "cpu;cuda-nvjpeg:0.4;cuda-nvjpeg:1.5"], "unknown device 'cuda-nvjpeg:1.5'"),
+        (["--runs", "cpu;cuda:0.4"], "unknown device 'cuda:0.4'"),
     ):
         refused = subprocess.run(
             [*SCRIPT, *args], capture_output=True, text=True, timeout=60, cwd=REPO

@@ -48,7 +48,7 @@ def test_decode_jpeg_takes_cpu_gpu_or_a_share_and_keys_each_apart(
 ) -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert gpu_share_of("cpu", cuda, fast_path=True) == 0.0
-    for bad in ("nvjpeg", "0", "1", "1.5", "-0.2", "half"):
+    for bad in ("nvjpeg", "0", "1", "1.5", "-0.2", "half", "0.0004", "0.9996", "inf", "nan"):
         with pytest.raises(BuildError, match="unknown --decode-jpeg"):
             gpu_share_of(bad, cuda, fast_path=True)
     with pytest.raises(BuildError, match="builtin model with --engine local"):

@@ -1,10 +1,12 @@
 """The CPU build's pieces of work (`index_builder.cpu_encode`): batches of a shard's images
 and chunks of its captions spread over the workers, put together into the very shards a
-whole-shard encoder writes, an image that fails to decode included."""
+whole-shard encoder writes: images that fail to decode, items without an image or without
+captions, and a shard of several caption chunks included."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Set
 from pathlib import Path
 
 import numpy as np
@@ -18,24 +20,32 @@ from index_builder.stages import Stages
 from models.builtin import BuiltinModel
 
 
-def _plan(corpus: Path, n: int, broken: int, tmp: Path) -> list[PlanItem]:
-    lines = [json.loads(x) for x in corpus.read_text().splitlines()[:n]]
+def _plan(corpus: Path, n: int, tmp: Path, broken: Set[int] = frozenset()) -> list[PlanItem]:
+    """n items cycling through the corpus's; those in `broken` point at a broken file; item 6
+    has no image, item 7 no captions."""
+    lines = [json.loads(x) for x in corpus.read_text().splitlines()]
     bad = tmp / "broken.png"
     bad.write_bytes(b"\x89PNG not really")
     plan = []
-    for i, x in enumerate(lines):
-        image = bad if i == broken else corpus.parent / x["image"]
-        plan.append(PlanItem(i, x["id"], str(image), x["image"], i + 1, tuple(x["captions"])))
+    for i in range(n):
+        x = lines[i % len(lines)]
+        image: str | None = str(bad if i in broken else corpus.parent / x["image"])
+        caps = tuple(x["captions"])
+        if i == 6:
+            image = None
+        if i == 7:
+            caps = ()
+        plan.append(PlanItem(i, f"{x['id']}-{i}", image, x["image"], i + 1, caps))
     return plan
 
 
 def _whole_shard(
-    plan: list[PlanItem], a: int, b: int, model: BuiltinModel
+    plan: list[PlanItem], a: int, b: int, model: BuiltinModel, batch: int
 ) -> dict[str, np.ndarray]:
     """A shard as one process encodes it in one go (as the Ray engine's actors do)."""
-    shard = ShardBuilder(plan[a:b], Encoder(model, torch.device("cpu")), 3)
+    shard = ShardBuilder(plan[a:b], Encoder(model, torch.device("cpu")), batch)
     with _one_thread():
-        for positions in shard_batches(plan, a, b, 3):
+        for positions in shard_batches(plan, a, b, batch):
             shard.add([decode(plan[p], model.model.cfg.image_size) for p in positions])
         return shard.finish(model.dim, model.token_shape)
 
@@ -44,24 +54,38 @@ def _whole_shard(
 def test_units_put_together_are_the_whole_shards_bytes(
     tmp_path: Path, corpus: Path, model: BuiltinModel, workers: int
 ) -> None:
-    plan = _plan(corpus, 10, broken=5, tmp=tmp_path)
-    missing = [(0, 0, 4), (1, 4, 8), (2, 8, 10)]
+    # shard 1 loses one image, shard 2 every image; shard 3 has 1,100+ captions (two chunks)
+    plan = _plan(corpus, 250, tmp_path, broken={5, 8, 9})
+    missing = [(0, 0, 4), (1, 4, 8), (2, 8, 10), (3, 10, 250)]
     units, counts, orders = shard_units(plan, missing, 3)
-    assert counts == [2 + 1, 2 + 1, 1 + 1] and sum(counts) == len(units)
-    assert [u.shard for u in units] == [0, 0, 0, 1, 1, 1, 2, 2]
-    assert units[2].texts and len(units[2].texts) == 4 * 5 and len(orders[0]) == 20
+    assert counts[:3] == [2 + 1, 1 + 1, 1 + 1] and sum(counts) == len(units)
+    assert [u.shard for u in units] == sorted(u.shard for u in units)
+    assert sum(1 for u in units if u.shard == 3 and u.texts) == 2 and len(orders[3]) == 240 * 5
     stages = Stages()
     checked: list[int] = []
     encode_cpu_shards(
         plan, missing, tmp_path, model, 3, workers, False, lambda k, _: checked.append(k), stages
     )
-    assert checked == [0, 1, 2]
+    assert checked == [0, 1, 2, 3]
     assert stages.seconds["encode_texts"] > 0 and stages.seconds["decode_busy"] > 0
     for k, a, b in missing:
-        got, want = read_shard(shard_path(tmp_path, k)), _whole_shard(plan, a, b, model)
+        got, want = read_shard(shard_path(tmp_path, k)), _whole_shard(plan, a, b, model, 3)
         for name in SHARD_FIELDS:
             assert got[name].dtype == want[name].dtype, (k, name)
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"shard {k} {name}")
-    broken = read_shard(shard_path(tmp_path, 1))
-    assert broken["image_ok"].tolist() == [True, False, True, True]
-    assert len(broken["text_vectors"]) == 3 * 5  # the broken image's captions left out
+    one = read_shard(shard_path(tmp_path, 1))  # items 4-7: 5 broken, 6 no image, 7 no captions
+    assert one["image_ok"].tolist() == [True, False, True] and len(one["image_vectors"]) == 2
+    assert len(one["text_vectors"]) == 2 * 5  # item 4's and item 6's
+    assert read_shard(shard_path(tmp_path, 2))["text_vectors"].shape == (0, model.dim)
+
+
+def test_a_caption_keeps_its_vector_when_another_items_image_fails(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
+    """Every caption is encoded and a failed image's are dropped after, so the others'
+    vectors are those of the same shard with nothing failing, to the bit."""
+    plan, clean = _plan(corpus, 12, tmp_path, broken={2}), _plan(corpus, 12, tmp_path)
+    failed, whole = _whole_shard(plan, 0, 12, model, 4), _whole_shard(clean, 0, 12, model, 4)
+    caps = [len(it.captions) for it in clean]
+    drop = np.repeat(np.arange(12) == 2, caps)
+    np.testing.assert_array_equal(failed["text_vectors"], whole["text_vectors"][~drop])
