@@ -239,7 +239,8 @@ for s in $STEPS; do
     ;;
   tests)
     step tests 240 60 "${PYTEST[@]}" tests/test_model.py tests/test_gpu_search.py \
-      tests/test_builder_ann.py tests/test_inference.py tests/test_train_device.py
+      tests/test_builder_ann.py tests/test_inference.py tests/test_train_device.py \
+      tests/test_build_gpu_share.py
     ;;
   build)
     python3 -c "import faiss, importlib.util as u; print('torchvision', bool(u.find_spec('torchvision')),

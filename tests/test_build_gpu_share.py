@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from PIL import Image
 
 import index_builder.encode as encode_mod
 from index_builder.decode import DecodedBatch, PlanItem, decode, left_to_device
-from index_builder.device_decode import DecodeAhead, gpu_share_of, jpeg_key
+from index_builder.device_decode import DecodeAhead, gpu_share_of, jpeg_decoder, jpeg_key
 from index_builder.encode import _encode_local, read_shard, shard_batches, shard_path
 from index_builder.errors import BuildError
 from index_builder.stages import Stages
@@ -166,3 +167,31 @@ def test_a_split_encode_step_matches_the_workers_alone_to_the_last_digits(
         np.testing.assert_array_equal(a["text_vectors"], b["text_vectors"])
         np.testing.assert_array_equal(a["image_vectors"][::2], b["image_vectors"][::2])
     assert shard_batches(plan, 0, 4, 3) == [[0, 1, 2], [3]]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or jpeg_decoder(torch.device("cuda")) is None,
+    reason="needs a CUDA GPU and torchvision",
+)
+def test_a_cuda_build_with_its_jpegs_shared_agrees_with_the_workers_alone(
+    tmp_path: Path, model: BuiltinModel
+) -> None:
+    """On a GPU host, many small batches (so the decoding thread and the encoder take many
+    turns on the device): every image's vector with half or all of the JPEGs on nvJPEG is
+    the workers-alone vector to a decode's difference, never another image's."""
+    from index_builder.build import build
+
+    manifest = write_corpus(
+        tmp_path / "c", 96, seed=29, progress=False, photo=PhotoStyle(size=(160, 120), tiles=2)
+    )
+    args: dict[str, Any] = {"progress": False, "device": "cuda", "batch_size": 8, "workers": 2}
+    cpu = build(manifest, tmp_path / "cpu", model, **args)
+    ref = np.load(cpu.path / "image_vectors.npy")
+    for share in ("0.5", "gpu"):
+        got = build(manifest, tmp_path / share, model, decode_jpeg=share, **args)
+        assert got.manifest.build is not None
+        assert got.manifest.build.jpeg == ("gpu 0.5" if share == "0.5" else "gpu")
+        vecs = np.load(got.path / "image_vectors.npy")
+        cos = (vecs * ref).sum(1)
+        assert cos.min() > 0.98, (share, cos.min())
+        assert ((vecs @ ref.T).argmax(1) == np.arange(len(ref))).mean() > 0.95
