@@ -92,4 +92,26 @@ def plan_shards(
         log.info(
             "resuming: %d of %d shards already encoded in %s", len(done), len(ranges), directory
         )
+    _tell_others(directory)
     return ShardPlan(plan, directory, ranges, done, missing)
+
+
+def _tell_others(directory: Path) -> None:
+    """Say what other builds' shards wait beside this build's (an interrupted build with
+    another corpus or other arguments, or one from an older duet, whose shards a new key no
+    longer finds): kept for a build that resumes them, but disk a user may want back."""
+    others = [d for d in directory.parent.iterdir() if d.is_dir() and d != directory]
+    if not others:
+        return
+    files = [f for d in others for f in d.glob("shard-*.npy")]
+    size = sum(f.stat().st_size for f in files if f.is_file())
+    log.warning(
+        "%s holds %d other build(s)' shards (%d files, %.1f MB) that this build does not use "
+        "(another corpus, other arguments, or an older duet); they are kept for the build "
+        "that would resume them: delete them (rm -r %s) if none will",
+        directory.parent,
+        len(others),
+        len(files),
+        size / 1e6,
+        " ".join(str(d) for d in others[:3]) + (" ..." if len(others) > 3 else ""),
+    )

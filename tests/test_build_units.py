@@ -89,3 +89,33 @@ def test_a_caption_keeps_its_vector_when_another_items_image_fails(
     caps = [len(it.captions) for it in clean]
     drop = np.repeat(np.arange(12) == 2, caps)
     np.testing.assert_array_equal(failed["text_vectors"], whole["text_vectors"][~drop])
+
+
+def test_a_build_says_which_other_builds_shards_wait_beside_its_own(
+    tmp_path: Path, corpus: Path, model: BuiltinModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Shards of a build never finished with other arguments stay (it may resume), but a
+    build says they are there, how big, and how to delete them."""
+    from index_builder.build import build
+
+    lines = corpus.read_text().splitlines()[:4]
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(
+        "\n".join(
+            json.dumps({**json.loads(x), "image": str(corpus.parent / json.loads(x)["image"])})
+            for x in lines
+        )
+        + "\n"
+    )
+    stale = tmp_path / "idx" / ".shards" / "0123abcd"
+    stale.mkdir(parents=True)
+    (stale / "shard-000000.npy").write_bytes(b"\0" * 2_000_000)
+    with caplog.at_level("WARNING", logger="duet.build"):
+        build(manifest, tmp_path / "idx", model, progress=False, workers=0)
+    said = [r.getMessage() for r in caplog.records if "other build(s)' shards" in r.getMessage()]
+    assert len(said) == 1 and "1 other build(s)' shards (1 files, 2.0 MB)" in said[0]
+    assert f"rm -r {stale}" in said[0] and stale.is_dir()  # told, not deleted
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="duet.build"):
+        build(manifest, tmp_path / "clean", model, progress=False, workers=0)
+    assert not any("other build" in r.getMessage() for r in caplog.records)
