@@ -226,10 +226,11 @@ def create_app(
         lifespan=_lifespan(settings, resources, metrics),
         summary="Image-text retrieval: dot-product top-M, cross-encoder re-rank",
         # a front passes the documents through to the owner, whose routes they describe
-        # (a front's own would list its search routes alone)
+        # (a front's own would list its search routes alone); /docs and /redoc are the UI
+        # router's (FastAPI's pages, with a note for a browser that cannot reach their CDN)
         openapi_url=None if front else "/openapi.json",
-        docs_url=None if front else "/docs",
-        redoc_url=None if front else "/redoc",
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.decoder = ImageDecoder(
@@ -248,7 +249,7 @@ def create_app(
 
     app.add_middleware(search.TextSearchASGI, fastapi=app)  # inside BodyLimit, see its doc
     app.add_middleware(BodyLimit, limit_for=body_limits(settings))
-    # duet's routes and FastAPI's own (/openapi.json, /docs, /redoc); the app's list holds
+    # duet's routes and FastAPI's own (/openapi.json); the app's list holds
     # the included routers as wrappers, which have no path to label with
     own = [r for r in app.router.routes if isinstance(getattr(r, "path", None), str)]
     routes = [*own, *(route for router in routers for route in router.routes)]

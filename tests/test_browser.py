@@ -59,6 +59,8 @@ def browser() -> Iterator[Any]:
         "--no-sandbox",
         "--disable-dev-shm-usage",
         "--window-size=1200,900",
+        # the CDN the API pages load their scripts from, out of reach whatever the network
+        "--host-resolver-rules=MAP cdn.jsdelivr.net ~NOTFOUND",
     ):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=DriverService(executable_path=driver_path), options=opts)
@@ -293,3 +295,19 @@ def test_a_text_search_is_an_address_that_runs_it_again(service: Service, browse
     WebDriverWait(d, 30).until(lambda drv: len(drv.find_elements(By.CSS_SELECTOR, "#grid .hit")))
     assert d.find_element(By.ID, "query").get_attribute("value") == "two blue squares"
     assert d.find_element(By.CSS_SELECTOR, "#grid .hit").text == first
+
+
+def test_the_api_pages_say_what_to_read_when_their_cdn_is_out_of_reach(
+    service: Service, browser: Any
+) -> None:
+    """/docs and /redoc are FastAPI's pages, whose scripts come from cdn.jsdelivr.net: on an
+    offline network (the CDN unresolvable here) each says so and links /openapi.json instead
+    of staying blank."""
+    d = browser
+    for path, drawer in (("/docs", "Swagger UI"), ("/redoc", "ReDoc")):
+        d.get(service.url + path)
+        note = WebDriverWait(d, 20).until(lambda d: d.find_elements(By.ID, "docs-offline"))
+        assert "cdn.jsdelivr.net" in note[0].text and drawer in note[0].text, note[0].text
+        link = d.find_element(By.LINK_TEXT, "/openapi.json")
+        assert link.get_attribute("href") == service.url + "/openapi.json"
+        assert d.title == "duet API: the page's script did not load"

@@ -1,5 +1,7 @@
 """The page at / (a search box, an image upload, the results as a grid) and the images the
-index names, so a person can see what duet does. Offline: no CDN, no build step."""
+index names, so a person can see what duet does. Offline: no CDN, no build step. Also the
+API's pages, /docs and /redoc: FastAPI's, whose scripts come from a CDN, so each says what
+to read instead when the browser cannot reach it (an offline or firewalled network)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import os
 from pathlib import Path
 
 from fastapi import APIRouter, Request, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse
 
 from app.errors import ImageNotFound, NotReady, documented
@@ -43,6 +46,43 @@ async def favicon() -> FileResponse:
     return FileResponse(
         ICON, media_type="image/png", headers={"Cache-Control": "public, max-age=86400"}
     )
+
+
+# shown instead of an API page whose script did not load: a blank page otherwise
+UNREACHABLE = """<script>
+window.addEventListener("load", function () {
+  if (typeof %(script)s !== "undefined") return;
+  document.title = "duet API: the page's script did not load";
+  document.body.innerHTML = '<main style="font: 16px/1.5 system-ui, sans-serif; ' +
+    'max-width: 42em; margin: 3em auto; padding: 0 1em">' +
+    '<h1>duet API</h1><p id="docs-offline">This page draws the API with %(what)s, whose ' +
+    'script comes from cdn.jsdelivr.net, and this browser could not reach it (an offline ' +
+    'or firewalled network). The whole API is described in ' +
+    '<a href="/openapi.json">/openapi.json</a> (OpenAPI 3.1: open it, or load it into ' +
+    'any OpenAPI viewer), and the search page is at <a href="/">/</a>.</p></main>';
+});
+</script>
+</body>"""
+
+
+def _with_note(page: HTMLResponse, script: str, what: str) -> HTMLResponse:
+    html = page.body.decode() if isinstance(page.body, bytes) else str(page.body)
+    note = UNREACHABLE % {"script": script, "what": what}
+    return HTMLResponse(html.replace("</body>", note, 1))
+
+
+@router.api_route("/docs", methods=["GET", "HEAD"], include_in_schema=False)
+async def swagger_ui() -> HTMLResponse:
+    """FastAPI's Swagger UI page for /openapi.json, or a note when its script is out of reach."""
+    page = get_swagger_ui_html(openapi_url="/openapi.json", title="duet - Swagger UI")
+    return _with_note(page, "SwaggerUIBundle", "Swagger UI")
+
+
+@router.api_route("/redoc", methods=["GET", "HEAD"], include_in_schema=False)
+async def redoc() -> HTMLResponse:
+    """FastAPI's ReDoc page for /openapi.json, or a note when its script is out of reach."""
+    page = get_redoc_html(openapi_url="/openapi.json", title="duet - ReDoc")
+    return _with_note(page, "Redoc", "ReDoc")
 
 
 def allowed(path: Path, roots: list[Path]) -> bool:
