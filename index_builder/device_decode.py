@@ -19,9 +19,11 @@ pixel: vectors differ in the last digits, as autocast makes them
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -102,23 +104,55 @@ def jpeg_key(share: float) -> str:
     return "cpu" if share <= 0.0 else "gpu" if share >= 1.0 else f"gpu {share:g}"
 
 
+class DeviceTurns:
+    """One thread's work on the device at a time, the encoder's or the JPEG decoding
+    thread's, each turn synchronised before the next begins. nvJPEG writes its pictures from
+    a CUDA stream of its own into tensors allocated on the caller's stream, whose memory the
+    caching allocator may just have taken back from kernels still queued there (torchvision
+    waits for nothing on the caller's stream first); with every turn ending on an idle
+    device, what the allocator hands out is never still in use. Their CPU sides overlap.
+    A turn's seconds inside go to the stage it names; the wait for it to the stage named so."""
+
+    def __init__(self, device: torch.device, stages: Stages) -> None:
+        self.device, self.stages = device, stages
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def turn(self, waited: str = "", inside: str = "") -> Iterator[None]:
+        asked = time.perf_counter()
+        with self._lock:
+            began = time.perf_counter()
+            if waited:
+                self.stages.add(waited, began - asked)
+            try:
+                yield
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            finally:
+                if inside:
+                    self.stages.add(inside, time.perf_counter() - began)
+
+    def held(self) -> bool:
+        """Whether some thread has its turn now (for tests)."""
+        return self._lock.locked()
+
+
 class DecodeAhead:
     """`fix(batch)` for each batch in order, run by a thread of its own up to `depth` batches
     ahead of the caller (started at once, so it works while the encoder is made), so the
     Python around the GPU's JPEG decoding (whose calls let go of the GIL) overlaps the
-    encoder's on the caller's thread (`encode._encode_local` still lets one thread at a time
-    have work on the device); the thread's seconds go to the `device_decode` stage. An error in the
-    thread is raised by `next`, at the batch it reached; `close` (or the `with` block's end)
-    stops the thread, which a caller that stops early must do."""
+    encoder's on the caller's thread (`DeviceTurns` still lets one thread at a time have work
+    on the device). An error in the thread is raised by `next`, at the batch it reached;
+    `close` (or the `with` block's end) stops the thread, which a caller that stops early
+    must do."""
 
     def __init__(
         self,
         batches: Iterator[DecodedBatch],
         fix: Callable[[DecodedBatch], DecodedBatch],
-        stages: Stages,
         depth: int = 2,
     ) -> None:
-        self._batches, self._fix, self._stages = batches, fix, stages
+        self._batches, self._fix = batches, fix
         self._out: queue.Queue[tuple[DecodedBatch | None, BaseException | None]]
         self._out = queue.Queue(depth)
         self._stop = threading.Event()
@@ -138,9 +172,7 @@ class DecodeAhead:
     def _run(self) -> None:
         try:
             for batch in self._batches:
-                with self._stages("device_decode"):
-                    fixed = self._fix(batch)
-                if not self._put((fixed, None)):
+                if not self._put((self._fix(batch), None)):
                     return
         except BaseException as exc:  # handed to the caller, raised there
             self._put((None, exc))
@@ -195,44 +227,65 @@ def resolve(
     size: int,
     device: torch.device,
     decoder: JpegDecoder,
+    turns: DeviceTurns | None = None,
 ) -> DecodedBatch:
     """`batch` with its deferred JPEGs decoded on `device`: every row's pixels in one tensor
-    there, in batch order; an image neither the device nor PIL decodes becomes an error."""
+    there, in batch order; an image neither the device nor PIL decodes becomes an error.
+    With `turns`, the device work happens in turns (`DeviceTurns`, timed as `device_decode`),
+    nvJPEG's call first in its turn (before anything of the turn is freed), and what PIL
+    decodes instead (a file nvJPEG refused) is decoded between turns."""
     if not batch.deferred:
         return batch
+
+    def turn() -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if turns is None else turns.turn(inside="device_decode")
+
     n = len(batch.rows) + len(batch.deferred)
-    out = torch.empty((n, 3, size, size), dtype=torch.uint8, device=device)
-    if batch.pixels is not None:
-        out[batch.rows] = batch.pixels.to(device, non_blocking=True)
     data = [
         torch.frombuffer(bytearray(d.jpeg or b""), dtype=torch.uint8) for _, d in batch.deferred
     ]
-    try:
-        images: list[torch.Tensor | None] = list(decoder(data))
-    except (RuntimeError, ValueError, OSError):  # one bad file fails the call: PIL tries each
-        images = [None] * len(data)
+    with turn():
+        try:
+            images: list[torch.Tensor | None] = list(decoder(data))
+        except (RuntimeError, ValueError, OSError):  # one bad file fails the call: PIL tries each
+            images = [None] * len(data)
+        out = torch.empty((n, 3, size, size), dtype=torch.uint8, device=device)
+        if batch.pixels is not None:
+            out[batch.rows] = batch.pixels.to(device, non_blocking=True)
+        same_size: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
+        refused: list[tuple[int, Decoded]] = []  # for PIL, after this turn
+        for (row, d), img in zip(batch.deferred, images, strict=True):
+            if img is None:
+                refused.append((row, d))
+                continue
+            turned = upright(img, d.orientation)
+            same_size.setdefault(tuple(turned.shape), []).append((row, turned))
+        for group in same_size.values():  # one resize per picture size, not per picture
+            _, h, w = group[0][1].shape
+            step = max(1, RESIZE_PIXELS // (h * w))  # 256 phone photos at once: ~47 GB as floats
+            for lo in range(0, len(group), step):
+                part = group[lo : lo + step]
+                rows = torch.tensor([row for row, _ in part], device=device)
+                out[rows] = resize(torch.stack([img for _, img in part]), size)
+        del images, same_size
     items = list(batch.items)
     at = {d.pos: i for i, d in enumerate(items)}
     keep = [True] * n
-    same_size: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
-    for (row, d), img in zip(batch.deferred, images, strict=True):
-        if img is not None:
-            turned = upright(img, d.orientation)
-            same_size.setdefault(tuple(turned.shape), []).append((row, turned))
-            continue
+    fallback: list[tuple[int, torch.Tensor]] = []
+    t0 = time.perf_counter()
+    for row, d in refused:  # on the CPU, between turns
         got = decode_at(plan[d.pos], d.jpeg or b"", d.sha256, size)
         if got.error:
             items[at[d.pos]] = Decoded(d.pos, None, d.sha256, got.error, d.seconds)
             keep[row] = False
         else:
-            out[row] = got.pixels.to(device)
-    for group in same_size.values():  # one resize per picture size, not per picture
-        _, h, w = group[0][1].shape
-        step = max(1, RESIZE_PIXELS // (h * w))  # 256 phone photos at once: ~47 GB as floats
-        for lo in range(0, len(group), step):
-            part = group[lo : lo + step]
-            rows = torch.tensor([row for row, _ in part], device=device)
-            out[rows] = resize(torch.stack([img for _, img in part]), size)
-    if not all(keep):
-        out = out[torch.tensor(keep, device=device)]
+            fallback.append((row, got.pixels))
+    if turns is not None and refused:
+        turns.stages.add("device_decode", time.perf_counter() - t0)
+    if fallback or not all(keep):
+        with turn():
+            for row, pixels in fallback:
+                out[row] = pixels.to(device)
+            if not all(keep):
+                out = out[torch.tensor(keep, device=device)]
     return DecodedBatch(items, out, list(range(len(out))), [])

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,14 +28,13 @@ import numpy as np
 import torch
 
 from index_builder.decode import (
-    DecodedBatch,
     PlanItem,
     decode,
     decode_rgb,
     decoded_batches,
     shard_batches,
 )
-from index_builder.device_decode import DecodeAhead, JpegDecoder, jpeg_decoder, resolve
+from index_builder.device_decode import DecodeAhead, DeviceTurns, jpeg_decoder, resolve
 from index_builder.progress import EncodeProgress
 from index_builder.shard import (
     SHARD_FIELDS,
@@ -107,9 +105,10 @@ class Encoder:
         self.tokenizer = model.tokenizer
         self.image_size = model.model.cfg.image_size
         self.net: JointModel = model.model if device.type == "cpu" else _moved(model, device)
-        # held while this encoder's work is on the device, each call synchronised before it
-        # lets go: `_encode_local` shares it with the thread that decodes JPEGs there
-        self.device_lock: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        # a turn on the device for each call's work (`device_decode.DeviceTurns`, when a
+        # thread decodes JPEGs there too: `_encode_local`); none needed otherwise
+        self.device_turn: Callable[[], contextlib.AbstractContextManager[Any]]
+        self.device_turn = contextlib.nullcontext
 
     def images(
         self, pixels: torch.Tensor | Sequence[torch.Tensor]
@@ -120,14 +119,14 @@ class Encoder:
             pixels = torch.stack(list(pixels))
         if pixels.device.type == "cpu" and self.device.type == "cuda" and not pixels.is_pinned():
             pixels = pixels.pin_memory()  # page-locked, so the copy can overlap the last batch
-        with self.device_lock:  # each result copied back (to numpy): the device is idle after
+        with self.device_turn():
             x = pixels.to(self.device, non_blocking=True).float() / 255.0
             return self._finite(lambda dtype: encode_pixels(self.net, x, dtype))
 
     def texts(self, texts: Sequence[str]) -> np.ndarray:
         """Captions -> (n, dim) float32 unit vectors, by the service's own `encode_ids`."""
         ids, pad = self.tokenizer.batch(list(texts))
-        with self.device_lock:
+        with self.device_turn():
             ids, pad = ids.to(self.device), pad.to(self.device)
             return self._finite(lambda dtype: encode_ids(self.net, ids, pad, dtype))
 
@@ -196,19 +195,17 @@ def _encode_local(
         gpu_share=gpu_share if jpegs is not None else 0.0,
     )
     ahead: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    # One thread's work on the device at a time, synchronised before the lock is let go:
-    # nvJPEG writes its pictures from a stream of its own into memory the caching allocator
-    # may just have taken back from the encoder's still-queued kernels, so the two threads
-    # never have work queued at once (their CPU sides still overlap).
-    on_device: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    turns = DeviceTurns(dev, stages)  # the encoder and the decoding thread, in turns
     if jpegs is not None:  # its thread stops at the `with` block's end, whatever ends it
-        on_device = threading.Lock()
-        batches = ahead = DecodeAhead(batches, _decoding(plan, size, dev, jpegs, on_device), stages)
+        decoder = jpegs  # bound for the thread's closure
+        batches = ahead = DecodeAhead(
+            batches, lambda b: resolve(b, plan, size, dev, decoder, turns)
+        )
     try:
-        with stages("setup"), on_device:
+        with stages("setup"), turns.turn():
             encoder = Encoder(model, dev)
-            _synchronize(dev)
-        encoder.device_lock = on_device
+        if jpegs is not None:
+            encoder.device_turn = lambda: turns.turn(waited="device_wait")
     except BaseException:
         ahead.__exit__(None, None, None)
         raise
@@ -238,30 +235,6 @@ def _encode_local(
             bar.update(b - a)
         if written is not None:
             written.result()
-
-
-def _decoding(
-    plan: Sequence[PlanItem],
-    size: int,
-    dev: torch.device,
-    decoder: JpegDecoder,
-    on_device: contextlib.AbstractContextManager[Any],
-) -> Callable[[DecodedBatch], DecodedBatch]:
-    """What the decoding thread does to each batch: its JPEGs decoded and resized on the
-    device (`resolve`), holding `on_device` until the device has finished."""
-
-    def fix(batch: DecodedBatch) -> DecodedBatch:
-        with on_device:
-            got = resolve(batch, plan, size, dev, decoder)
-            _synchronize(dev)
-        return got
-
-    return fix
-
-
-def _synchronize(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _encode_rgb(

@@ -100,7 +100,12 @@ def _tell_others(directory: Path) -> None:
     """Say what other builds' shards wait beside this build's (an interrupted build with
     another corpus or other arguments, or one from an older duet, whose shards a new key no
     longer finds): kept for a build that resumes them, but disk a user may want back."""
-    others = [d for d in directory.parent.iterdir() if d.is_dir() and d != directory]
+    # (a folder with no shard yet, from a build that stopped before its first, holds nothing)
+    others = [
+        d
+        for d in directory.parent.iterdir()
+        if d.is_dir() and d != directory and any(d.glob("shard-*.npy"))
+    ]
     if not others:
         return
     files = [f for d in others for f in d.glob("shard-*.npy")]

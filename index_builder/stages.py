@@ -10,7 +10,9 @@ The stages, in build order:
 - `decode`: the time the encoder waited for decoded batches (read, sha256, decode, resize);
   with decode workers most of it overlaps encoding, so `decode_busy` adds up the seconds
   each image's decoding took, in whichever process or thread did it, and `device_decode`
-  the seconds the thread that has the GPU decode JPEGs (`--decode-jpeg`) spent on them;
+  the seconds the thread that has the GPU decode JPEGs (`--decode-jpeg`) spent on them, and
+  `device_wait` the encoder's waits for that thread's turn on the device (part of
+  `encode_images` and `encode_texts`: the two take turns, `device_decode.DeviceTurns`);
 - `encode_images`, `encode_texts`: the forward passes (copies to the device included);
 - `shards`: writing the encoded shards (and checking them for unreadable images); on a GPU
   build a thread does it while the next shard encodes, so it overlaps the encode stages;
@@ -43,7 +45,7 @@ STAGES = (
     "hash",
 )
 # seconds that overlap the stages above (decoding in workers), reported beside them
-EXTRA = ("decode_busy", "device_decode")
+EXTRA = ("decode_busy", "device_decode", "device_wait")
 
 
 class Stages:
@@ -71,5 +73,5 @@ class Stages:
         return {k: round(v, 3) for k, v in self.seconds.items()}
 
     def total(self) -> float:
-        """The stages' sum (`decode_busy` and `device_decode` left out: they overlap them)."""
+        """The stages' sum (`EXTRA` left out: those overlap them)."""
         return sum(self.seconds[k] for k in STAGES)

@@ -7,6 +7,7 @@ shows its time, and one kind of search clears the other's input."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -311,3 +312,24 @@ def test_the_api_pages_say_what_to_read_when_their_cdn_is_out_of_reach(
         link = d.find_element(By.LINK_TEXT, "/openapi.json")
         assert link.get_attribute("href") == service.url + "/openapi.json"
         assert d.title == "duet API: the page's script did not load"
+
+
+def test_an_api_page_whose_cdn_does_not_answer_says_so_while_it_waits(
+    service: Service, browser: Any
+) -> None:
+    """A network that drops the packets keeps the CDN script loading for minutes: after a
+    few seconds the page says what it waits for and links /openapi.json (the requests to
+    the CDN held unanswered through the DevTools protocol)."""
+    d = browser
+    d.execute_cdp_cmd("Fetch.enable", {"patterns": [{"urlPattern": "*cdn.jsdelivr.net*"}]})
+    try:
+        d.set_page_load_timeout(2)
+        with contextlib.suppress(Exception):  # the page never finishes loading: the point
+            d.get(service.url + "/docs")
+        note = WebDriverWait(d, 15).until(lambda d: d.find_elements(By.ID, "docs-waiting"))
+        assert "Still waiting for Swagger UI's script from cdn.jsdelivr.net" in note[0].text
+        link = note[0].find_element(By.LINK_TEXT, "/openapi.json")
+        assert link.get_attribute("href") == service.url + "/openapi.json"
+    finally:
+        d.execute_cdp_cmd("Fetch.disable", {})
+        d.set_page_load_timeout(300)

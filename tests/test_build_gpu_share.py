@@ -19,11 +19,17 @@ from PIL import Image
 
 import index_builder.encode as encode_mod
 from index_builder.decode import DecodedBatch, PlanItem, decode, left_to_device
-from index_builder.device_decode import DecodeAhead, gpu_share_of, jpeg_decoder, jpeg_key
+from index_builder.device_decode import (
+    DecodeAhead,
+    DeviceTurns,
+    gpu_share_of,
+    jpeg_decoder,
+    jpeg_key,
+)
 from index_builder.encode import _encode_local, read_shard, shard_batches, shard_path
 from index_builder.errors import BuildError
 from index_builder.stages import Stages
-from models.builtin import BuiltinModel
+from models.builtin import BuiltinModel, encode_pixels
 from models.world import PhotoStyle, write_corpus
 
 
@@ -83,7 +89,6 @@ def test_a_split_batch_holds_cpu_rows_and_gpu_jpegs_merged_in_order(tmp_path: Pa
 
 
 def test_the_ahead_thread_keeps_order_and_raises_where_its_batch_failed() -> None:
-    stages = Stages()
     items = [DecodedBatch([], torch.tensor([i]), [0], []) for i in range(6)]
     seen: list[int] = []
 
@@ -92,17 +97,16 @@ def test_the_ahead_thread_keeps_order_and_raises_where_its_batch_failed() -> Non
         seen.append(int(b.pixels[0]))
         return DecodedBatch([], b.pixels * 10, [0], [])
 
-    with DecodeAhead(iter(items), fix, stages) as ahead:
+    with DecodeAhead(iter(items), fix) as ahead:
         got = [int(b.pixels[0]) for b in ahead if b.pixels is not None]
     assert got == [10 * i for i in range(6)] and seen == list(range(6))
-    assert stages.seconds["device_decode"] > 0
 
     def broken(b: DecodedBatch) -> DecodedBatch:
         if b.pixels is not None and int(b.pixels[0]) == 3:
             raise ValueError("batch 3 is broken")
         return fix(b)
 
-    ahead = DecodeAhead(iter(items), broken, Stages())
+    ahead = DecodeAhead(iter(items), broken)
     assert [int(next(ahead).pixels[0]) for _ in range(3)] == [0, 10, 20]  # type: ignore[index]
     with pytest.raises(ValueError, match="batch 3 is broken"):
         next(ahead)
@@ -122,7 +126,7 @@ def test_an_encoder_that_stops_early_stops_the_ahead_thread() -> None:
             i += 1
 
     before = threading.active_count()
-    ahead = DecodeAhead(endless(), lambda b: b, Stages(), depth=2)  # type: ignore[arg-type]
+    ahead = DecodeAhead(endless(), lambda b: b, depth=2)  # type: ignore[arg-type]
     next(ahead)
     time.sleep(0.3)  # the thread fills its queue, then waits
     assert len(pulled) <= 5  # never more than `depth` ahead (plus the one in its hand)
@@ -136,7 +140,8 @@ def test_a_split_encode_step_matches_the_workers_alone_to_the_last_digits(
 ) -> None:
     """The GPU build's encode loop, run on the CPU with PIL at nvJPEG's place: half the
     JPEGs go through the ahead thread, the rest through the workers; every shard holds the
-    same items, in order, and vectors within a decode's difference of the workers alone."""
+    same items, in order, and vectors within a decode's difference of the workers alone. The
+    decoder and the encoder each work on the device only in a turn of their own."""
     manifest = write_corpus(
         tmp_path / "c", 10, seed=23, progress=False, photo=PhotoStyle(size=(96, 72), tiles=1)
     )
@@ -148,7 +153,28 @@ def test_a_split_encode_step_matches_the_workers_alone_to_the_last_digits(
         for i, x in enumerate(lines)
     ]
     missing = [(0, 0, 4), (1, 4, 8), (2, 8, 10)]
-    monkeypatch.setattr(encode_mod, "jpeg_decoder", lambda dev: _pil)
+    made: list[DeviceTurns] = []
+    in_turn: list[tuple[str, bool]] = []
+
+    class Turns(DeviceTurns):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            made.append(self)
+
+    def decoder(dev: torch.device) -> Any:
+        def run(data: list[torch.Tensor]) -> list[torch.Tensor]:
+            in_turn.append(("decoder", made[-1].held()))
+            return _pil(data)
+
+        return run
+
+    def pixels_in_turn(*args: Any) -> Any:
+        in_turn.append(("encoder", made[-1].held()))
+        return encode_pixels(*args)
+
+    monkeypatch.setattr(encode_mod, "jpeg_decoder", decoder)
+    monkeypatch.setattr(encode_mod, "DeviceTurns", Turns)
+    monkeypatch.setattr(encode_mod, "encode_pixels", pixels_in_turn)
 
     def run(share: float, out: Path) -> dict[int, dict[str, np.ndarray]]:
         out.mkdir()
@@ -158,7 +184,11 @@ def test_a_split_encode_step_matches_the_workers_alone_to_the_last_digits(
         assert (stages.seconds["device_decode"] > 0) == (share > 0)
         return {k: read_shard(shard_path(out, k)) for k, _, _ in missing}
 
-    alone, split = run(0.0, tmp_path / "a"), run(0.5, tmp_path / "b")
+    alone = run(0.0, tmp_path / "a")
+    assert {who for who, _ in in_turn} == {"encoder"}  # no decoding thread: no turns needed
+    in_turn.clear()
+    split = run(0.5, tmp_path / "b")
+    assert {who for who, _ in in_turn} == {"encoder", "decoder"} and all(h for _, h in in_turn)
     for k, _, _ in missing:
         a, b = alone[k], split[k]
         assert (a["image_sha"] == b["image_sha"]).all() and b["image_ok"].all()

@@ -6,6 +6,7 @@ to read instead when the browser cannot reach it (an offline or firewalled netwo
 from __future__ import annotations
 
 import os
+from html import escape as html_escape
 from pathlib import Path
 
 from fastapi import APIRouter, Request, Response
@@ -48,41 +49,87 @@ async def favicon() -> FileResponse:
     )
 
 
-# shown instead of an API page whose script did not load: a blank page otherwise
+# An API page's script comes from cdn.jsdelivr.net. Before that script's tag: a note shown
+# if it has not loaded within a few seconds (a network that drops the packets keeps the page
+# waiting for minutes), taken away if it does; at the page's load, without the script, the
+# page says what to read instead (a blank page otherwise).
+WAITING = """<script>
+setTimeout(function () {
+  if (typeof %(script)s !== "undefined" || document.getElementById("docs-waiting")) return;
+  var note = document.createElement("p");
+  note.id = "docs-waiting";
+  note.style = "font: 16px/1.5 system-ui, sans-serif; margin: 1em; padding: 0.5em 1em; " +
+    "background: #fff4d6; border: 1px solid #e0c070";
+  note.innerHTML = "Still waiting for %(what)s's script from cdn.jsdelivr.net: if this " +
+    "network cannot reach it, the whole API is described in " +
+    '<a href="%(openapi)s">/openapi.json</a>.';
+  document.body.insertBefore(note, document.body.firstChild);
+}, 4000);
+</script>
+<script src="https://cdn.jsdelivr.net"""
+
 UNREACHABLE = """<script>
 window.addEventListener("load", function () {
-  if (typeof %(script)s !== "undefined") return;
+  var waiting = document.getElementById("docs-waiting");
+  if (typeof %(script)s !== "undefined") {
+    if (waiting) waiting.remove();
+    return;
+  }
   document.title = "duet API: the page's script did not load";
   document.body.innerHTML = '<main style="font: 16px/1.5 system-ui, sans-serif; ' +
     'max-width: 42em; margin: 3em auto; padding: 0 1em">' +
     '<h1>duet API</h1><p id="docs-offline">This page draws the API with %(what)s, whose ' +
     'script comes from cdn.jsdelivr.net, and this browser could not reach it (an offline ' +
     'or firewalled network). The whole API is described in ' +
-    '<a href="/openapi.json">/openapi.json</a> (OpenAPI 3.1: open it, or load it into ' +
-    'any OpenAPI viewer), and the search page is at <a href="/">/</a>.</p></main>';
+    '<a href="%(openapi)s">/openapi.json</a> (OpenAPI 3.1: open it, or load it into ' +
+    'any OpenAPI viewer), and the search page is at <a href="%(root)s/">/</a>.</p></main>';
 });
 </script>
 </body>"""
 
 
-def _with_note(page: HTMLResponse, script: str, what: str) -> HTMLResponse:
+def _with_note(page: HTMLResponse, script: str, what: str, root: str) -> HTMLResponse:
     html = page.body.decode() if isinstance(page.body, bytes) else str(page.body)
-    note = UNREACHABLE % {"script": script, "what": what}
-    return HTMLResponse(html.replace("</body>", note, 1))
+    say = {"script": script, "what": what, "openapi": f"{root}/openapi.json", "root": root}
+    # the CDN's stylesheet applied once it loads, not awaited before anything is drawn or
+    # run (a pending stylesheet holds both back, the notes included)
+    html = html.replace(
+        'rel="stylesheet" href="https://cdn.jsdelivr.net',
+        'rel="stylesheet" media="print" onload="this.media=\'all\'" href="https://cdn.jsdelivr.net',
+        1,
+    )
+    html = html.replace('<script src="https://cdn.jsdelivr.net', WAITING % say, 1)
+    return HTMLResponse(html.replace("</body>", UNREACHABLE % say, 1))
+
+
+def _root(request: Request) -> str:
+    """The path the service is mounted at behind a proxy (uvicorn's --root-path), HTML-safe."""
+    return html_escape(str(request.scope.get("root_path", "")).rstrip("/"))
 
 
 @router.api_route("/docs", methods=["GET", "HEAD"], include_in_schema=False)
-async def swagger_ui() -> HTMLResponse:
+async def swagger_ui(request: Request) -> HTMLResponse:
     """FastAPI's Swagger UI page for /openapi.json, or a note when its script is out of reach."""
-    page = get_swagger_ui_html(openapi_url="/openapi.json", title="duet - Swagger UI")
-    return _with_note(page, "SwaggerUIBundle", "Swagger UI")
+    root = _root(request)
+    page = get_swagger_ui_html(
+        openapi_url=f"{root}/openapi.json",
+        title="duet - Swagger UI",
+        swagger_favicon_url=f"{root}/favicon.ico",
+    )
+    return _with_note(page, "SwaggerUIBundle", "Swagger UI", root)
 
 
 @router.api_route("/redoc", methods=["GET", "HEAD"], include_in_schema=False)
-async def redoc() -> HTMLResponse:
+async def redoc(request: Request) -> HTMLResponse:
     """FastAPI's ReDoc page for /openapi.json, or a note when its script is out of reach."""
-    page = get_redoc_html(openapi_url="/openapi.json", title="duet - ReDoc")
-    return _with_note(page, "Redoc", "ReDoc")
+    root = _root(request)
+    page = get_redoc_html(
+        openapi_url=f"{root}/openapi.json",
+        title="duet - ReDoc",
+        redoc_favicon_url=f"{root}/favicon.ico",
+        with_google_fonts=False,  # a stylesheet from another host, awaited before drawing
+    )
+    return _with_note(page, "Redoc", "ReDoc", root)
 
 
 def allowed(path: Path, roots: list[Path]) -> bool:
