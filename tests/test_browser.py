@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -312,6 +313,8 @@ def test_the_api_pages_say_what_to_read_when_their_cdn_is_out_of_reach(
         link = d.find_element(By.LINK_TEXT, "/openapi.json")
         assert link.get_attribute("href") == service.url + "/openapi.json"
         assert d.title == "duet API: the page's script did not load"
+    time.sleep(4.5)  # past the "still waiting" note's time: the page's load has called it off
+    assert not d.find_elements(By.ID, "docs-waiting") and d.find_elements(By.ID, "docs-offline")
 
 
 def test_an_api_page_whose_cdn_does_not_answer_says_so_while_it_waits(

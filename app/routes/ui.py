@@ -54,7 +54,7 @@ async def favicon() -> FileResponse:
 # waiting for minutes), taken away if it does; at the page's load, without the script, the
 # page says what to read instead (a blank page otherwise).
 WAITING = """<script>
-setTimeout(function () {
+window.duetWaiting = setTimeout(function () {
   if (typeof %(script)s !== "undefined" || document.getElementById("docs-waiting")) return;
   var note = document.createElement("p");
   note.id = "docs-waiting";
@@ -70,6 +70,7 @@ setTimeout(function () {
 
 UNREACHABLE = """<script>
 window.addEventListener("load", function () {
+  clearTimeout(window.duetWaiting);
   var waiting = document.getElementById("docs-waiting");
   if (typeof %(script)s !== "undefined") {
     if (waiting) waiting.remove();
