@@ -148,9 +148,7 @@ def batch1_latency(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-query seconds and ids of single-vector searches on one FAISS thread, stopping
     early (after at least 100 queries) once max_seconds have been spent."""
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    try:
+    with ann.faiss_threads(1):
         for i in range(min(WARMUP, len(queries))):
             search(index, queries[i : i + 1], knob)
         seconds, ids = [], []
@@ -162,8 +160,6 @@ def batch1_latency(
             ids.append(found[0])
             if i >= 99 and time.perf_counter() - start > max_seconds:
                 break
-    finally:
-        faiss.omp_set_num_threads(threads)
     return np.array(seconds), np.array(ids)
 
 
