@@ -3,7 +3,7 @@
 The model is small, and its forward passes do not keep two cores busy (torch's intra-op
 threads wait on each other at every small op, and worse on a busy machine), so cores are
 used across pieces of work instead: each worker (a DataLoader process, forked with the
-model) takes a `Unit` on one thread, either one batch of a shard's images (read, decode,
+model) takes a unit (`Units`) on one thread, either one batch of a shard's images (read, decode,
 resize, encode) or one chunk of its captions (`shard.caption_chunks`: sorted by length,
 max(batch size, 1024) at a time), and hands the arrays back in order; this process puts
 each shard together (`ShardBuilder.add_encoded`, `finish`) and writes it. `workers=0` does
@@ -19,6 +19,7 @@ resumed with other --workers writes the same files (`IDENTICAL_FILES`).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,51 +31,75 @@ import torch
 from index_builder.decode import Decoded, DecodedBatch, PlanItem, decode, shard_batches
 from index_builder.encode import Encoder
 from index_builder.progress import EncodeProgress
-from index_builder.shard import ShardBuilder, caption_chunks, in_order, shard_bytes, shard_path
+from index_builder.shard import (
+    TEXT_BATCH_MIN,
+    ShardBuilder,
+    caption_chunks,
+    in_order,
+    shard_bytes,
+    shard_path,
+)
 from index_builder.stages import Stages
 from models.builtin import BuiltinModel
 from store import indexio
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One piece of a shard's encoding: a batch of its images (plan positions) or a chunk
-    of its captions (already in the order they are encoded)."""
-
-    shard: int  # the shard's place in the missing list
-    positions: tuple[int, ...] = ()
-    texts: tuple[str, ...] = ()
-
 
 # what a unit gives back: its number, its images' outcomes (pixels dropped), their vectors
 # and tokens (None without any decoded), or its captions' vectors, and its stage seconds
 Done = tuple[int, list[Decoded], np.ndarray | None, np.ndarray | None, dict[str, float]]
 
 
-def shard_units(
-    plan: Sequence[PlanItem], missing: list[tuple[int, int, int]], batch_size: int
-) -> tuple[list[Unit], list[int], list[list[int]]]:
-    """Every missing shard's units, shard by shard, images first; how many each shard has;
-    and each shard's caption sort order (`caption_chunks`)."""
-    units: list[Unit] = []
-    counts: list[int] = []
-    orders: list[list[int]] = []
-    for s, (_, a, b) in enumerate(missing):
-        mine = [Unit(s, tuple(p)) for p in shard_batches(plan, a, b, batch_size)]
-        order, chunks = caption_chunks([c for it in plan[a:b] for c in it.captions], batch_size)
-        mine += [Unit(s, texts=tuple(c)) for c in chunks]
-        units += mine
-        counts.append(len(mine))
-        orders.append(order)
-    return units, counts, orders
+def shard_captions(plan: Sequence[PlanItem], a: int, b: int) -> list[str]:
+    """Every caption of plan[a:b], in item order: what a shard encodes (`ShardBuilder`)."""
+    return [c for it in plan[a:b] for c in it.captions]
+
+
+@dataclass(frozen=True)
+class Units:
+    """The missing shards' units, numbered shard by shard, each shard's image batches first,
+    then its caption chunks; only their counts are held (a million items' batches and
+    caption lists made up front would be hundreds of MB, copied into every worker), each
+    unit's work is made where it runs."""
+
+    plan: Sequence[PlanItem]
+    missing: list[tuple[int, int, int]]
+    batch_size: int
+    images: list[int]  # image batches per shard
+    counts: list[int]  # units per shard
+    starts: list[int]  # each shard's first unit number
+
+    @classmethod
+    def of(
+        cls, plan: Sequence[PlanItem], missing: list[tuple[int, int, int]], batch_size: int
+    ) -> Units:
+        step = max(batch_size, TEXT_BATCH_MIN)
+        images = [len(shard_batches(plan, a, b, batch_size)) for _, a, b in missing]
+        texts = [sum(len(it.captions) for it in plan[a:b]) for _, a, b in missing]
+        counts = [i + -(-t // step) for i, t in zip(images, texts, strict=True)]
+        starts = [0]
+        for c in counts[:-1]:
+            starts.append(starts[-1] + c)
+        return cls(plan, missing, batch_size, images, counts, starts)
+
+    def __len__(self) -> int:
+        return sum(self.counts)
+
+    def where(self, i: int) -> tuple[int, int]:
+        """Unit i's shard (its place in the missing list) and its place in that shard."""
+        s = bisect.bisect_right(self.starts, i) - 1
+        return s, i - self.starts[s]
+
+    def is_captions(self, i: int) -> bool:
+        s, j = self.where(i)
+        return j >= self.images[s]
 
 
 class UnitJobs(torch.utils.data.Dataset[Done]):
     """The units by number; item i is unit i encoded (in the process that asks)."""
 
-    def __init__(self, plan: Sequence[PlanItem], units: list[Unit], model: BuiltinModel) -> None:
-        self.plan, self.units, self.model = plan, units, model
+    def __init__(self, units: Units, model: BuiltinModel) -> None:
+        self.units, self.model = units, model
         self.encoder: Encoder | None = None  # made in the process that encodes
+        self._chunks: tuple[int, list[list[str]]] = (-1, [])  # the last shard's caption chunks
 
     def __len__(self) -> int:
         return len(self.units)
@@ -82,13 +107,19 @@ class UnitJobs(torch.utils.data.Dataset[Done]):
     def __getitem__(self, i: int) -> Done:
         if self.encoder is None:
             self.encoder = Encoder(self.model, torch.device("cpu"))
-        unit, stages = self.units[i], Stages()
-        if unit.texts:
+        u, stages = self.units, Stages()
+        s, j = u.where(i)
+        _, a, b = u.missing[s]
+        if j >= u.images[s]:  # a chunk of the shard's captions
+            if self._chunks[0] != s:
+                self._chunks = (s, caption_chunks(shard_captions(u.plan, a, b), u.batch_size)[1])
             with stages("encode_texts"):
-                return i, [], self.encoder.texts(unit.texts), None, stages.seconds
+                vecs = self.encoder.texts(self._chunks[1][j - u.images[s]])
+            return i, [], vecs, None, stages.seconds
+        positions = shard_batches(u.plan, a, b, u.batch_size)[j]
         with stages("decode"):
             size = self.encoder.image_size
-            batch = DecodedBatch.collate([decode(self.plan[p], size) for p in unit.positions])
+            batch = DecodedBatch.collate([decode(u.plan[p], size) for p in positions])
         stages.add("decode_busy", sum(d.seconds for d in batch.items))
         vec = tok = None
         if batch.pixels is not None and len(batch.pixels):
@@ -149,24 +180,28 @@ def encode_cpu_shards(
 ) -> None:
     """Encode the `missing` shards on the CPU in `workers` processes, write each in order.
     Stage times are the workers' summed: with several workers they exceed the wall time."""
-    units, counts, orders = shard_units(plan, missing, batch_size)
+    units = Units.of(plan, missing, batch_size)
     here = Encoder(model, torch.device("cpu"))  # a ShardBuilder's; the workers did the encoding
-    done = encoded_units(UnitJobs(plan, units, model), workers)
+    done = encoded_units(UnitJobs(units, model), workers)
     with EncodeProgress(sum(b - a for _, a, b in missing), progress) as bar:
         for s, (k, a, b) in enumerate(missing):
             shard = ShardBuilder(plan[a:b], here, batch_size, stages)
             chunks: list[np.ndarray] = []
-            for _ in range(counts[s]):
+            for _ in range(units.counts[s]):
                 i, items, vec, tok, seconds = next(done)
-                assert units[i].shard == s
+                assert units.where(i)[0] == s
                 for name, secs in seconds.items():
                     stages.add(name, secs)
-                if units[i].texts:
+                if units.is_captions(i):
                     assert vec is not None
                     chunks.append(vec)
                 else:
                     shard.add_encoded(items, vec, tok)
-            texts = in_order(orders[s], chunks) if chunks else np.zeros((0, model.dim), np.float32)
+            if chunks:
+                order, _ = caption_chunks(shard_captions(plan, a, b), batch_size)
+                texts = in_order(order, chunks)
+            else:
+                texts = np.zeros((0, model.dim), np.float32)
             arrays = shard.finish(model.dim, model.token_shape, texts)
             with stages("shards"):
                 indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))

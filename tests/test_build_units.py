@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from index_builder.cpu_encode import _one_thread, encode_cpu_shards, shard_units
+from index_builder.cpu_encode import Units, _one_thread, encode_cpu_shards
 from index_builder.decode import PlanItem, decode, shard_batches
 from index_builder.encode import SHARD_FIELDS, Encoder, ShardBuilder, read_shard, shard_path
 from index_builder.stages import Stages
@@ -57,10 +57,12 @@ def test_units_put_together_are_the_whole_shards_bytes(
     # shard 1 loses one image, shard 2 every image; shard 3 has 1,100+ captions (two chunks)
     plan = _plan(corpus, 250, tmp_path, broken={5, 8, 9})
     missing = [(0, 0, 4), (1, 4, 8), (2, 8, 10), (3, 10, 250)]
-    units, counts, orders = shard_units(plan, missing, 3)
-    assert counts[:3] == [2 + 1, 1 + 1, 1 + 1] and sum(counts) == len(units)
-    assert [u.shard for u in units] == sorted(u.shard for u in units)
-    assert sum(1 for u in units if u.shard == 3 and u.texts) == 2 and len(orders[3]) == 240 * 5
+    units = Units.of(plan, missing, 3)
+    assert units.counts == [2 + 1, 1 + 1, 1 + 1, 80 + 2] and len(units) == sum(units.counts)
+    assert [units.where(i)[0] for i in range(len(units))] == sorted(
+        s for s, c in enumerate(units.counts) for _ in range(c)
+    )
+    assert [i for i in range(len(units)) if units.is_captions(i)] == [2, 4, 6, 87, 88]
     stages = Stages()
     checked: list[int] = []
     encode_cpu_shards(
