@@ -71,7 +71,8 @@ def build(
 
 
 # the stages inside the encode step: with CPU shard workers they are the workers' seconds
-# summed (more than the wall time), so the step counts by its wall time, `encode_seconds`
+# summed (more than the wall time), so the step counts by its wall time, `encode_seconds`;
+# the last three are `index_builder.stages.EXTRA`, which overlap the others
 ENCODE_STAGES = (
     "setup",
     "decode",
@@ -80,6 +81,7 @@ ENCODE_STAGES = (
     "shards",
     "decode_busy",
     "device_decode",
+    "device_wait",
 )
 
 

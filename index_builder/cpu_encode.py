@@ -20,6 +20,7 @@ resumed with other --workers writes the same files (`IDENTICAL_FILES`).
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,25 +33,19 @@ from index_builder.decode import Decoded, DecodedBatch, PlanItem, decode, shard_
 from index_builder.encode import Encoder
 from index_builder.progress import EncodeProgress
 from index_builder.shard import (
-    TEXT_BATCH_MIN,
     ShardBuilder,
     caption_chunks,
+    caption_step,
     in_order,
-    shard_bytes,
-    shard_path,
+    shard_captions,
+    write_shard,
 )
 from index_builder.stages import Stages
 from models.builtin import BuiltinModel
-from store import indexio
 
 # what a unit gives back: its number, its images' outcomes (pixels dropped), their vectors
 # and tokens (None without any decoded), or its captions' vectors, and its stage seconds
 Done = tuple[int, list[Decoded], np.ndarray | None, np.ndarray | None, dict[str, float]]
-
-
-def shard_captions(plan: Sequence[PlanItem], a: int, b: int) -> list[str]:
-    """Every caption of plan[a:b], in item order: what a shard encodes (`ShardBuilder`)."""
-    return [c for it in plan[a:b] for c in it.captions]
 
 
 @dataclass(frozen=True)
@@ -71,13 +66,11 @@ class Units:
     def of(
         cls, plan: Sequence[PlanItem], missing: list[tuple[int, int, int]], batch_size: int
     ) -> Units:
-        step = max(batch_size, TEXT_BATCH_MIN)
+        step = caption_step(batch_size)
         images = [len(shard_batches(plan, a, b, batch_size)) for _, a, b in missing]
         texts = [sum(len(it.captions) for it in plan[a:b]) for _, a, b in missing]
         counts = [i + -(-t // step) for i, t in zip(images, texts, strict=True)]
-        starts = [0]
-        for c in counts[:-1]:
-            starts.append(starts[-1] + c)
+        starts = [0, *itertools.accumulate(counts[:-1])]
         return cls(plan, missing, batch_size, images, counts, starts)
 
     def __len__(self) -> int:
@@ -112,7 +105,7 @@ class UnitJobs(torch.utils.data.Dataset[Done]):
         _, a, b = u.missing[s]
         if j >= u.images[s]:  # a chunk of the shard's captions
             if self._chunks[0] != s:
-                self._chunks = (s, caption_chunks(shard_captions(u.plan, a, b), u.batch_size)[1])
+                self._chunks = (s, caption_chunks(shard_captions(u.plan[a:b]), u.batch_size)[1])
             with stages("encode_texts"):
                 vecs = self.encoder.texts(self._chunks[1][j - u.images[s]])
             return i, [], vecs, None, stages.seconds
@@ -198,12 +191,10 @@ def encode_cpu_shards(
                 else:
                     shard.add_encoded(items, vec, tok)
             if chunks:
-                order, _ = caption_chunks(shard_captions(plan, a, b), batch_size)
+                order, _ = caption_chunks(shard_captions(plan[a:b]), batch_size)
                 texts = in_order(order, chunks)
             else:
                 texts = np.zeros((0, model.dim), np.float32)
             arrays = shard.finish(model.dim, model.token_shape, texts)
-            with stages("shards"):
-                indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
-                on_shard(k, arrays)
+            write_shard(shard_dir, k, arrays, on_shard, stages)
             bar.update(b - a)

@@ -43,12 +43,12 @@ from index_builder.shard import (
     read_shard_bytes,
     shard_bytes,
     shard_path,
+    write_shard,
 )
 from index_builder.stages import Stages
 from models.builtin import BuiltinModel, encode_ids, encode_pixels
 from models.joint import JointModel
 from models.loading import Models
-from store import indexio
 
 # PlanItem, decode and shard_batches live in `index_builder.decode`, the shard's builder and
 # file in `index_builder.shard`; importable from here too
@@ -210,11 +210,6 @@ def _encode_local(
         ahead.__exit__(None, None, None)
         raise
 
-    def write(k: int, arrays: dict[str, np.ndarray]) -> None:
-        with stages("shards"):
-            indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
-            on_shard(k, arrays)
-
     total = sum(b - a for _, a, b in missing)
     with (
         EncodeProgress(total, progress) as bar,
@@ -231,7 +226,7 @@ def _encode_local(
             arrays = shard.finish(model.dim, model.token_shape)
             if written is not None:
                 written.result()  # the shard before, on disk and checked
-            written = writer.submit(write, k, arrays)
+            written = writer.submit(write_shard, shard_dir, k, arrays, on_shard, stages)
             bar.update(b - a)
         if written is not None:
             written.result()
@@ -269,9 +264,7 @@ def _encode_rgb(
                 bar.update(len(positions))
                 done += len(positions)
             arrays = shard.finish(model.dim, model.token_shape)  # the captions
-            with stages("shards"):
-                indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
-                on_shard(k, arrays)
+            write_shard(shard_dir, k, arrays, on_shard, stages)
             bar.update(b - a - done)
             log.info(
                 "shard %d: items %d-%d encoded in %.1fs", k, a, b - 1, time.perf_counter() - t0

@@ -62,5 +62,6 @@ class BuildOptions:
     split: str | None = None
     images_root: Path | None = None
     # where a CUDA build decodes JPEGs: "cpu" (the decode workers, as the service decodes an
-    # upload) or "gpu" (nvJPEG through torchvision, when installed)
+    # upload), "gpu" (nvJPEG through torchvision, when installed) or a share such as "0.4"
+    # (that share on the GPU, the rest in the workers; `device_decode.gpu_share_of`)
     decode_jpeg: str = "cpu"

@@ -100,15 +100,16 @@ def _tell_others(directory: Path) -> None:
     """Say what other builds' shards wait beside this build's (an interrupted build with
     another corpus or other arguments, or one from an older duet, whose shards a new key no
     longer finds): kept for a build that resumes them, but disk a user may want back."""
-    # (a folder with no shard yet, from a build that stopped before its first, holds nothing)
-    others = [
-        d
+    shards = {
+        d: list(d.glob("shard-*.npy"))
         for d in directory.parent.iterdir()
-        if d.is_dir() and d != directory and any(d.glob("shard-*.npy"))
-    ]
+        if d.is_dir() and d != directory
+    }
+    # (a folder with no shard yet, from a build that stopped before its first, holds nothing)
+    others = [d for d, files in shards.items() if files]
     if not others:
         return
-    files = [f for d in others for f in d.glob("shard-*.npy")]
+    files = [f for d in others for f in shards[d]]
     size = sum(f.stat().st_size for f in files if f.is_file())
     log.warning(
         "%s holds %d other build(s)' shards (%d files, %.1f MB) that this build does not use "

@@ -4,7 +4,7 @@ the arrays as consecutive .npy records, read back field by field."""
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -12,6 +12,7 @@ import numpy as np
 
 from index_builder.decode import Decoded, DecodedBatch, PlanItem
 from index_builder.stages import Stages
+from store import indexio
 
 TEXT_BATCH_MIN = 1024
 
@@ -85,7 +86,7 @@ class ShardBuilder:
         `text_vectors` holds them already (encoded elsewhere, as the CPU build's workers do);
         then those of items whose image did not decode are dropped. So a caption's vector
         never depends on another item's image failing, whoever encoded it."""
-        texts = [c for it in self.items for c in it.captions]
+        texts = shard_captions(self.items)
         ok = {d.pos: not d.error for d in self.decoded}
         keep = [it.image is None or ok[it.pos] for it in self.items for _ in it.captions]
         if text_vectors is None:
@@ -123,10 +124,20 @@ class ShardBuilder:
         return in_order(order, [self.encoder.texts(c) for c in chunks])
 
 
+def shard_captions(items: Sequence[PlanItem]) -> list[str]:
+    """Every caption of a shard's items, in item order: what the shard encodes."""
+    return [c for it in items for c in it.captions]
+
+
+def caption_step(batch_size: int) -> int:
+    """Captions per chunk (`caption_chunks`): at least TEXT_BATCH_MIN."""
+    return max(batch_size, TEXT_BATCH_MIN)
+
+
 def caption_chunks(texts: Sequence[str], batch_size: int) -> tuple[list[int], list[list[str]]]:
     """A shard's captions as it encodes them: sorted by length (then position), cut into
-    chunks of max(batch_size, TEXT_BATCH_MIN); with the sort order, for `in_order`."""
-    step = max(batch_size, TEXT_BATCH_MIN)
+    chunks of `caption_step(batch_size)`; with the sort order, for `in_order`."""
+    step = caption_step(batch_size)
     order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))
     return order, [[texts[j] for j in order[i : i + step]] for i in range(0, len(order), step)]
 
@@ -149,6 +160,20 @@ def shard_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 
 def shard_path(shard_dir: Path, k: int) -> Path:
     return shard_dir / f"shard-{k:06d}.npy"
+
+
+def write_shard(
+    shard_dir: Path,
+    k: int,
+    arrays: dict[str, np.ndarray],
+    on_shard: Callable[[int, dict[str, np.ndarray]], None],
+    stages: Stages,
+) -> None:
+    """Shard `k`'s file, written atomically, then `on_shard` (the build's check for unreadable
+    images), both timed as the `shards` stage."""
+    with stages("shards"):
+        indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
+        on_shard(k, arrays)
 
 
 def read_shard(path: Path, fields: Sequence[str] = SHARD_FIELDS) -> dict[str, np.ndarray]:
