@@ -10,8 +10,9 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
@@ -142,17 +143,75 @@ def _too_large(item: PlanItem, exc: Exception) -> str:
     )
 
 
+class Tokenizer(Protocol):
+    def ids(self, text: str) -> list[int]: ...
+
+
+@dataclass
+class CaptionIds:
+    """Captions tokenised (`WordTokenizer.ids`), end to end: each caption's ids in `ids`,
+    its length in `lengths`. What a loader worker hands back with a batch, so that the
+    process feeding a GPU does not tokenise a build's millions of captions itself."""
+
+    ids: np.ndarray  # int32, every caption's ids, one caption after another
+    lengths: np.ndarray  # int64, one per caption
+
+    @classmethod
+    def of(cls, texts: Sequence[str], tokenizer: Tokenizer) -> CaptionIds:
+        seqs = [tokenizer.ids(t) for t in texts]
+        lengths = np.fromiter(map(len, seqs), np.int64, len(seqs))
+        ids = np.fromiter((i for s in seqs for i in s), np.int32, int(lengths.sum()))
+        return cls(ids, lengths)
+
+    @classmethod
+    def joined(cls, parts: Sequence[CaptionIds]) -> CaptionIds:
+        if not parts:
+            return cls(np.zeros(0, np.int32), np.zeros(0, np.int64))
+        return cls(
+            np.concatenate([p.ids for p in parts]), np.concatenate([p.lengths for p in parts])
+        )
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def split(self, counts: Sequence[int]) -> list[CaptionIds]:
+        """Consecutive runs of `counts` captions each (one item's captions a run)."""
+        ends = np.cumsum(counts)
+        token_ends = np.concatenate([[0], np.cumsum(self.lengths)])
+        out, start = [], 0
+        for end in ends.tolist():
+            out.append(
+                CaptionIds(self.ids[token_ends[start] : token_ends[end]], self.lengths[start:end])
+            )
+            start = end
+        return out
+
+    def padded(self, which: Sequence[int]) -> np.ndarray:
+        """The captions at `which`, one row each, their ids zero-padded to the longest of
+        them: (len(which), width) int64, what `WordTokenizer.batch` makes of their texts."""
+        at = np.asarray(which, np.int64)
+        lens = self.lengths[at]
+        starts = (np.cumsum(self.lengths) - self.lengths)[at]
+        row = np.repeat(np.arange(len(at)), lens)
+        col = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        out = np.zeros((len(at), int(lens.max()) if len(at) else 0), np.int64)
+        out[row, col] = self.ids[np.repeat(starts, lens) + col]
+        return out
+
+
 @dataclass
 class DecodedBatch:
     """A batch as the encoder takes it: each image's outcome in batch order (`items`, their
     pixels dropped) and the decoded images' pixels, one row each in batch order: those the
     CPU decoded stacked in `pixels` (uint8 (n, 3, S, S), page-locked when they feed a GPU)
-    at rows `rows`, the JPEGs left for the device to decode (`deferred`) at the others."""
+    at rows `rows`, the JPEGs left for the device to decode (`deferred`) at the others.
+    With `captions`, every caption of its items tokenised, in item order (`Collate`)."""
 
     items: list[Decoded]
     pixels: torch.Tensor | None
     rows: list[int]
     deferred: list[tuple[int, Decoded]]  # (row, the image with its `jpeg` bytes)
+    captions: CaptionIds | None = None
 
     @classmethod
     def collate(cls, batch: list[Decoded]) -> DecodedBatch:
@@ -174,6 +233,23 @@ class DecodedBatch:
     def ok(self) -> list[bool]:
         """Whether each image decoded (an image the device will decode counts as decoded)."""
         return [not d.error for d in self.items]
+
+
+class Collate:
+    """A loader worker's `collate_fn`: the batch stacked (`DecodedBatch.collate`) and, with a
+    `tokenizer`, every caption of its items tokenised there (those of an image that failed
+    too: a shard encodes all its captions)."""
+
+    def __init__(self, plan: Sequence[PlanItem], tokenizer: Tokenizer | None = None) -> None:
+        self.plan = plan
+        self.tokenizer = tokenizer
+
+    def __call__(self, batch: list[Decoded]) -> DecodedBatch:
+        out = DecodedBatch.collate(batch)
+        if self.tokenizer is not None:
+            texts = [c for d in batch for c in self.plan[d.pos].captions]
+            out.captions = CaptionIds.of(texts, self.tokenizer)
+        return out
 
 
 class DecodeDataset(torch.utils.data.Dataset[Decoded]):
@@ -207,17 +283,19 @@ def decoded_batches(
     workers: int,
     pin: bool = False,
     gpu_share: float = 0.0,
+    tokenizer: Tokenizer | None = None,
 ) -> Iterator[DecodedBatch]:
     """The decoded batches, in order, from `workers` DataLoader processes (0 = this one),
     stacked there; page-locked by the loader's own thread with `pin` (a CUDA build). The
-    JPEGs among `gpu_share` of the positions are left for the device (`left_to_device`)."""
+    JPEGs among `gpu_share` of the positions are left for the device (`left_to_device`).
+    With a `tokenizer`, each batch's captions come tokenised too (`Collate`)."""
     if not batches:
         return iter(())
     loader = torch.utils.data.DataLoader(
         DecodeDataset(plan, size, gpu_share),
         batch_sampler=batches,
         num_workers=workers,
-        collate_fn=DecodedBatch.collate,
+        collate_fn=Collate(plan, tokenizer),
         pin_memory=pin,
         prefetch_factor=4 if workers else None,
         persistent_workers=False,

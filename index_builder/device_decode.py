@@ -288,4 +288,4 @@ def resolve(
                 out[row] = pixels.to(device)
             if not all(keep):
                 out = out[torch.tensor(keep, device=device)]
-    return DecodedBatch(items, out, list(range(len(out))), [])
+    return DecodedBatch(items, out, list(range(len(out))), [], batch.captions)

@@ -125,10 +125,16 @@ class Encoder:
 
     def texts(self, texts: Sequence[str]) -> np.ndarray:
         """Captions -> (n, dim) float32 unit vectors, by the service's own `encode_ids`."""
-        ids, pad = self.tokenizer.batch(list(texts))
+        return self.token_ids(self.tokenizer.batch(list(texts))[0])
+
+    def token_ids(self, ids: np.ndarray | torch.Tensor) -> np.ndarray:
+        """Captions already tokenised (zero-padded rows of ids, `WordTokenizer.batch`'s) ->
+        (n, dim) float32 unit vectors."""
+        rows = torch.as_tensor(ids)
         with self.device_turn():
-            ids, pad = ids.to(self.device), pad.to(self.device)
-            return self._finite(lambda dtype: encode_ids(self.net, ids, pad, dtype))
+            rows = rows.to(self.device)
+            pad = rows == 0
+            return self._finite(lambda dtype: encode_ids(self.net, rows, pad, dtype))
 
     def _finite(self, run: Callable[[torch.dtype | None], _Out]) -> _Out:
         """`run(self.dtype)`, or `run(None)` (fp32) when the half type overflowed: any of
@@ -193,6 +199,7 @@ def _encode_local(
         workers,
         pin=dev.type == "cuda",
         gpu_share=gpu_share if jpegs is not None else 0.0,
+        tokenizer=model.tokenizer,  # the workers tokenise the captions
     )
     ahead: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     turns = DeviceTurns(dev, stages)  # the encoder and the decoding thread, in turns

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from index_builder.decode import Decoded, DecodedBatch, PlanItem
+from index_builder.decode import CaptionIds, Decoded, DecodedBatch, PlanItem, Tokenizer
 from index_builder.stages import Stages
 from store import indexio
 
@@ -23,6 +23,14 @@ class ImageEncoder(Protocol):
     def images(self, decoded: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]: ...
 
     def texts(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+class IdsEncoder(ImageEncoder, Protocol):
+    """An encoder that also takes captions already tokenised (`CaptionIds.padded` rows)."""
+
+    tokenizer: Tokenizer
+
+    def token_ids(self, ids: np.ndarray) -> np.ndarray: ...
 
 
 SHARD_FIELDS = (
@@ -47,12 +55,15 @@ class ShardBuilder:
         stages: Stages | None = None,
     ) -> None:
         self.items = list(items)
+        self.by_pos = {it.pos: it for it in self.items}
         self.encoder = encoder
         self.batch_size = batch_size
         self.stages = stages or Stages()
         self.decoded: list[Decoded] = []
         self.vecs: list[np.ndarray] = []
         self.toks: list[np.ndarray] = []
+        # each item's captions as its batch brought them tokenised, by plan position
+        self.caption_ids: dict[int, CaptionIds] = {}
 
     def add(self, batch: list[Decoded] | DecodedBatch) -> None:
         """Encode the decodable images of one batch (a `DecodedBatch` with none deferred)."""
@@ -64,6 +75,11 @@ class ShardBuilder:
         else:
             items, good = batch, [d.pixels for d in batch if d.pixels is not None]
         self.stages.add("decode_busy", sum(d.seconds for d in items))
+        if isinstance(batch, DecodedBatch) and batch.captions is not None:
+            counts = [len(self.by_pos[d.pos].captions) for d in items]
+            self.caption_ids.update(
+                zip((d.pos for d in items), batch.captions.split(counts), strict=True)
+            )
         vec = tok = None
         if good is not None and len(good):
             with self.stages("encode_images"):
@@ -121,7 +137,29 @@ class ShardBuilder:
         if not texts:
             return np.zeros((0, 0), np.float32)
         order, chunks = caption_chunks(texts, self.batch_size)
-        return in_order(order, [self.encoder.texts(c) for c in chunks])
+        if not self.caption_ids or not hasattr(self.encoder, "token_ids"):
+            return in_order(order, [self.encoder.texts(c) for c in chunks])
+        encoder: IdsEncoder = self.encoder  # type: ignore[assignment]
+        ids = self._tokenised(encoder.tokenizer)
+        step = caption_step(self.batch_size)
+        return in_order(
+            order,
+            [
+                encoder.token_ids(ids.padded(order[i : i + step]))
+                for i in range(0, len(order), step)
+            ],
+        )
+
+    def _tokenised(self, tokenizer: Tokenizer) -> CaptionIds:
+        """Every caption of the shard, in item order, tokenised: as the batches brought them,
+        those of items without an image (in no batch) tokenised here."""
+        got = self.caption_ids
+        return CaptionIds.joined(
+            [
+                got[it.pos] if it.pos in got else CaptionIds.of(it.captions, tokenizer)
+                for it in self.items
+            ]
+        )
 
 
 def shard_captions(items: Sequence[PlanItem]) -> list[str]:

@@ -14,8 +14,15 @@ import pytest
 import torch
 
 from index_builder.cpu_encode import Units, _one_thread, encode_cpu_shards
-from index_builder.decode import PlanItem, decode, shard_batches
-from index_builder.encode import SHARD_FIELDS, Encoder, ShardBuilder, read_shard, shard_path
+from index_builder.decode import CaptionIds, PlanItem, decode, shard_batches
+from index_builder.encode import (
+    SHARD_FIELDS,
+    Encoder,
+    ShardBuilder,
+    _encode_local,
+    read_shard,
+    shard_path,
+)
 from index_builder.stages import Stages
 from models.builtin import BuiltinModel
 
@@ -133,3 +140,80 @@ def test_a_build_says_which_other_builds_shards_wait_beside_its_own(
     with caplog.at_level("WARNING", logger="duet.build"):
         build(manifest, tmp_path / "clean", model, progress=False, workers=0)
     assert not any("other build" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_captions_tokenised_in_the_loader_workers_make_the_same_shards(
+    tmp_path: Path,
+    corpus: Path,
+    model: BuiltinModel,
+    workers: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GPU build's loop (run on the CPU): its loader workers tokenise each batch's
+    captions, and the shards it writes are the bytes a whole-shard encoder writes, its
+    captions given to the model as the very rows `WordTokenizer.batch` makes of their texts
+    (failed images, an item without an image and one without captions, two caption chunks)."""
+    plan = _plan(corpus, 250, tmp_path, broken={5, 8, 9})
+    missing = [(0, 0, 4), (1, 4, 8), (2, 8, 10), (3, 10, 250)]
+    given: list[np.ndarray] = []
+    tokenised_here: list[list[str]] = []
+
+    class Recording(Encoder):
+        def texts(self, texts: Sequence[str]) -> np.ndarray:
+            tokenised_here.append(list(texts))
+            return super().texts(texts)
+
+        def token_ids(self, ids: np.ndarray | torch.Tensor) -> np.ndarray:
+            given.append(np.asarray(ids))
+            return super().token_ids(ids)
+
+    import index_builder.encode as encode_mod
+
+    monkeypatch.setattr(encode_mod, "Encoder", Recording)
+    _encode_local(
+        plan,
+        missing,
+        tmp_path,
+        model,
+        torch.device("cpu"),
+        3,
+        workers,
+        False,
+        lambda k, _: None,
+        Stages(),
+    )
+    assert tokenised_here == []  # every caption came tokenised from the loader
+    chunks = []
+    for _, a, b in missing:
+        texts = [c for it in plan[a:b] for c in it.captions]
+        order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))
+        chunks += [[texts[j] for j in order[i : i + 1024]] for i in range(0, len(order), 1024)]
+    assert len(given) == len(chunks) == 5
+    for rows, texts in zip(given, chunks, strict=True):
+        padded = model.tokenizer.batch(texts)[0].numpy()
+        assert rows.dtype == padded.dtype
+        np.testing.assert_array_equal(rows, padded)
+    with _one_thread():
+        for k, a, b in missing:
+            got, want = read_shard(shard_path(tmp_path, k)), _whole_shard(plan, a, b, model, 3)
+            for name in SHARD_FIELDS:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=f"shard {k} {name}")
+
+
+def test_caption_ids_pad_as_the_tokenizer_batches_them(model: BuiltinModel) -> None:
+    texts = ["a red circle", "", "two big blue squares left of a tiny green triangle " * 3]
+    ids = CaptionIds.of(texts, model.tokenizer)
+    assert ids.lengths.tolist() == [len(model.tokenizer.ids(t)) for t in texts]
+    for which in ([0, 1, 2], [2, 0], [1], []):
+        got = ids.padded(which)
+        if which:
+            want = model.tokenizer.batch([texts[i] for i in which])[0].numpy()
+            np.testing.assert_array_equal(got, want)
+        else:
+            assert got.shape == (0, 0)
+    parts = ids.split([2, 0, 1])
+    assert [len(p) for p in parts] == [2, 0, 1]
+    back = CaptionIds.joined(parts)
+    np.testing.assert_array_equal(back.ids, ids.ids)
+    np.testing.assert_array_equal(back.lengths, ids.lengths)
