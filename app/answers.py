@@ -75,8 +75,9 @@ def _best(asked: frozenset[str], captions: tuple[str, ...]) -> str | None:
 
 @lru_cache(maxsize=1 << 14)
 def _choices(captions: tuple[str, ...]) -> tuple[tuple[tuple[str, ...], int, str], ...]:
-    """An image's captions as `_best` compares them: each one's distinct words, its length
-    negated (the shorter wins a tie) and itself, read once: every text search compares its
+    """An image's captions as `_best` compares them: each one's words (the intersection with
+    the query's counts each once), its length negated (the shorter wins a tie) and itself,
+    read once: every text search compares its
     hits' captions (ten hits, five captions each) with the query, and the same images come
     up again and again. Bounded (16,384 images' captions, a few tens of MB). Tuples of
     strings and numbers only, which Python's collector stops tracking: a full cache of word
@@ -85,7 +86,7 @@ def _choices(captions: tuple[str, ...]) -> tuple[tuple[tuple[str, ...], int, str
     out = []
     for c in captions:
         words = caption_words(c)
-        out.append((tuple(dict.fromkeys(words)), -len(words), c))
+        out.append((tuple(words), -len(words), c))
     return tuple(out)
 
 

@@ -119,6 +119,11 @@ def write_items(path: Path, images: Iterable[ImageRow], texts: Iterable[TextRow]
         con.close()
 
 
+# the captions of one image: a range of the texts' unique id index ("$" sorts right after "#")
+_CAPTIONS_OF = "SELECT image_id, row, text FROM texts WHERE id >= ? AND id < ? AND image_id = ?"
+CAPTION_RANGES = 100  # images' caption ranges in one statement (SQLite allows 500 terms)
+
+
 class ItemStore:
     """Read-only access to items.sqlite, safe to share between threads. The rows and captions
     of the `recent` most recently answered items are kept decoded: a text search's ten hits
@@ -184,14 +189,18 @@ class ItemStore:
 
     def _fetch_captions(self, image_ids: list[str]) -> dict[str, tuple[str, ...]]:
         # tuples of strings: kept, they are nothing the collector walks (app.heap)
-        out: dict[str, tuple[str, ...]] = {}
-        for image_id in image_ids:  # one range of the unique id index per image (a scan otherwise)
-            rows = self._con.execute(
-                "SELECT text FROM texts WHERE id >= ? AND id < ? AND image_id = ? ORDER BY row",
-                (f"{image_id}#", f"{image_id}$", image_id),  # "$" sorts right after "#"
-            ).fetchall()
-            out[image_id] = tuple(str(r[0]) for r in rows)
-        return out
+        found: dict[str, list[str]] = {image_id: [] for image_id in image_ids}
+        for lo in range(0, len(image_ids), CAPTION_RANGES):
+            part = image_ids[lo : lo + CAPTION_RANGES]
+            # one range of the unique id index per image (a scan otherwise), all in one
+            # statement: ten hits' captions 138 -> 61 us against a statement each
+            sql = " UNION ALL ".join([_CAPTIONS_OF] * len(part))
+            args = [a for image_id in part for a in (f"{image_id}#", f"{image_id}$", image_id)]
+            got = self._con.execute(sql, args).fetchall()
+            got.sort(key=lambda r: r[1])  # in row order (SQL's ORDER BY: 27 us more)
+            for image_id, _, text in got:
+                found[image_id].append(str(text))
+        return {k: tuple(v) for k, v in found.items()}
 
     def captions(self, image_ids: Sequence[str]) -> dict[str, list[str]]:
         """Each image's captions, in order (an image without any is left out). The builder

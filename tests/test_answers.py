@@ -108,6 +108,21 @@ def test_content_words_leave_out_articles_and_prepositions() -> None:
     assert unknown_words("crimson box") == ["crimson", "box"]
 
 
+def test_caption_words_read_every_text_as_the_tokenizer_pattern_does() -> None:
+    """`caption_words` splits a plain text (lower-case letters and spaces once lowered) at its
+    spaces and reads any other with the pattern: the same words either way."""
+    import random
+
+    from models.shipped import caption_words
+
+    rng = random.Random(5)
+    alphabet = "abcxyz ABCXYZ  0123 9\t\n,.;'-_éÉßİ\u212a\u00a0/"
+    texts = ["", " ", "a red circle", "  A  Red   circle ", "two 2red circles", "\u212aelvin"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
+    for text in texts:
+        assert caption_words(text) == re.findall(r"[a-z]+|\d+", text.lower()), repr(text)
+
+
 # -- rows 2 and 3: each hit's caption and match ---------------------------------------------
 def test_hits_carry_their_caption_and_match(service: Service, corpus: Path) -> None:
     first = json.loads(corpus.read_text().splitlines()[0])
@@ -148,6 +163,8 @@ def test_best_caption_shares_most_words_with_the_query() -> None:
     assert best_caption("red circle", caps) == "there is a red circle"  # tie: the shorter
     assert best_caption("a blue square", caps) == "a blue square"
     assert best_caption("anything", []) is None
+    # a word the caption repeats counts once
+    assert best_caption("red circle", ["red red red square", "one red circle"]) == "one red circle"
 
 
 @pytest.mark.parametrize("kind", ["text", "image"])

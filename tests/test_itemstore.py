@@ -67,3 +67,29 @@ def test_store_reads_a_kept_row_without_sqlite(store_path: Path) -> None:
     assert store.captions(["img-1"])["img-1"] == ["caption 0 of 1", "caption 1 of 1"]
     with pytest.raises(sqlite3.ProgrammingError):
         store.images([2])
+
+
+def test_many_images_captions_come_in_row_order_from_one_read_per_hundred(
+    tmp_path: Path,
+) -> None:
+    """`captions` reads a hundred images' caption ranges in one statement: each image's
+    captions in row order (not their ids' order: "#10" sorts before "#2"), none of another
+    image whose id starts the same ("img-1" and "img-10"), and an image without any left out."""
+    path = tmp_path / "items.sqlite"
+    n = 250
+    images = [ImageRow(f"img-{i}", f"images/{i}.png", {}) for i in range(n)]
+    # captions written round by round: image i's j-th caption in round j, so rows interleave
+    texts = [
+        TextRow(f"img-{i}#{j}", f"caption {j} of {i}", f"img-{i}", {})
+        for j in range(13)
+        for i in range(n)
+        if j < i % 13
+    ]
+    write_items(path, images, texts)
+    store = ItemStore(path, recent=0)
+    calls: list[str] = []
+    store._con.set_trace_callback(calls.append)
+    got = store.captions([f"img-{i}" for i in range(n)])
+    assert len([c for c in calls if c.startswith("SELECT")]) == 3
+    want = {f"img-{i}": [f"caption {j} of {i}" for j in range(i % 13)] for i in range(n) if i % 13}
+    assert got == want
