@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import math
 import re
+import time
 
 import httpx
+
+from app.fronts import FLUSH_S
 
 _SUMS = re.compile(r"^duet_(stage|request)_seconds_(sum|count)\{([^}]*)\} (\S+)$", re.M)
 _BUCKETS = re.compile(r"^duet_(request|stage|device_step)_seconds_bucket\{([^}]*)\} (\S+)$", re.M)
@@ -22,7 +25,12 @@ def _metrics(url: str) -> str:
 
 def stage_totals(url: str) -> dict[str, list[float]]:
     """duet's /metrics now: [seconds, count] of each stage of duet_stage_seconds and of
-    "request" (duet_request_seconds, /search/* endpoints)."""
+    "request" (duet_request_seconds, /search/* endpoints). Read once the fronts have sent
+    what they observed so far: they send the owner their observations every `FLUSH_S`, so
+    a read right after a loaded cell missed its last ones, which the next (lone) cell's
+    means then took in (the twenty-sixth session's CPU run: a lone dot-only request's
+    server mean 19.5 ms against its client's p50 of 2.9)."""
+    time.sleep(2 * FLUSH_S + 0.1)
     out: dict[str, list[float]] = {}
     for family, kind, labels, value in _SUMS.findall(_metrics(url)):
         if family == "stage":
