@@ -298,9 +298,8 @@ class FrontPipeline(SearchPipeline):
         t0 = time.perf_counter()
         rows = [r for r, _, _, _ in answer.ranked]
         with self.stores.use(reply["path"]) as store:
-            # on the loop when all is decoded already, or when no other search of this front
-            # waits for its answer (a lone request: the thread hop would cost about what the
-            # SQLite reads do, ~0.1 ms each); else off the loop, which the others need then
+            # on the loop when all is decoded already or no other search waits (alone, a hop
+            # to a thread costs what the SQLite reads do); else off the loop the others need
             if not self.remote.waiting or store.holds(kind, rows):
                 answer.meta, answer.captions = items_of(store, kind, rows)
             else:
