@@ -1,5 +1,4 @@
-"""The process layout (`DUET_FRONTENDS=N`): N front processes serve HTTP, one process owns the
-model.
+"""The process layout (`DUET_FRONTENDS=N`): N front processes serve HTTP, one owns the model.
 
 One Python process tops out at a few hundred to a couple of thousand requests a second of
 HTTP parsing, validation, JSON and cache look-ups, while a GPU running the device step
@@ -180,11 +179,6 @@ class RemoteEngine:
                 with contextlib.suppress(ConnectionError):
                     await send(self._io[1], {"op": "observe", "items": items})
 
-    @property
-    def waiting(self) -> int:
-        """Searches this front has sent the owner and not had answered yet."""
-        return len(self._pending)
-
     async def search(self, **msg: object) -> dict[str, Any]:
         if self._io is None:
             raise ShuttingDown("the service is shutting down; retry on another replica")
@@ -248,6 +242,7 @@ class FrontPipeline(SearchPipeline):
         self._unavailable = dict(info["unavailable"])
         self._served = _Version(info["version"])
         self.stores = Stores(info["path"])
+        self._running = 0  # searches in `run` now
         remote.on_version = self._swapped
 
     def _swapped(self, version: str, path: str) -> None:
@@ -278,35 +273,40 @@ class FrontPipeline(SearchPipeline):
         ids: list[int] | None = None,
         look_up: bool = True,
     ) -> tuple[Answer, str]:
-        tok = self.remote_model.tokenizer
-        reply = await self.remote.search(
-            kind=kind,
-            text=text,
-            ids=None if text is None or tok is None else tok.ids(text),  # tokenised here
-            # the picture as decoded here, at the side the owner's models read (the owner's
-            # `decode_side`): the owner does not decode the upload again
-            image=None if image is None else (image.size, image.tobytes()),
-            plan=plan,
-            m=m,
-            top_k=top_k,
-        )
-        if "error" in reply:
-            raise_error(reply["error"])
-        if reply["version"] != self._served.version:
-            self._served = _Version(reply["version"])
-        answer: Answer = reply["answer"]
-        t0 = time.perf_counter()
-        rows = [r for r, _, _, _ in answer.ranked]
-        with self.stores.use(reply["path"]) as store:
-            # on the loop when all is decoded already or no other search waits (alone, a hop
-            # to a thread costs what the SQLite reads do); else off the loop the others need
-            if not self.remote.waiting or store.holds(kind, rows):
-                answer.meta, answer.captions = items_of(store, kind, rows)
-            else:
-                answer.meta, answer.captions = await asyncio.to_thread(items_of, store, kind, rows)
-        # with what the owner looked up for its re-ranker (an image query's captions)
-        answer.timings["lookup"] = answer.timings.get("lookup", 0.0) + ms(time.perf_counter() - t0)
-        return answer, reply["version"]
+        self._running += 1  # this front's searches between asking the owner and their hits
+        try:
+            tok = self.remote_model.tokenizer
+            reply = await self.remote.search(
+                kind=kind,
+                text=text,
+                ids=None if text is None or tok is None else tok.ids(text),  # tokenised here
+                # decoded here at the side the owner's models read: the owner does not decode it
+                image=None if image is None else (image.size, image.tobytes()),
+                plan=plan,
+                m=m,
+                top_k=top_k,
+            )
+            if "error" in reply:
+                raise_error(reply["error"])
+            if reply["version"] != self._served.version:
+                self._served = _Version(reply["version"])
+            answer: Answer = reply["answer"]
+            t0 = time.perf_counter()
+            rows = [r for r, _, _, _ in answer.ranked]
+            with self.stores.use(reply["path"]) as store:
+                # on the loop if all is decoded or the search is alone (a thread hop costs what
+                # its reads do); else off the loop, which the others need
+                if self._running == 1 or store.holds(kind, rows):
+                    answer.meta, answer.captions = items_of(store, kind, rows)
+                else:
+                    answer.meta, answer.captions = await asyncio.to_thread(
+                        items_of, store, kind, rows
+                    )
+            looked = ms(time.perf_counter() - t0)  # and what the owner looked up for its re-ranker
+            answer.timings["lookup"] = answer.timings.get("lookup", 0.0) + looked
+            return answer, reply["version"]
+        finally:
+            self._running -= 1
 
     async def start(self) -> None:
         return None

@@ -29,7 +29,7 @@ def stage_totals(url: str) -> dict[str, list[float]]:
     what they observed so far: they send the owner their observations every `FLUSH_S`, so
     a read right after a loaded cell missed its last ones, which the next (lone) cell's
     means then took in (the twenty-sixth session's CPU run: a lone dot-only request's
-    server mean 19.5 ms against its client's p50 of 2.9)."""
+    server mean 19.5 ms against its client's p50 of 2.9): two intervals and a margin."""
     time.sleep(2 * FLUSH_S + 0.1)
     out: dict[str, list[float]] = {}
     for family, kind, labels, value in _SUMS.findall(_metrics(url)):

@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 
 from benchmarks.cell import Cell  # noqa: E402
 from benchmarks.duet_metrics import (  # noqa: E402
+    FLUSH_S,
     own_buckets,
     own_quantiles,
     stage_totals,
@@ -233,7 +234,7 @@ def run_open_loop(
                 cell.seconds += args.seconds
             if srv == "duet":  # duet's own clock: bucket bounds of its histograms' quantiles
                 reading.join()
-                time.sleep(0.5)  # the fronts send their observations every quarter second
+                time.sleep(2 * FLUSH_S)  # the fronts send their observations every FLUSH_S
                 if own:
                     cell.own = own_quantiles(own[0], own_buckets(url))
             print(

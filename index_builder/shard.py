@@ -66,7 +66,8 @@ class ShardBuilder:
         self.caption_ids: dict[int, CaptionIds] = {}
 
     def add(self, batch: list[Decoded] | DecodedBatch) -> None:
-        """Encode the decodable images of one batch (a `DecodedBatch` with none deferred)."""
+        """Encode the decodable images of one batch (a `DecodedBatch` with none deferred), and
+        keep its items' captions if it brings them tokenised (`DecodedBatch.captions`)."""
         good: Any
         if isinstance(batch, DecodedBatch):
             if batch.deferred:

@@ -133,8 +133,9 @@ class ItemStore:
     def _fetch_captions(self, image_ids: list[str]) -> dict[str, tuple[str, ...]]:
         # tuples of strings: kept, they are nothing the collector walks (app.heap)
         found: dict[str, list[str]] = {image_id: [] for image_id in image_ids}
-        for lo in range(0, len(image_ids), CAPTION_RANGES):
-            part = image_ids[lo : lo + CAPTION_RANGES]
+        distinct = list(found)  # an id asked twice is read once
+        for lo in range(0, len(distinct), CAPTION_RANGES):
+            part = distinct[lo : lo + CAPTION_RANGES]
             # one range of the unique id index per image (a scan otherwise), all in one
             # statement: ten hits' captions 138 -> 64 us against a statement each
             sql = " UNION ALL ".join([_CAPTIONS_OF] * len(part))

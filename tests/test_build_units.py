@@ -217,3 +217,10 @@ def test_caption_ids_pad_as_the_tokenizer_batches_them(model: BuiltinModel) -> N
     back = CaptionIds.joined(parts)
     np.testing.assert_array_equal(back.ids, ids.ids)
     np.testing.assert_array_equal(back.lengths, ids.lengths)
+    # the encoder's rows in, the tokenizer's own ids and padding mask's vectors out
+    from models.builtin import encode_ids
+
+    with _one_thread():
+        got_vecs = Encoder(model, torch.device("cpu")).token_ids(ids.padded([0, 1, 2]))
+        want_vecs = encode_ids(model.model, *model.tokenizer.batch(texts))
+    np.testing.assert_array_equal(got_vecs, want_vecs)

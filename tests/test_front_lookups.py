@@ -95,3 +95,66 @@ def test_a_front_keeps_the_current_versions_store_and_closes_the_others_when_unu
     stores.close()
     with pytest.raises(NotReady), stores.use(str(tmp_path / "gone")):
         pass
+
+
+async def test_a_front_reads_a_lone_searchs_hits_on_its_loop_and_a_bursts_in_threads(
+    index_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a front reads its hits' items when they are not decoded yet: a search alone on
+    its loop (a thread hop would cost what the reads do); searches the owner answered
+    together (one write, so every answer is in before any search resumes) in threads: each
+    is still counted with the others, whose reads are under way, and the loop stays free."""
+    import asyncio
+
+    import app.fronts as fronts
+    from app.work import Answer
+
+    path = str(indexio.resolve_current(index_dir))
+    gate = asyncio.Event()
+    asked: list[list[int]] = []  # each search's hits, in the order the searches ask
+
+    class Owner:  # the owner's side of the socket: answers held until `gate` opens
+        async def search(self, **msg: object) -> dict[str, object]:
+            rows = asked.pop(0)
+            await gate.wait()
+            ranked: list[tuple[int, float, float | None, float]] = [
+                (r, 0.5, None, 0.5) for r in rows
+            ]
+            return {"answer": Answer(ranked, [], {}, None, False), "version": "v", "path": path}
+
+    pipeline = object.__new__(fronts.FrontPipeline)  # the owner and the model stood in for
+    pipeline.remote = Owner()  # type: ignore[assignment]
+    pipeline.remote_model = type("Model", (), {"tokenizer": None})()
+    pipeline._served = fronts._Version("v")
+    pipeline.stores = Stores(path)
+    pipeline._running = 0
+    threads: list[object] = []
+    real = asyncio.to_thread
+
+    async def counted(fn: object, *args: object) -> object:
+        threads.append(fn)
+        return await real(fn, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+
+    async def search(rows: list[int]) -> Answer:
+        asked.append(rows)
+        answer, _ = await pipeline.run(pipeline.index, "text", "q", None, None, 3, 3)  # type: ignore[arg-type]
+        return answer
+
+    fresh = indexio.ItemStore(Path(path) / indexio.ITEMS, recent=0)
+    hits = [[0, 1, 2], [3, 4], [5, 6], [7, 8]]
+    want = {k: items_of(fresh, "text", rows)[0] for k, rows in enumerate(hits)}
+    fresh.close()
+    gate.set()
+    lone = await search([0, 1, 2])
+    assert threads == [] and lone.meta == want[0]
+    gate.clear()
+    burst = [asyncio.ensure_future(search(rows)) for rows in ([3, 4], [5, 6], [7, 8])]
+    await asyncio.sleep(0.05)
+    assert pipeline._running == 3
+    gate.set()
+    answers = await asyncio.gather(*burst)
+    assert len(threads) == 3 and [a.meta for a in answers] == [want[1], want[2], want[3]]
+    assert pipeline._running == 0
+    pipeline.stores.close()
