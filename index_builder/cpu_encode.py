@@ -36,6 +36,7 @@ from index_builder.shard import (
     ShardBuilder,
     caption_chunks,
     caption_step,
+    encode_images,
     in_order,
     shard_captions,
     write_shard,
@@ -92,7 +93,8 @@ class UnitJobs(torch.utils.data.Dataset[Done]):
     def __init__(self, units: Units, model: BuiltinModel) -> None:
         self.units, self.model = units, model
         self.encoder: Encoder | None = None  # made in the process that encodes
-        self._chunks: tuple[int, list[list[str]]] = (-1, [])  # the last shard's caption chunks
+        # the last shard's number, captions and their chunks (`caption_chunks`)
+        self._chunks: tuple[int, list[str], list[list[int]]] = (-1, [], [])
 
     def __len__(self) -> int:
         return len(self.units)
@@ -105,19 +107,17 @@ class UnitJobs(torch.utils.data.Dataset[Done]):
         _, a, b = u.missing[s]
         if j >= u.images[s]:  # a chunk of the shard's captions
             if self._chunks[0] != s:
-                self._chunks = (s, caption_chunks(shard_captions(u.plan[a:b]), u.batch_size)[1])
+                texts = shard_captions(u.plan[a:b])
+                self._chunks = (s, texts, caption_chunks(texts, u.batch_size)[1])
+            _, texts, chunks = self._chunks
             with stages("encode_texts"):
-                vecs = self.encoder.texts(self._chunks[1][j - u.images[s]])
+                vecs = self.encoder.texts([texts[k] for k in chunks[j - u.images[s]]])
             return i, [], vecs, None, stages.seconds
         positions = shard_batches(u.plan, a, b, u.batch_size)[j]
         with stages("decode"):
             size = self.encoder.image_size
             batch = DecodedBatch.collate([decode(u.plan[p], size) for p in positions])
-        stages.add("decode_busy", sum(d.seconds for d in batch.items))
-        vec = tok = None
-        if batch.pixels is not None and len(batch.pixels):
-            with stages("encode_images"):
-                vec, tok = self.encoder.images(batch.pixels)
+        vec, tok = encode_images(self.encoder, batch.items, batch.pixels, stages)
         return i, batch.items, vec, tok, stages.seconds
 
 

@@ -75,17 +75,12 @@ class ShardBuilder:
             items, good = batch.items, batch.pixels
         else:
             items, good = batch, [d.pixels for d in batch if d.pixels is not None]
-        self.stages.add("decode_busy", sum(d.seconds for d in items))
         if isinstance(batch, DecodedBatch) and batch.captions is not None:
             counts = [len(self.by_pos[d.pos].captions) for d in items]
             self.caption_ids.update(
                 zip((d.pos for d in items), batch.captions.split(counts), strict=True)
             )
-        vec = tok = None
-        if good is not None and len(good):
-            with self.stages("encode_images"):
-                vec, tok = self.encoder.images(good)
-        self.add_encoded(items, vec, tok)
+        self.add_encoded(items, *encode_images(self.encoder, items, good, self.stages))
 
     def add_encoded(
         self, items: Sequence[Decoded], vec: np.ndarray | None, tok: np.ndarray | None
@@ -139,17 +134,10 @@ class ShardBuilder:
             return np.zeros((0, 0), np.float32)
         order, chunks = caption_chunks(texts, self.batch_size)
         if not self.caption_ids or not hasattr(self.encoder, "token_ids"):
-            return in_order(order, [self.encoder.texts(c) for c in chunks])
+            return in_order(order, [self.encoder.texts([texts[j] for j in c]) for c in chunks])
         encoder: IdsEncoder = self.encoder  # type: ignore[assignment]
         ids = self._tokenised(encoder.tokenizer)
-        step = caption_step(self.batch_size)
-        return in_order(
-            order,
-            [
-                encoder.token_ids(ids.padded(order[i : i + step]))
-                for i in range(0, len(order), step)
-            ],
-        )
+        return in_order(order, [encoder.token_ids(ids.padded(c)) for c in chunks])
 
     def _tokenised(self, tokenizer: Tokenizer) -> CaptionIds:
         """Every caption of the shard, in item order, tokenised: as the batches brought them,
@@ -163,6 +151,18 @@ class ShardBuilder:
         )
 
 
+def encode_images(
+    encoder: ImageEncoder, items: Sequence[Decoded], good: Any, stages: Stages
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A batch's decoded images (`good`) encoded, (None, None) when none decoded; the seconds
+    its images took to decode counted as `decode_busy`."""
+    stages.add("decode_busy", sum(d.seconds for d in items))
+    if good is None or not len(good):
+        return None, None
+    with stages("encode_images"):
+        return encoder.images(good)
+
+
 def shard_captions(items: Sequence[PlanItem]) -> list[str]:
     """Every caption of a shard's items, in item order: what the shard encodes."""
     return [c for it in items for c in it.captions]
@@ -173,12 +173,13 @@ def caption_step(batch_size: int) -> int:
     return max(batch_size, TEXT_BATCH_MIN)
 
 
-def caption_chunks(texts: Sequence[str], batch_size: int) -> tuple[list[int], list[list[str]]]:
+def caption_chunks(texts: Sequence[str], batch_size: int) -> tuple[list[int], list[list[int]]]:
     """A shard's captions as it encodes them: sorted by length (then position), cut into
-    chunks of `caption_step(batch_size)`; with the sort order, for `in_order`."""
+    chunks of `caption_step(batch_size)`, each chunk the captions' places in `texts`; with
+    the sort order (the chunks end to end), for `in_order`."""
     step = caption_step(batch_size)
     order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))
-    return order, [[texts[j] for j in order[i : i + step]] for i in range(0, len(order), step)]
+    return order, [order[i : i + step] for i in range(0, len(order), step)]
 
 
 def in_order(order: list[int], chunks: Sequence[np.ndarray]) -> np.ndarray:
