@@ -45,7 +45,7 @@ def pixel_bytes(images: Sequence[Image.Image], size: int) -> torch.Tensor:
     """PIL images -> uint8 tensor (B, 3, size, size), resized (bilinear) where needed."""
     arrs = []
     for img in images:
-        rgb = img.convert("RGB")
+        rgb = img if img.mode == "RGB" else img.convert("RGB")  # not copied when it is
         if rgb.size != (size, size):
             rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
         arrs.append(np.asarray(rgb, dtype=np.uint8))

@@ -65,7 +65,8 @@ def open_rgb(
     if img.format in ("JPEG", "MPO"):  # MPO: a phone's JPEG with more pictures after it
         img.draft("RGB", (min(side, KEEP_SIDE),) * 2)
     img.load()
-    rgb = ImageOps.exif_transpose(img).convert("RGB")
+    ImageOps.exif_transpose(img, in_place=True)  # a copy of every upright picture otherwise
+    rgb = img if img.mode == "RGB" else img.convert("RGB")  # convert copies an RGB one too
     del img
     factor = max(rgb.size) // KEEP_SIDE
     return rgb.reduce(factor) if factor >= 2 else rgb
