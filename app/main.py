@@ -22,7 +22,7 @@ from app.heap import freeze_startup_heap, thaw_heap
 from app.imaging import ImageDecoder
 from app.limits import BodyLimit
 from app.liveness import Heartbeat
-from app.metrics import Metrics
+from app.metrics import Metrics, watch_caption_states
 from app.pipeline import SearchPipeline
 from app.reload import IndexReloader, load_checked
 from app.routes import admin, health, search, ui
@@ -125,6 +125,7 @@ def _pipeline(
     # the GPU layout: two workers (one prepares and looks up while the other waits on the
     # device), at normal priority, no per-batch thread tuning
     chosen = settings.model_fields_set
+    watch_caption_states(metrics, res.model)
     return SearchPipeline(
         res.model,
         res.index,

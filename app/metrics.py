@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -14,6 +19,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # the builtin model's kept caption states, once a pipeline is made (`watch_caption_states`)
+        self.caption_states: CaptionStatesCollector | None = None
         ProcessCollector(registry=r)  # process_resident_memory_bytes etc., for the dashboard
         self.request_seconds = Histogram(
             "duet_request_seconds",
@@ -111,3 +118,46 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=r,
         )
+
+
+class CaptionStatesCollector(Collector):
+    """An image query's candidate captions whose text states the model kept
+    (`models.caption_states`): how many were asked for and how many of them went through
+    the text tower, read from the model at each scrape (its own counters, under its lock
+    only where they change)."""
+
+    def __init__(self, states: Any) -> None:
+        self.states = states
+
+    def collect(self) -> Iterator[Metric]:
+        asked, computed = self.states.asked, self.states.computed
+        got = CounterMetricFamily(
+            "duet_caption_states",
+            "An image query's candidate captions by where the cross-encoder read their text "
+            "states: kept from an earlier request, or computed by the text tower now",
+            labels=["result"],
+        )
+        got.add_metric(["kept"], max(0, asked - computed))
+        got.add_metric(["computed"], computed)
+        yield got
+        held = GaugeMetricFamily(
+            "duet_caption_states_bytes",
+            "Bytes of captions' text states kept for image queries (at most "
+            "models.caption_states.CAPTION_STATES_BYTES)",
+        )
+        held.add_metric([], self.states.bytes)
+        yield held
+
+
+def watch_caption_states(metrics: Metrics, model: Any) -> None:
+    """Export the caption states `model` keeps (the builtin cross-encoder's, directly or as
+    the service's configured one), if it keeps any."""
+    for owner in (model, getattr(model, "cross", None)):
+        states = getattr(owner, "caption_states", None)
+        if states is not None and hasattr(states, "asked"):
+            if metrics.caption_states is not None:  # the app started again
+                metrics.caption_states.states = states
+            else:
+                metrics.caption_states = CaptionStatesCollector(states)
+                metrics.registry.register(metrics.caption_states)
+            return

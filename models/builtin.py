@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from models.caption_states import CaptionStates
 from models.device import resolve_device
 from models.errors import UserError
 from models.images import side_for
@@ -118,6 +119,7 @@ class BuiltinModel:
         self.cross = CrossEncoderRuntime(self.model, precision)
         # score_pairs' calls with few pairs per sentence length (the device step's encoder)
         self.masked = MaskedCrossEncoder(self.model, DTYPES[precision])
+        self.caption_states = CaptionStates(self._tower)  # score_captions' kept states
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
         self.name = NAME
@@ -202,12 +204,32 @@ class BuiltinModel:
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
         unique, rows = unique_texts(texts)
-        ids, pad = self._batch(unique)
-        states = self.model.text_tokens(ids, pad)
-        lengths = (~pad).sum(dim=1).tolist()
+        states, real = self._tower(unique)
+        return self._logits(states, real, rows, image_tokens)
+
+    @torch.inference_mode()
+    def score_captions(self, texts: Sequence[str], image_tokens: np.ndarray) -> np.ndarray:
+        """`score_pairs` for an image query's candidates, the index's own captions: their
+        text states are kept between requests (`models.caption_states`), the same logits."""
+        if len(texts) == 0:
+            return np.zeros(0, dtype=np.float32)
+        unique, rows = unique_texts(texts)
+        states, real = self.caption_states.states(unique)
+        return self._logits(states, real, rows, image_tokens)
+
+    def _tower(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Texts -> their text states (n, L, d) and True at real positions (n, L)."""
+        ids, pad = self._batch(texts)
+        return self.model.text_tokens(ids, pad), ~pad
+
+    def _logits(
+        self, states: torch.Tensor, real: torch.Tensor, rows: list[int], image_tokens: np.ndarray
+    ) -> np.ndarray:
+        """Pair i: sentence `rows[i]` (its states and real positions) with `image_tokens[i]`."""
+        lengths = real.sum(dim=1).tolist()
         img = torch.from_numpy(np.array(image_tokens, dtype=np.float32)).to(self.device)
-        if len(texts) < FEW_PAIRS_PER_LENGTH * len(set(lengths)):  # an image query's captions
-            return self.masked.logits(states, ~pad, torch.tensor(rows), img).cpu().numpy()
+        if len(rows) < FEW_PAIRS_PER_LENGTH * len(set(lengths)):  # an image query's captions
+            return self.masked.logits(states, real, torch.tensor(rows), img).cpu().numpy()
         return self.cross.logits(states, lengths, torch.tensor(rows), img).cpu().numpy()
 
     def _batch(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,9 +4,8 @@
   local Hugging Face CLIP / SigLIP directory (`models.hf.HFDualEncoder`).
 - reranker: `builtin` (the joint model's cross-encoder), `late` (late interaction over the
   joint model's tokens; with the builtin encoder only), `han` (the HAN head `duet train`
-  saves beside the joint model's weights; with the builtin encoder only),
-  `none` (no re-ranking), or a local BLIP image-text-matching directory
-  (`models.hf.HFBlipReranker`).
+  saves beside the joint model's weights; with the builtin encoder only), `none` (no
+  re-ranking), or a local BLIP image-text-matching directory (`models.hf.HFBlipReranker`).
 
 `load_models` checks the choices (names, directories, checkpoint kinds, combinations) before
 loading anything and returns one `Models`: the service's model in the `JointEncoder` shape.
@@ -181,6 +180,10 @@ class Models:
         if self.cross is None:
             raise RuntimeError("no cross-encoder is configured (DUET_RERANKER=none)")
         return self.cross.score_pairs(texts, image_tokens)
+
+    def score_captions(self, texts: Sequence[str], image_tokens: np.ndarray) -> np.ndarray:
+        kept = getattr(self.cross, "score_captions", None)  # the builtin model keeps states
+        return kept(texts, image_tokens) if kept else self.score_pairs(texts, image_tokens)
 
     def text_token_features(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         if self._late is None:

@@ -125,8 +125,13 @@ def _ce(model: Any) -> Scorer | str:
         return "is not configured (DUET_RERANKER=none)"
     from models.fusion import sigmoid
 
+    # an image query's candidates are the index's captions: a model that keeps their text
+    # states between requests (`BuiltinModel.score_captions`) reads them from there
+    captions = getattr(model, "score_captions", None)
+
     def score(p: Pairs) -> np.ndarray:
-        return np.asarray(sigmoid(model.score_pairs(p.texts, p.tokens)), np.float32)
+        pairs = model.score_pairs if p.text_query or captions is None else captions
+        return np.asarray(sigmoid(pairs(p.texts, p.tokens)), np.float32)
 
     return score
 
