@@ -38,7 +38,6 @@ REPO = Path(__file__).resolve().parent.parent
 PRECISION = os.environ.get("DUET_PRECISION") or "auto"
 # the repo first, then what this process was given (packages in a --target folder, say)
 CHILD_PYTHONPATH = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
-MODES = (("re-ranked", True), ("dot only", False))  # the closed loop's modes, in order
 sys.path.insert(0, str(REPO))  # the repo's packages and this script's siblings
 
 from benchmarks.cell import Cell  # noqa: E402
@@ -56,6 +55,7 @@ from benchmarks.load_client import (  # noqa: E402
     queries_for,
 )
 from benchmarks.procstat import CpuSnapshot, add_server_cpu, cpu_seconds  # noqa: E402
+from benchmarks.serve_args import MODES, parse  # noqa: E402
 from benchmarks.serve_report import write_report  # noqa: E402
 
 
@@ -246,80 +246,6 @@ def run_open_loop(
     return out
 
 
-def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--index-dir",
-        type=Path,
-        default=REPO / "indexes",
-        help="serves INDEX_DIR/current (default: the demo index, `make demo-index`)",
-    )
-    p.add_argument("--device", default="cpu", help="cpu or cuda (both servers)")
-    p.add_argument("--concurrency", default="1,8,32,64")
-    p.add_argument("--seconds", type=float, default=6.0, help="per cell and round")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--candidates", type=int, default=50)
-    p.add_argument(
-        "--overload",
-        type=int,
-        default=256,
-        help="clients for the overload run against duet (0 = skip)",
-    )
-    p.add_argument(
-        "--procs",
-        type=int,
-        default=1,
-        help="load-generating processes (one Python process sends at most a few thousand "
-        "requests/s; a GPU host needs several)",
-    )
-    p.add_argument(
-        "--open-loop",
-        default="",
-        help="offered loads in requests/s (e.g. 500,2000): re-ranked requests sent at that rate "
-        "whatever the answers do, latency counted from when each was due, duet and the script",
-    )
-    p.add_argument(
-        "--duet-env",
-        default="",
-        help="extra settings for duet, KEY=VALUE,... (e.g. DUET_LAYOUT=cpu to A/B the layouts)",
-    )
-    p.add_argument(
-        "--modes",
-        default=",".join(m for m, _ in MODES),
-        type=_modes,
-        help="the closed-loop modes to run, comma-separated (default: both)",
-    )
-    p.add_argument(  # image: benchmarks/image_queries.py, each upload its own bytes
-        "--route", choices=("text", "image"), default="text", help="text: sentences; image: uploads"
-    )
-    p.add_argument("--skip-bound", action="store_true", help="skip the cross-encoder-alone figure")
-    p.add_argument(
-        "--no-baseline",
-        action="store_true",
-        help="duet alone, no plain script (an A/B of duet's settings against another run that "
-        "had the script: half the cells, and no second server to start)",
-    )
-    p.add_argument(
-        "--reranker",
-        type=Path,
-        default=None,
-        help="a BLIP ITM directory both servers re-rank with (DUET_RERANKER; the index must "
-        "be built with it): the heavy re-ranker's row (benchmarks/blip_base.py makes one)",
-    )
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "performance.md")
-    p.add_argument("--json", type=Path, default=None, help="also write the raw figures here")
-    return p.parse_args()
-
-
-def _modes(text: str) -> list[str]:
-    """--modes: names of `MODES`, comma-separated."""
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    known = [m for m, _ in MODES]
-    if not names or any(m not in known for m in names):
-        raise argparse.ArgumentTypeError(f"{text!r}: use {', '.join(known)} (comma-separated)")
-    return names
-
-
 def _commands(
     args: argparse.Namespace, duet_port: int, base_port: int
 ) -> tuple[list[str], dict[str, str], list[str]]:
@@ -351,7 +277,7 @@ def _commands(
 
 def main() -> None:
     """Measure the compute bound, run the grid and the overload, write the report."""
-    args = _args()
+    args = parse(__doc__.splitlines()[0])
     levels = [int(c) for c in args.concurrency.split(",")]
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
 
@@ -380,6 +306,11 @@ def main() -> None:
         over = None
         try:
             pids = {"duet": duet.proc.pid} | ({} if base is None else {"baseline": base.proc.pid})
+            for name, url in urls.items() if args.warm_up > 0 else ():  # nothing counted
+                print(f"warm-up: {args.warm_up:g} s of re-ranked load on {name} ...", flush=True)
+                asyncio.run(
+                    closed_loop(url, 8, 0.0, True, args.candidates, queries, Cell(), args.warm_up)
+                )
             run_grid(urls, args, levels, queries, results, pool, pids)
             if args.overload:
                 print(f"overload: {args.overload} clients against duet ...", flush=True)

@@ -67,6 +67,16 @@ def plot(results: dict[str, Cell], levels: list[int], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _warmed(seconds: float) -> str:
+    """What the report says of `--warm-up`."""
+    if seconds <= 0:
+        return ""
+    return (
+        f", after {seconds:g} s of re-ranked load (8 clients, not counted) on each server, "
+        "as a service that has run a while"
+    )
+
+
 def write_report(
     args: argparse.Namespace,
     levels: list[int],
@@ -91,7 +101,8 @@ def write_report(
         f"{'; duet alone, no plain script in this run' if args.no_baseline else ''}). "
         f"Index: `{_shown(args.index_dir)}/current`; "
         f"{args.candidates} candidates, top 10; closed-loop clients, {args.seconds:g} s per cell "
-        f"x {args.rounds} interleaved rounds; {_queries(args)}.",
+        f"x {args.rounds} interleaved rounds"
+        f"{_warmed(getattr(args, 'warm_up', 0.0))}; {_queries(args)}.",
         "The baseline (`benchmarks/baseline_server.py`) is the script a user would write: a sync "
         "FastAPI endpoint running encode -> FAISS -> the model's PyTorch cross-encoder forward "
         f"-> ADD_{DEFAULT_FUSION_LAMBDA} per request, torch's default threads, no cache, no "

@@ -160,15 +160,17 @@ def test_serve_load_benchmark_runs_and_writes_its_report(index_dir: Path, tmp_pa
 @pytest.mark.slow
 def test_serve_load_runs_duet_alone_for_an_ab(index_dir: Path, tmp_path: Path) -> None:
     """--no-baseline (gpu_check's A/B steps): duet's cells and its offered load, no plain
-    script started, its columns "-"."""
+    script started, its columns "-"; --warm-up loads it first, uncounted, and says so."""
     out = tmp_path / "alone.md"
     res = _run_benchmark(
         "serve_load.py",
         *("--index-dir", str(index_dir), "--seconds", "0.3", "--rounds", "1"),
         *("--concurrency", "1", "--modes", "dot only", "--overload", "0", "--skip-bound"),
-        *("--open-loop", "10", "--no-baseline", "--out", str(out)),
+        *("--open-loop", "10", "--no-baseline", "--warm-up", "0.5", "--out", str(out)),
     )
     report = out.read_text()
+    assert "warm-up: 0.5 s of re-ranked load on duet" in res.stdout
+    assert "after 0.5 s of re-ranked load (8 clients, not counted)" in report
     row = next(line for line in report.splitlines() if line.startswith("| dot only | 1 |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert float(cells[2]) > 0 and cells[3] == cells[4] == cells[6] == cells[8] == "-", row
