@@ -92,7 +92,8 @@ def write_report(
         "# Serving performance: duet against the plain script",
         "",
         f"Written by `python benchmarks/serve_load.py --device {args.device}"
-        f"{' --route image' if getattr(args, 'route', 'text') == 'image' else ''}` "
+        f"{' --route image' if getattr(args, 'route', 'text') == 'image' else ''}"
+        f"{f' --warm-up {args.warm_up:g}' if getattr(args, 'warm_up', 0.0) > 0 else ''}` "
         f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
         f"device {_device_name(args.device)}, duet's cross-encoder in "
         f"DUET_PRECISION={PRECISION}{', ' + args.duet_env if args.duet_env else ''}"

@@ -171,6 +171,7 @@ def test_serve_load_runs_duet_alone_for_an_ab(index_dir: Path, tmp_path: Path) -
     report = out.read_text()
     assert "warm-up: 0.5 s of re-ranked load on duet" in res.stdout
     assert "after 0.5 s of re-ranked load (8 clients, not counted)" in report
+    assert "serve_load.py --device cpu --warm-up 0.5`" in report
     row = next(line for line in report.splitlines() if line.startswith("| dot only | 1 |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert float(cells[2]) > 0 and cells[3] == cells[4] == cells[6] == cells[8] == "-", row
