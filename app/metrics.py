@@ -121,23 +121,22 @@ class Metrics:
 
 
 class CaptionStatesCollector(Collector):
-    """An image query's candidate captions whose text states the model kept
-    (`models.caption_states`): how many were asked for and how many of them went through
-    the text tower, read from the model at each scrape (its own counters, under its lock
-    only where they change)."""
+    """An image query's candidate captions whose text states the model keeps
+    (`models.caption_states`): how many were read from those kept and how many went through
+    the text tower, the model's own counters (each only grows) read at each scrape."""
 
     def __init__(self, states: Any) -> None:
         self.states = states
 
     def collect(self) -> Iterator[Metric]:
-        asked, computed = self.states.asked, self.states.computed
+        kept, computed = self.states.kept, self.states.computed
         got = CounterMetricFamily(
             "duet_caption_states",
             "An image query's candidate captions by where the cross-encoder read their text "
             "states: kept from an earlier request, or computed by the text tower now",
             labels=["result"],
         )
-        got.add_metric(["kept"], max(0, asked - computed))
+        got.add_metric(["kept"], kept)
         got.add_metric(["computed"], computed)
         yield got
         held = GaugeMetricFamily(
@@ -154,7 +153,7 @@ def watch_caption_states(metrics: Metrics, model: Any) -> None:
     the service's configured one), if it keeps any."""
     for owner in (model, getattr(model, "cross", None)):
         states = getattr(owner, "caption_states", None)
-        if states is not None and hasattr(states, "asked"):
+        if states is not None and hasattr(states, "computed"):
             if metrics.caption_states is not None:  # the app started again
                 metrics.caption_states.states = states
             else:

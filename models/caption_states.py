@@ -18,6 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -37,11 +38,13 @@ class CaptionStates:
     def __init__(self, tower: Tower, budget: int = CAPTION_STATES_BYTES) -> None:
         self._tower = tower
         self.budget = budget
-        self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._kept: OrderedDict[str, np.ndarray | torch.Tensor] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
-        self.asked = 0  # captions asked for (each distinct one of a call once)
-        self.computed = 0  # of them, those that went through the tower (not kept)
+        # distinct captions of each call read from those kept, and put through the tower:
+        # each only grows (a scrape between the two is never ahead of what happened)
+        self.kept = 0
+        self.computed = 0
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -55,12 +58,12 @@ class CaptionStates:
         positions (n, L): what the tower gives for them as one batch, at their real positions."""
         got: dict[str, torch.Tensor] = {}
         with self._lock:
-            self.asked += len(texts)
             for t in texts:
-                s = self._kept.get(t)
-                if s is not None:
+                held = self._kept.get(t)
+                if held is not None:
                     self._kept.move_to_end(t)
-                    got[t] = s
+                    got[t] = torch.from_numpy(held) if isinstance(held, np.ndarray) else held
+            self.kept += len(got)
         missing = [t for t in texts if t not in got]
         if missing:
             out, keep = self._tower(missing)
@@ -80,11 +83,12 @@ class CaptionStates:
         with self._lock:
             self.computed += len(fresh)
             for t, s in fresh.items():
-                size = s.numel() * s.element_size()
-                if size > self.budget or t in self._kept:
+                if s.nbytes > self.budget or t in self._kept:
                     continue
-                self._kept[t] = s
-                self._bytes += size
+                # on the CPU as numpy arrays, which Python's collector does not track (a
+                # tensor it does: 10,000 more objects for each full collection to walk)
+                self._kept[t] = s.numpy() if s.device.type == "cpu" else s
+                self._bytes += s.nbytes
             while self._bytes > self.budget and self._kept:
                 _, old = self._kept.popitem(last=False)
-                self._bytes -= old.numel() * old.element_size()
+                self._bytes -= old.nbytes

@@ -4,6 +4,7 @@ through the text tower."""
 
 from __future__ import annotations
 
+import gc
 import io
 import random
 import threading
@@ -47,12 +48,14 @@ def test_kept_states_give_the_fresh_batches_logits(fresh: BuiltinModel) -> None:
     pool = _captions(120)
     rng = random.Random(1)
     states = fresh.caption_states
+    distinct = 0
     for round_ in range(6):
         # 50 candidates, some asked twice, in another order and company each time
         texts = rng.sample(pool, 45) + rng.sample(pool[:20], 5)
         img = _tokens(fresh, len(texts), seed=round_)
         before = states.computed
         kept = fresh.score_captions(texts, img)
+        distinct += len(set(texts))
         plain = fresh.score_pairs(texts, img)
         assert kept.shape == plain.shape == (len(texts),)
         np.testing.assert_allclose(kept, plain, rtol=0, atol=1e-6)
@@ -60,6 +63,7 @@ def test_kept_states_give_the_fresh_batches_logits(fresh: BuiltinModel) -> None:
             assert states.computed - before == len(set(texts))  # every one through the tower
     # by now most candidates were kept: the tower saw each caption about once
     assert len(pool) * 0.5 < states.computed <= len(pool)
+    assert states.kept + states.computed == distinct  # each distinct caption counted once
     asked = rng.sample(pool, 50)
     fresh.score_captions(asked, _tokens(fresh, 50))
     again = states.computed
@@ -80,6 +84,8 @@ def test_the_byte_budget_evicts_the_least_recently_used(model: BuiltinModel) -> 
     with torch.inference_mode():
         states.states(pool[:10])
         assert len(states) == 10 and states.bytes == budget
+        # kept as arrays Python's collector does not walk (a tensor it would)
+        assert not any(gc.is_tracked(v) for v in states._kept.values())
         states.states(pool[:1])  # pool[0] used again: pool[1] is now the oldest
         states.states(pool[10:11])
         assert states.bytes <= budget

@@ -1,10 +1,12 @@
 """FAISS's OpenMP threads around the engine's searches: a lone query searches on one thread
 (a second has nothing to do but costs the hand-off, and waits for a core on a busy CPU), a
-batch of several on FAISS's own count, and the worker's count is left as it was."""
+batch of several on the worker's own count, which is left as it was."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import faiss
@@ -16,23 +18,35 @@ from store import ann, indexio
 from tests.conftest import in_process_pipeline
 
 
-async def test_a_lone_query_searches_on_one_thread_a_batch_on_faiss_own(
+async def test_a_lone_query_searches_on_one_thread_a_batch_on_the_workers_count(
     index_dir: Path, model: BuiltinModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    asked: list[int | None] = []  # what each search asked of faiss_threads
     seen: list[tuple[int, int]] = []  # (queries in the call, FAISS threads during it)
-    real = ann.search
+    after: list[int] = []  # FAISS threads in the worker once the block is left
+    real_threads, real_search = ann.faiss_threads, ann.search
 
-    def watched(index, queries, k, knobs=None):  # type: ignore[no-untyped-def]
+    @contextlib.contextmanager
+    def threads(n: int | None) -> Iterator[None]:
+        asked.append(n)
+        before = faiss.omp_get_max_threads()
+        with real_threads(n):
+            yield
+        after.append(faiss.omp_get_max_threads() - before)  # 0: restored
+
+    def search(index, queries, k, knobs=None):  # type: ignore[no-untyped-def]
         seen.append((len(queries), faiss.omp_get_max_threads()))
-        return real(index, queries, k, knobs)
+        return real_search(index, queries, k, knobs)
 
-    monkeypatch.setattr(ann, "search", watched)  # as app.batch calls it
+    monkeypatch.setattr(ann, "faiss_threads", threads)  # as app.batch calls them
+    monkeypatch.setattr(ann, "search", search)
     index = indexio.IndexVersion.open(indexio.resolve_current(index_dir))
     pipeline = in_process_pipeline(model, index, timeout_s=30.0, workers=1, max_batch=8)
     await pipeline.start()
+    for record in (asked, seen, after):  # the warm-up's own search went before
+        record.clear()
     try:
         plan = pipeline.plan(SearchOptions(top_k=5, rerank=False))
-        default = await asyncio.to_thread(faiss.omp_get_max_threads)  # a fresh thread's count
         lone, _ = await pipeline.run(index, "text", "two blue squares", None, plan, 5, 5)
         texts = ["a red circle", "a small green cross", "two big triangles", "a blue square"]
         # the worker is busy with the first while the rest queue: they come as one batch
@@ -43,7 +57,8 @@ async def test_a_lone_query_searches_on_one_thread_a_batch_on_faiss_own(
         await pipeline.stop()
         index.close()
     assert lone.ranked and all(a.ranked for a, _ in answers)
-    assert seen[0] == (1, 1)
-    batched = [threads for n, threads in seen if n > 1]
-    assert batched and all(t == default for t in batched), seen
-    assert all(t == 1 for n, t in seen if n == 1), seen
+    assert asked[0] == 1 and seen[0] == (1, 1)  # the lone query: one thread
+    batched = [n for n, (q, _) in zip(asked, seen, strict=True) if q > 1]
+    assert batched and all(n is None for n in batched), (asked, seen)  # a batch: as it was
+    assert all(n == 1 for n, (q, _) in zip(asked, seen, strict=True) if q == 1)
+    assert after and not any(after)  # the worker's count restored after every search
