@@ -309,14 +309,18 @@ def search(
     index: Any, queries: np.ndarray, k: int, knobs: SearchKnobs | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(scores, rows) of the top-k by inner product, with per-call parameters; thread-safe.
-    `index` is a FAISS index or what `place` made of one."""
+    `index` is a FAISS index or what `place` made of one. One query searches on one OpenMP
+    thread: FAISS splits its queries between threads, so a second has nothing to do but
+    costs the hand-off, and on a busy CPU waits for a core (the service's search of 10,000
+    captions for an image query: 1.43 -> 0.32-0.34 ms)."""
     q = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
     if isinstance(index, TorchFlat):
         return index.search(q, k)
     params = search_params(index, knobs or SearchKnobs())
-    if params is None:
-        return index.search(q, k)
-    return index.search(q, k, params=params.params)
+    with faiss_threads(1 if len(q) == 1 else None):
+        if params is None:
+            return index.search(q, k)
+        return index.search(q, k, params=params.params)
 
 
 def recall_at_k(

@@ -1,6 +1,6 @@
-"""FAISS's OpenMP threads around the engine's searches: a lone query searches on one thread
-(a second has nothing to do but costs the hand-off, and waits for a core on a busy CPU), a
-batch of several on the worker's own count, which is left as it was."""
+"""FAISS's OpenMP threads around the engine's searches (`store.ann.search`): a lone query
+searches on one thread (a second has nothing to do but costs the hand-off, and waits for a
+core on a busy CPU), a batch of several on the worker's own count, which is left as it was."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ async def test_a_lone_query_searches_on_one_thread_a_batch_on_the_workers_count(
 ) -> None:
     asked: list[int | None] = []  # what each search asked of faiss_threads
     seen: list[tuple[int, int]] = []  # (queries in the call, FAISS threads during it)
+    queries: list[int] = []  # queries in each search, in order
     after: list[int] = []  # FAISS threads in the worker once the block is left
     real_threads, real_search = ann.faiss_threads, ann.search
 
@@ -31,19 +32,20 @@ async def test_a_lone_query_searches_on_one_thread_a_batch_on_the_workers_count(
         asked.append(n)
         before = faiss.omp_get_max_threads()
         with real_threads(n):
+            seen.append((queries[-1], faiss.omp_get_max_threads()))
             yield
         after.append(faiss.omp_get_max_threads() - before)  # 0: restored
 
-    def search(index, queries, k, knobs=None):  # type: ignore[no-untyped-def]
-        seen.append((len(queries), faiss.omp_get_max_threads()))
-        return real_search(index, queries, k, knobs)
+    def search(index, q, k, knobs=None):  # type: ignore[no-untyped-def]
+        queries.append(len(q))
+        return real_search(index, q, k, knobs)
 
-    monkeypatch.setattr(ann, "faiss_threads", threads)  # as app.batch calls them
-    monkeypatch.setattr(ann, "search", search)
+    monkeypatch.setattr(ann, "faiss_threads", threads)  # as ann.search calls it
+    monkeypatch.setattr(ann, "search", search)  # as app.batch calls it
     index = indexio.IndexVersion.open(indexio.resolve_current(index_dir))
     pipeline = in_process_pipeline(model, index, timeout_s=30.0, workers=1, max_batch=8)
     await pipeline.start()
-    for record in (asked, seen, after):  # the warm-up's own search went before
+    for record in (asked, seen, after, queries):  # the warm-up's own search went before
         record.clear()
     try:
         plan = pipeline.plan(SearchOptions(top_k=5, rerank=False))
