@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.engine import BatchCost, Throughput, Ticket
+from app.costs import BatchCost, Throughput
+from app.engine import Ticket
 from app.heavy import concat, heavy_reranker, make_resident, measure_pair_budget, states_of
 from app.metrics import Metrics
 from app.stepping import DeviceStepping
@@ -128,6 +129,13 @@ class BatchWorker(DeviceStepping):
                 cap=self.rerank_max_batch,
             )
             self.throughput = Throughput({"query": t1 - t0, "pair": per_pair})
+
+    def cost_of(self, q: Query) -> float:
+        """A query's estimated seconds of worker time, which admission adds up."""
+        if self.steppable(q):  # a share of a device batch (its fixed part apart)
+            return self.batch_cost.ticket_s(q.pairs)
+        pairs = self.throughput.seconds(pair_kind(q.plan), q.m) if q.plan.reranks else 0.0
+        return self.throughput.seconds("query") + pairs
 
     def prepare(self, index: IndexVersion) -> None:
         """Make `index` ready to serve: the device step's resident tables (GPU layout), or

@@ -7,7 +7,7 @@ batch to fill, so a lone request starts at once and batches form by themselves w
 worker is busy. One hop from the event loop to a worker and one back per batch.
 
 Admission is decided on the event loop before any model work, from a cost model the workers
-keep measuring (`Throughput`): a ticket is refused with 429 and a `Retry-After` when the
+keep measuring (`app.costs`): a ticket is refused with 429 and a `Retry-After` when the
 work ahead of it plus its own could not finish within the deadline
 (`DUET_REQUEST_TIMEOUT_MS`) or the queue holds `max_queue` tickets already; with nothing
 ahead it is always taken. A ticket whose caller went away (its future cancelled) or whose
@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
-import numpy as np
-
 from app.errors import DeadlineExceeded, DuetError, Overloaded, ShuttingDown
 from app.settle import settler
 from app.threadname import name_os_thread
@@ -63,68 +61,8 @@ def available_cores() -> int:
     return cores
 
 
-class Throughput:
-    """Exponentially weighted seconds per unit of each kind of work (a query, a pair)."""
-
-    def __init__(self, seconds_per: dict[str, float], alpha: float = 0.2) -> None:
-        self._per = dict(seconds_per)
-        self._alpha = alpha
-        self._lock = threading.Lock()
-
-    def observe(self, kind: str, units: int, seconds: float) -> None:
-        if units <= 0 or seconds <= 0:
-            return
-        with self._lock:
-            old = self._per.get(kind, seconds / units)
-            self._per[kind] = (1 - self._alpha) * old + self._alpha * seconds / units
-
-    def seconds(self, kind: str, units: float = 1.0) -> float:
-        """Estimated seconds for `units` of `kind`; a kind not yet seen costs what its
-        family does ("pair/late" -> "pair") until it is measured."""
-        return self._per.get(kind, self._per.get(kind.split("/")[0], 0.0)) * units
-
-    def per_second(self, kind: str) -> float:
-        per = self.seconds(kind)
-        return math.inf if per <= 0 else 1.0 / per
-
-
-class BatchCost:
-    """Seconds a batch takes as a fixed part plus a part per query and per pair,
-    `a + b * queries + c * pairs`, fitted by exponentially weighted least squares over the
-    batches run (the GPU layout's cost model: on a device a batch of 64 queries costs little
-    more than one, so a per-request price alone over-counts the queue ahead)."""
-
-    def __init__(self, fixed_s: float, per_query_s: float, per_pair_s: float) -> None:
-        self._coef = np.array([fixed_s, per_query_s, per_pair_s])
-        # sufficient statistics, seeded with a weak prior at the starting coefficients
-        self._xtx = np.eye(3) * 1e-3
-        self._xty = self._xtx @ self._coef
-        self._decay = 0.98  # an observation's weight halves after ~35 batches
-        self._lock = threading.Lock()
-
-    def observe(self, queries: int, pairs: int, seconds: float) -> None:
-        if queries <= 0 or seconds <= 0:
-            return
-        x = np.array([1.0, queries, pairs])
-        with self._lock:
-            self._xtx = self._decay * self._xtx + np.outer(x, x)
-            self._xty = self._decay * self._xty + x * seconds
-            try:  # a small ridge keeps it solvable while the batches all look alike
-                coef = np.linalg.solve(self._xtx + np.eye(3) * 1e-6, self._xty)
-            except np.linalg.LinAlgError:
-                return
-            self._coef = np.maximum(coef, 0.0)  # no part of the work is free time back
-
-    @property
-    def fixed_s(self) -> float:
-        return float(self._coef[0])
-
-    def ticket_s(self, pairs: int) -> float:
-        """One request's own share: its query and its pairs (the batch's fixed part apart)."""
-        return float(self._coef[1] + self._coef[2] * pairs)
-
-    def batch_s(self, queries: int, pairs: int) -> float:
-        return float(self._coef @ np.array([1.0, queries, pairs]))
+# a ticket's answer for a caller on no event loop: (result, None) or (None, the error)
+Done = Callable[[R | None, BaseException | None], None]
 
 
 @dataclass(eq=False)
@@ -134,8 +72,11 @@ class Ticket(Generic[P, R]):
     payload: P
     cost_s: float  # estimated seconds of worker time
     deadline: float  # time.monotonic() by which the answer is useless
-    future: asyncio.Future[R]
-    loop: asyncio.AbstractEventLoop
+    # where the answer goes: a future settled on its event loop, or `done` called at once
+    # on the thread that answers (a caller on no event loop, `Engine.enqueue`)
+    future: asyncio.Future[R] | None
+    loop: asyncio.AbstractEventLoop | None
+    done: Done[R] | None = None
     enqueued: float = field(default_factory=time.monotonic)
     units: int = 0  # work units (re-ranked pairs) the batch budget counts
     answered: bool = False  # resolve() or fail() was called (the future settles on the loop)
@@ -146,24 +87,31 @@ class Ticket(Generic[P, R]):
     @property
     def alive(self) -> bool:
         """The caller still waits for this ticket (not cancelled, not yet answered)."""
-        return not self.answered and not self.future.done()
+        return not self.answered and (self.future is None or not self.future.done())
 
     def remaining(self, now: float | None = None) -> float:
         return self.deadline - (time.monotonic() if now is None else now)
 
     def resolve(self, result: R) -> None:
-        self._answered()
-        settler(self.loop).add(self.future, result, None)
+        self._settle(result, None)
 
     def fail(self, exc: BaseException) -> None:
-        self._answered()
-        settler(self.loop).add(self.future, None, exc)
+        self._settle(None, exc)
 
-    def _answered(self) -> None:
-        if not self.answered:
-            self.answered = True
-            if self.on_answer is not None:
-                self.on_answer(self)
+    def _settle(self, result: R | None, exc: BaseException | None) -> None:
+        if self.answered:  # the first answer counts
+            return
+        self.answered = True
+        if self.on_answer is not None:
+            self.on_answer(self)
+        if self.done is not None:
+            try:
+                self.done(result, exc)
+            except Exception:  # the caller's own failure costs no other ticket its answer
+                log.exception("a ticket's done callback failed")
+        else:
+            assert self.future is not None and self.loop is not None
+            settler(self.loop).add(self.future, result, exc)
 
 
 BatchFn = Callable[[Sequence[Ticket[P, R]]], None]
@@ -243,6 +191,29 @@ class Engine(Generic[P, R]):
     async def submit(self, payload: P, cost_s: float, timeout_s: float | None = None) -> R:
         """Queue `payload` and wait for its result: 429 when it cannot be served within its
         deadline or the deadline passes in the queue, 503 when the engine stops."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[R] = loop.create_future()
+        self._admit(payload, cost_s, timeout_s, future, loop, None)
+        return await future
+
+    def enqueue(
+        self, payload: P, cost_s: float, done: Done[R], timeout_s: float | None = None
+    ) -> None:
+        """`submit` for a caller on no event loop (the process layout's owner, `app.owner`):
+        raises as `submit` does when the ticket is refused; else `done(result, error)` is
+        called once, on the thread that answers it (a worker's, or the one that stops the
+        engine), with no event loop between the worker and the caller."""
+        self._admit(payload, cost_s, timeout_s, None, None, done)
+
+    def _admit(
+        self,
+        payload: P,
+        cost_s: float,
+        timeout_s: float | None,
+        future: asyncio.Future[R] | None,
+        loop: asyncio.AbstractEventLoop | None,
+        done: Done[R] | None,
+    ) -> None:
         if self._closed:
             raise ShuttingDown("the service is shutting down; retry on another replica")
         budget = self.timeout_s if timeout_s is None else timeout_s
@@ -259,16 +230,14 @@ class Engine(Generic[P, R]):
                     f"{len(self._queue)} requests); retry after the Retry-After seconds",
                     retry_after=self.retry_after(),
                 )
-            loop = asyncio.get_running_loop()
             ticket: Ticket[P, R] = Ticket(
-                payload, cost_s, time.monotonic() + budget, loop.create_future(), loop
+                payload, cost_s, time.monotonic() + budget, future, loop, done
             )
             ticket.units = self._units(payload)
             self._queue.append(ticket)
             self._queued_cost += cost_s
             self._queued_units += ticket.units
             self._cond.notify()
-        return await ticket.future
 
     def start(self) -> None:
         self._closed = False

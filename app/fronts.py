@@ -270,8 +270,6 @@ class FrontPipeline(SearchPipeline):
         plan: RerankPlan,
         m: int,
         top_k: int,
-        ids: list[int] | None = None,
-        look_up: bool = True,
     ) -> tuple[Answer, str]:
         self._running += 1  # this front's searches between asking the owner and their hits
         try:

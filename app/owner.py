@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import pickle
+import socket
+import threading
 from typing import Any, cast
 
 import numpy as np
@@ -17,13 +20,17 @@ from fastapi import FastAPI
 from PIL import Image
 
 from app import errors
+from app.batch import Answer
 from app.errors import DuetError, NotReady
 from app.pipeline import SearchPipeline
+from app.threadname import name_os_thread
+from store.indexio import IndexVersion
 
 log = logging.getLogger("duet.fronts")
 
 # the front's metrics the owner counts (its /metrics is the service's)
 FORWARDED = ("request_seconds", "cache_requests", "stage_seconds", "degraded", "shed")
+ACCEPT_POLL_S = 0.25  # how soon the accepting thread notices that the socket closed
 
 
 async def send(writer: asyncio.StreamWriter, msg: object) -> None:
@@ -78,16 +85,110 @@ def raise_error(err: dict[str, Any]) -> None:
     raise RuntimeError(err["message"])
 
 
+class Peer:
+    """One front's connection as the owner serves it, on threads rather than an event loop:
+    a thread of its own reads the front's messages, and an answer is written by the thread
+    that has it (the engine's worker), so a search's answer reaches its front without waking
+    the owner's event loop (`EngineServer`).
+
+    A write never blocks its thread on a front that is slow to read: what the socket does
+    not take at once waits, in order, for a writer thread that sends it when it can."""
+
+    def __init__(self, sock: socket.socket, name: str) -> None:
+        self.sock = sock
+        self.name = name
+        self._in = sock.makefile("rb")
+        self._cond = threading.Condition()
+        self._backlog = bytearray()  # what the socket did not take at once
+        self._writing = False  # the writer thread is sending some of the backlog
+        self._writer: threading.Thread | None = None
+        self.closed = False
+
+    def recv(self) -> Any:
+        """The front's next message; EOFError once it has closed the connection."""
+        head = self._in.read(4)
+        size = int.from_bytes(head, "little") if len(head) == 4 else -1
+        data = self._in.read(size) if size >= 0 else b""
+        if size < 0 or len(data) < size:
+            raise EOFError(f"{self.name} closed its connection")
+        return pickle.loads(data)
+
+    def send(self, msg: object) -> None:
+        """Write `msg` now if the socket takes it whole, else leave the rest to the writer
+        thread (messages leave in the order sent). Nothing happens once the peer is closed."""
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        frame = memoryview(len(data).to_bytes(4, "little") + data)
+        with self._cond:
+            if self.closed:
+                return
+            if not self._backlog and not self._writing:
+                try:
+                    frame = frame[self.sock.send(frame, socket.MSG_DONTWAIT) :]
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    self._close()
+                    return
+                if not frame:
+                    return
+            self._backlog += frame
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write, name=f"duet-wire-{self.name}-out", daemon=True
+                )
+                self._writer.start()
+            self._cond.notify()
+
+    def _write(self) -> None:
+        while True:
+            with self._cond:
+                while not self._backlog and not self.closed:
+                    self._cond.wait()
+                if self.closed:
+                    return
+                data, self._backlog = bytes(self._backlog), bytearray()
+                self._writing = True
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                with self._cond:
+                    self._close()
+                return
+            finally:
+                with self._cond:
+                    self._writing = False
+
+    def close(self) -> None:
+        with self._cond:
+            self._close()
+
+    def _close(self) -> None:  # under the lock
+        if self.closed:
+            return
+        self.closed = True
+        self._cond.notify_all()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reading thread
+        self.sock.close()
+
+
 class EngineServer:
     """The owner's Unix socket: fronts say hello, send searches and metric observations; the
-    owner answers each search and tells every front of each index swap."""
+    owner answers each search and tells every front of each index swap.
+
+    Served by threads, not the event loop: a front's messages are read by a thread of its own
+    (`Peer`), which admits each search straight onto the engine's queue (`Engine.enqueue`),
+    and the worker that answers it writes the answer to the front's socket. A lone search
+    crosses no event loop in the owner, where it crossed it twice (the message in, a task,
+    then the worker's answer settled back on the loop and written at the end of its turn)."""
 
     def __init__(self, app: FastAPI, path: str) -> None:
         self.app = app
         self.path = path
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._peers: set[Peer] = set()
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._count = itertools.count(1)
 
     @property
     def pipeline(self) -> SearchPipeline:
@@ -99,22 +200,24 @@ class EngineServer:
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        self._server = await asyncio.start_unix_server(self._serve, self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
         os.chmod(self.path, 0o600)
-        loop = asyncio.get_running_loop()
-
-        def swapped(version: str) -> None:  # called where the swap runs, once it has
-            path = str(self.pipeline.index.path)
-            loop.call_soon_threadsafe(self._announce, version, path)
-
-        self.pipeline.swap_listeners.append(swapped)
+        listener.listen(64)
+        listener.settimeout(ACCEPT_POLL_S)  # so that `stop` ends the accepting thread
+        self._listener = listener
+        threading.Thread(target=self._accept, name="duet-wire-accept", daemon=True).start()
+        self.pipeline.swap_listeners.append(self._announce)  # called where the swap runs
         log.info("engine socket %s open for the fronts", self.path)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for w in list(self._writers):
-            w.close()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        with self._lock:
+            peers = list(self._peers)
+        for peer in peers:
+            peer.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -140,62 +243,91 @@ class EngineServer:
             "decode_side": self.app.state.decoder.side,  # how an upload is decoded
         }
 
-    def _announce(self, version: str, path: str) -> None:
-        msg = {"op": "version", "version": version, "path": path}
-        for w in list(self._writers):
-            task = asyncio.ensure_future(send(w, msg))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    def _announce(self, version: str) -> None:
+        msg = {"op": "version", "version": version, "path": str(self.pipeline.index.path)}
+        with self._lock:
+            peers = list(self._peers)
+        for peer in peers:
+            peer.send(msg)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
+    def _accept(self) -> None:
+        name_os_thread()
+        while (listener := self._listener) is not None:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed by `stop`
+                return
+            conn.setblocking(True)
+            peer = Peer(conn, f"front{next(self._count)}")
+            with self._lock:
+                self._peers.add(peer)
+            threading.Thread(
+                target=self._serve, args=(peer,), name=f"duet-wire-{peer.name}", daemon=True
+            ).start()
+
+    def _serve(self, peer: Peer) -> None:
+        name_os_thread()
         try:
             while True:
                 try:
-                    msg = await recv(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
+                    msg = peer.recv()
+                except (EOFError, OSError):
                     return
                 op = msg.get("op")
                 if op == "search":
-                    task = asyncio.ensure_future(self._search(msg, writer))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    self._search(msg, peer)
                 elif op == "observe":
                     self._observe(msg["items"])
                 elif op == "hello":
-                    await send(writer, {"op": "hello", "info": self.info()})
+                    try:
+                        peer.send({"op": "hello", "info": self.info()})
+                    except NotReady:
+                        return
+        except Exception:
+            log.exception("serving %s failed; its connection closes", peer.name)
         finally:
-            self._writers.discard(writer)
-            writer.close()
+            with self._lock:
+                self._peers.discard(peer)
+            peer.close()
 
-    async def _search(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> None:
-        reply: dict[str, object] = {"op": "answer", "id": msg["id"]}
+    def _search(self, msg: dict[str, Any], peer: Peer) -> None:
+        """Admit one search onto the engine; the worker that answers it writes the answer."""
+        rid = msg["id"]
         try:
             p = self.pipeline
+            index = p.indexes.take()
+        except Exception as exc:
+            peer.send(_answer(rid, None, None, exc))
+            return
+
+        def done(answer: Answer | None, exc: BaseException | None) -> None:
+            try:
+                reply = _answer(rid, answer, index, exc)
+            finally:
+                p.indexes.release(index)  # before the front has its answer
+            peer.send(reply)
+
+        try:
             image = None
             if msg["kind"] == "image":  # decoded by the front, as this process would
                 size, pixels = msg["image"]
                 image = Image.frombytes("RGB", size, pixels)
-            with p.indexes.lease() as index:
-                answer, version = await p.run(
-                    index,
-                    msg["kind"],
-                    msg["text"],
-                    image,
-                    msg["plan"],
-                    msg["m"],
-                    msg["top_k"],
-                    ids=msg.get("ids"),
-                    look_up=False,  # the front looks the hits up in the version's item store
-                )
-            reply["answer"] = answer
-            reply["version"] = version
-            reply["path"] = str(index.path)
+            query, cost = p.work_of(
+                index,
+                msg["kind"],
+                msg["text"],
+                image,
+                msg["plan"],
+                msg["m"],
+                msg["top_k"],
+                ids=msg.get("ids"),
+                look_up=False,  # the front looks the hits up in the version's item store
+            )
+            p.engine.enqueue(query, cost, done)
         except Exception as exc:
-            if not isinstance(exc, DuetError):
-                log.exception("a front's search failed in the owner")
-            reply["error"] = error_of(exc)
-        post(writer, reply)
+            done(None, exc)
 
     def _observe(
         self, items: list[tuple[str, tuple[tuple[str, str], ...], str, list[float]]]
@@ -208,6 +340,24 @@ class EngineServer:
             if labels:
                 target = target.labels(**dict(labels))
             apply(target, method, values)
+
+
+def _answer(
+    rid: int, answer: Answer | None, index: IndexVersion | None, exc: BaseException | None
+) -> dict[str, object]:
+    """The owner's reply to a front's search: its answer and the version it ran on, or the
+    error as data."""
+    if exc is not None or answer is None or index is None:
+        if not isinstance(exc, DuetError):
+            log.error("a front's search failed in the owner", exc_info=exc)
+        return {"op": "answer", "id": rid, "error": error_of(exc or RuntimeError("no answer"))}
+    return {
+        "op": "answer",
+        "id": rid,
+        "answer": answer,
+        "version": index.version,
+        "path": str(index.path),
+    }
 
 
 def apply(target: Any, method: str, values: list[float]) -> None:

@@ -23,7 +23,7 @@ from PIL import Image
 from pydantic import ConfigDict, TypeAdapter
 
 from app.answers import hits_of, served_match
-from app.batch import Answer, BatchWorker, Query, RerankPlan, pair_kind
+from app.batch import Answer, BatchWorker, Query, RerankPlan
 from app.cache import ResilientCache, cache_key
 from app.engine import Engine
 from app.errors import RerankerUnavailable, ValidationFailed
@@ -214,15 +214,10 @@ class SearchPipeline:
         identity = getattr(self.model, "query_identity", None)
         key = identity(text) if callable(identity) else text
         if not any(ch.isalnum() or unicodedata.category(ch).startswith(("S", "P")) for ch in key):
+            builtin = ", or characters outside a-z and 0-9 for the builtin model"
             raise ValidationFailed(
                 "query: has no words the model can read (only spaces, control or invisible "
-                "characters"
-                + (
-                    ", or characters outside a-z and 0-9 for the builtin model"
-                    if key != text
-                    else ""
-                )
-                + ")"
+                f"characters{builtin if key != text else ''})"
             )
         return key
 
@@ -256,17 +251,14 @@ class SearchPipeline:
             return RerankPlan("none", "none", None, None)
         entry = REGISTRY[r]
         fusion = opts.fusion or entry.fusion
-        lam = (
-            None
-            if fusion == "none"
-            else (self.fusion_lambda if opts.lambda_ is None else opts.lambda_)
+        lam = self.fusion_lambda if opts.lambda_ is None else opts.lambda_
+        theta = self.theta if opts.theta is None else opts.theta
+        return RerankPlan(
+            r,
+            fusion,
+            None if fusion == "none" else lam,
+            theta if "theta" in entry.options else None,
         )
-        theta = (
-            None
-            if "theta" not in entry.options
-            else (self.theta if opts.theta is None else opts.theta)
-        )
-        return RerankPlan(r, fusion, lam, theta)
 
     def _key(
         self, index: IndexVersion, endpoint: str, query: str, opts: SearchOptions, plan: RerankPlan
@@ -332,25 +324,32 @@ class SearchPipeline:
         plan: RerankPlan,
         m: int,
         top_k: int,
-        ids: list[int] | None = None,
-        look_up: bool = True,
     ) -> tuple[Answer, str]:
         """The model work of one search on the engine (admission, batching, the worker):
-        its answer and the index version it ran on. The process layout's fronts call it
-        over their connection to the process that owns the model (`app.fronts`), with the
-        text's token ids (`ids`) already made, and look the hits' items up themselves
-        (`look_up` False: the answer's `meta` and `captions` are left empty)."""
+        its answer and the index version it ran on."""
+        query, cost = self.work_of(index, kind, text, image, plan, m, top_k)
+        return await self.engine.submit(query, cost), index.version
+
+    def work_of(
+        self,
+        index: IndexVersion,
+        kind: Literal["text", "image"],
+        text: str | None,
+        image: Image.Image | None,
+        plan: RerankPlan,
+        m: int,
+        top_k: int,
+        ids: list[int] | None = None,
+        look_up: bool = True,
+    ) -> tuple[Query, float]:
+        """One search's model work as the engine takes it, and its estimated seconds. The
+        process layout's owner (`app.owner`) gets the text's token ids (`ids`) made by a
+        front, which looks the hits' items up itself (`look_up` False: the answer's `meta`
+        and `captions` are left empty)."""
         if ids is None or self.worker.step is None:
             ids = self._ids(text)
         query = Query(kind, text, image, index, plan, m, top_k, ids, look_up)
-        if self.worker.steppable(query):  # a share of a device batch (its fixed part apart)
-            cost = self.worker.batch_cost.ticket_s(query.pairs)
-        else:
-            throughput = self.worker.throughput
-            cost = throughput.seconds("query") + (
-                throughput.seconds(pair_kind(plan), m) if plan.reranks else 0.0
-            )
-        return await self.engine.submit(query, cost), index.version
+        return query, self.worker.cost_of(query)
 
     async def _search(
         self,

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.engine import BatchCost, Ticket
+from app.costs import BatchCost
+from app.engine import Ticket
 from app.metrics import Metrics
 from app.work import Answer, Candidates, Query, Work, clock, ms
 from models.builtin import pixel_bytes

@@ -7,8 +7,8 @@ lease on it is held and is closed (its sqlite connection) by the release of the 
 Closing explicitly rather than leaving it to garbage collection makes the moment
 deterministic: a traceback or a stray reference cannot keep file handles open.
 
-Leases are taken and released on the event loop; the counter is still guarded by a lock so
-that a worker thread taking a lease could not corrupt it.
+Leases are taken and released on the event loop, or by the process layout's owner on its
+socket's threads (`app.owner`), so the counter is guarded by a lock.
 """
 
 from __future__ import annotations
@@ -39,15 +39,21 @@ class ServedIndex:
     @contextmanager
     def lease(self) -> Iterator[IndexVersion]:
         """The current version, kept open until the `with` block ends."""
-        with self._lock:
-            index = self._current
-            self._users[id(index)] = self._users.get(id(index), 0) + 1
+        index = self.take()
         try:
             yield index
         finally:
-            self._release(index)
+            self.release(index)
 
-    def _release(self, index: IndexVersion) -> None:
+    def take(self) -> IndexVersion:
+        """A lease without a block, for one that ends on another thread: the current
+        version, kept open until `release(version)`."""
+        with self._lock:
+            index = self._current
+            self._users[id(index)] = self._users.get(id(index), 0) + 1
+        return index
+
+    def release(self, index: IndexVersion) -> None:
         with self._lock:
             left = self._users[id(index)] - 1
             if left:

@@ -57,11 +57,12 @@ def add_server_cpu(cell: Cell, before: CpuSnapshot, after: CpuSnapshot, pid: int
     """The server's CPU in a cell: its own ("server"), its fronts' together ("fronts"), the
     busiest front's ("front max": one near a core caps the service while the others idle,
     as when one listening socket handed most connections to one front), and the server's
-    threads: its event loop ("server loop", the thread whose id is the pid), its busiest
-    engine thread ("engine max": the worker that feeds the model, or one of the CPU threads
-    torch starts for it, which inherit its name; on a GPU these have little to do) and all
-    the others ("server other": CUDA's own threads, the decoders, the loader). One thread
-    near a core is the ceiling however many cores the process uses in all."""
+    threads: its event loop ("server loop", the thread whose id is the pid), the threads
+    that serve the fronts' socket ("server wire", `app.owner`), its busiest engine thread
+    ("engine max": the worker that feeds the model, or one of the CPU threads torch starts
+    for it, which inherit its name; on a GPU these have little to do) and all the others
+    ("server other": CUDA's own threads, the decoders, the loader). One thread near a core
+    is the ceiling however many cores the process uses in all."""
     cell.add_cpu("server", after.own - before.own)
     spent = [t - before.kids.get(k, 0.0) for k, t in after.kids.items()]
     cell.add_cpu("fronts", sum(spent))
@@ -73,6 +74,8 @@ def add_server_cpu(cell: Cell, before: CpuSnapshot, after: CpuSnapshot, pid: int
             cell.add_cpu("server loop", d)
         elif name.startswith("duet-engine"):
             engine.append(d)
+        elif name.startswith("duet-wire"):
+            cell.add_cpu("server wire", d)
         else:
             cell.add_cpu("server other", d)
     cell.add_cpu("engine max", max(engine))

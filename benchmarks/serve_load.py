@@ -204,6 +204,7 @@ def run_grid(
                         f"{cell.throughput:6.1f}/s p50 {cell.q(50):7.1f} ms "
                         f"(cores: {cell.cores('server'):.2f} server, "
                         f"{cell.cores('server loop'):.2f} its loop, "
+                        f"{cell.cores('server wire'):.2f} its wire, "
                         f"{cell.cores('engine max'):.2f} its engine, "
                         f"{cell.cores('fronts'):.2f} fronts, {cell.cores('load'):.2f} load)",
                         flush=True,

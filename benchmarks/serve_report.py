@@ -195,14 +195,16 @@ def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
         "",
         "Where the cores went in duet's cells (CPU seconds / wall seconds; the server is "
         "the `duet serve` process, the one that owns the model, and of its threads the "
-        'event loop ("loop"), the busiest engine thread ("engine": a worker feeding the '
+        'event loop ("loop"), the threads that read the fronts\' searches and send their '
+        'answers ("wire"), the busiest engine thread ("engine": a worker feeding the '
         'model, or a CPU thread torch started for it) and the rest ("other": CUDA\'s '
         "threads, the decoders); "
         "fronts are its front processes, when there are any; the busiest front near one "
         "core while the fronts' total is well below their count: the connections are "
         "unevenly spread):",
         "",
-        "| mode | clients | duet req/s | server cores | loop / engine / other | fronts cores | "
+        "| mode | clients | duet req/s | server cores | loop / wire / engine / other | "
+        "fronts cores | "
         "busiest front cores | load generator cores | server CPU ms per answer | "
         "fronts CPU ms per answer |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -215,7 +217,8 @@ def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
             per = 1000 * d.cores("server") / rate if rate else float("nan")
             fronts = 1000 * d.cores("fronts") / rate if rate else float("nan")
             threads = " / ".join(
-                f"{d.cores(k):.2f}" for k in ("server loop", "engine max", "server other")
+                f"{d.cores(k):.2f}"
+                for k in ("server loop", "server wire", "engine max", "server other")
             )
             lines.append(
                 f"| {mode} | {c} | {d.throughput:.1f} | {d.cores('server'):.2f} | {threads} | "

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from app.batch import BatchWorker
-from app.engine import BatchCost, Engine, Ticket
+from app.costs import BatchCost
+from app.engine import Engine, Ticket
 from app.metrics import Metrics
 from models.builtin import BuiltinModel
 from models.device_step import DeviceStep

@@ -15,7 +15,8 @@ import pytest
 
 from app.batch import BatchWorker
 from app.config import Settings
-from app.engine import Engine, Throughput, Ticket, available_cores
+from app.costs import Throughput
+from app.engine import Engine, Ticket, available_cores
 from app.errors import DeadlineExceeded, Overloaded, ShuttingDown
 from app.main import create_app
 from app.pipeline import SearchPipeline

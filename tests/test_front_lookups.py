@@ -1,13 +1,15 @@
 """The process layout's split of a search: the owner answers ranked rows and scores only
-(`look_up=False`), the front looks the hits' items up in the version's item store
-(`app.work.items_of`): the same items as the owner's own look-up, less work and fewer bytes
-for the one process every search crosses."""
+(`look_up=False`, on the engine's queue with a callback), the front looks the hits' items
+up in the version's item store (`app.work.items_of`): the same items as the owner's own
+look-up, less work and fewer bytes for the one process every search crosses."""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,7 +43,7 @@ async def test_an_answer_without_look_ups_plus_the_fronts_look_up_is_the_whole_a
         plan = pipeline.plan(SearchOptions(top_k=5, candidates=20))
         for kind, text, img in (("text", "two blue squares", None), ("image", None, image)):
             whole, _ = await pipeline.run(index, kind, text, img, plan, 20, 5)  # type: ignore[arg-type]
-            bare, _ = await pipeline.run(index, kind, text, img, plan, 20, 5, look_up=False)  # type: ignore[arg-type]
+            bare = await _as_the_owner_asks(pipeline, index, kind, text, img, plan)
             assert bare.ranked == whole.ranked and whole.meta
             assert ("device" in whole.timings) == (layout == "gpu")  # the path meant
             assert bare.meta == [] and bare.captions == {}
@@ -53,6 +55,22 @@ async def test_an_answer_without_look_ups_plus_the_fronts_look_up_is_the_whole_a
     finally:
         await pipeline.stop()
         index.close()
+
+
+async def _as_the_owner_asks(
+    pipeline: Any, index: Any, kind: str, text: Any, img: Any, plan: Any
+) -> Any:
+    """The search as the process layout's owner runs it (`app.owner`): no look-ups, put on
+    the engine's queue with a callback that the answering worker calls."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[tuple[Any, BaseException | None]] = loop.create_future()
+    query, cost = pipeline.work_of(index, kind, text, img, plan, 20, 5, look_up=False)
+    pipeline.engine.enqueue(
+        query, cost, lambda answer, exc: loop.call_soon_threadsafe(got.set_result, (answer, exc))
+    )
+    answer, exc = await asyncio.wait_for(got, 30)
+    assert exc is None
+    return answer
 
 
 def test_the_store_says_when_a_look_up_needs_no_sqlite(index_dir: Path) -> None:

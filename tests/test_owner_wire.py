@@ -1,0 +1,141 @@
+"""The process layout's owner serves the fronts' socket on threads (`app.owner`): a search goes
+from the socket onto the engine's queue, and the worker that answers it writes the answer.
+Here with a real pipeline, real FAISS and a real Unix socket, the front's side spoken by the
+front's own client (`app.fronts.RemoteEngine`)."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from app.errors import ShuttingDown
+from app.fronts import RemoteEngine
+from app.owner import EngineServer, Peer, raise_error
+from app.schemas import SearchOptions
+from models.builtin import BuiltinModel
+from store import indexio
+from tests.conftest import in_process_pipeline
+
+
+def _read(sock: socket.socket, n: int) -> list[Any]:
+    """`n` length-prefixed pickles off `sock`, as a front's reader takes them."""
+    f = sock.makefile("rb")
+    out = []
+    for _ in range(n):
+        size = int.from_bytes(f.read(4), "little")
+        out.append(pickle.loads(f.read(size)))
+    return out
+
+
+def test_a_peer_does_not_block_on_a_front_that_is_slow_to_read() -> None:
+    """What the socket does not take at once waits for the writer thread: the sender (the
+    engine's worker, in the owner) goes on, and every message arrives whole and in order."""
+    owner_side, front_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    owner_side.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+    peer = Peer(owner_side, "front1")
+    msgs = [
+        {"op": "answer", "id": i, "pad": bytes(50_000 if i % 3 == 0 else 10)} for i in range(60)
+    ]
+
+    def send_all() -> None:
+        for m in msgs:
+            peer.send(m)
+
+    sender = threading.Thread(target=send_all, daemon=True)
+    sender.start()
+    sender.join(10)
+    assert not sender.is_alive()  # ~1 MB sent into a 16 KB buffer nobody reads yet
+    assert peer._backlog or peer._writing  # the rest waits for the writer
+    assert _read(front_side, len(msgs)) == msgs
+    peer.close()
+    peer.send({"op": "answer", "id": 99})  # a closed peer takes no more, and raises nothing
+    assert front_side.recv(1) == b""  # the front sees the connection end
+    front_side.close()
+
+
+def test_a_peer_reads_whole_messages_and_says_when_the_front_is_gone() -> None:
+    owner_side, front_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer = Peer(owner_side, "front1")
+    data = pickle.dumps({"op": "observe", "items": []})
+    frame = len(data).to_bytes(4, "little") + data
+    front_side.sendall(frame[:3])  # a message arriving in pieces
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(peer.recv()), daemon=True)
+    reader.start()
+    front_side.sendall(frame[3:])
+    reader.join(10)
+    assert got == [{"op": "observe", "items": []}]
+    front_side.sendall(frame[:10])  # then the front goes away mid-message
+    front_side.close()
+    with pytest.raises(EOFError):
+        peer.recv()
+    peer.close()
+
+
+async def test_the_owner_answers_a_fronts_searches_from_its_worker_threads(
+    index_dir: Path, model: BuiltinModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    senders: list[tuple[str, str]] = []  # (op, the thread that wrote it)
+    real_send = Peer.send
+
+    def send(self: Peer, msg: Any) -> None:
+        senders.append((msg["op"], threading.current_thread().name))
+        real_send(self, msg)
+
+    monkeypatch.setattr(Peer, "send", send)
+    index = indexio.IndexVersion.open(indexio.resolve_current(index_dir))
+    pipeline = in_process_pipeline(model, index, timeout_s=30.0, workers=2)
+    await pipeline.start()
+    app = SimpleNamespace(
+        state=SimpleNamespace(
+            pipeline=pipeline, metrics=pipeline.metrics, decoder=SimpleNamespace(side=64)
+        )
+    )
+    server = EngineServer(cast(Any, app), str(tmp_path / "engine.sock"))
+    await server.start()
+    remote = RemoteEngine(server.path)
+    try:
+        await remote.connect(wait_s=10)
+        assert remote.info["version"] == index.version and remote.info["decode_side"] == 64
+        plan = pipeline.plan(SearchOptions(top_k=5, candidates=20))
+        texts = ["two blue squares", "a red circle", "a green triangle left of a square"] * 4
+        replies = await asyncio.gather(
+            *(remote.search(kind="text", text=t, plan=plan, m=20, top_k=5) for t in texts)
+        )
+        for text, reply in zip(texts, replies, strict=True):
+            whole, version = await pipeline.run(index, "text", text, None, plan, 20, 5)
+            assert reply["version"] == version and reply["path"] == str(index.path)
+            got = reply["answer"].ranked  # the same answer as in-process (batched apart)
+            assert [r[0] for r in got] == [r[0] for r in whole.ranked]
+            flat = [x for r in got for x in r[1:]]
+            assert flat == pytest.approx([x for r in whole.ranked for x in r[1:]], abs=1e-5)
+            assert reply["answer"].meta == []  # the front looks the hits' items up itself
+        # the hello by the front's thread; each answer by the engine's worker that made it
+        assert senders[0] == ("hello", "duet-wire-front1")
+        answered = [name for op, name in senders if op == "answer"]
+        assert len(answered) == len(texts)
+        assert all(name.startswith("duet-engine-") for name in answered), answered
+        assert pipeline.indexes.in_use(index) == 0  # every search's lease was released
+        # a refused search comes back as its error, which the front raises as the owner would
+        await asyncio.to_thread(pipeline.engine.stop)
+        reply = await remote.search(kind="text", text="one red circle", plan=plan, m=20, top_k=5)
+        with pytest.raises(ShuttingDown):
+            raise_error(reply["error"])
+        assert pipeline.indexes.in_use(index) == 0
+    finally:
+        await server.stop()
+        for _ in range(100):  # the front's reader sees the owner close its socket
+            if remote._io is None:
+                break
+            await asyncio.sleep(0.05)
+        assert remote._io is None
+        await remote.close()
+        await pipeline.stop()
+        index.close()
