@@ -31,13 +31,11 @@ directory), which is why pickle is an acceptable wire format here.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -49,11 +47,12 @@ from PIL import Image
 from starlette.routing import Route
 
 from app.batch import Answer, RerankPlan
-from app.errors import NotReady, ShuttingDown
+from app.errors import NotReady
 from app.heap import freeze_startup_heap, thaw_heap
 from app.metrics import Metrics
-from app.owner import FORWARDED, post, raise_error, recv, send
+from app.owner import FORWARDED, raise_error
 from app.pipeline import SearchPipeline
+from app.remote import RemoteEngine, owner_pid
 from app.stores import Stores
 from app.work import items_of, ms
 from models.tokenizer import WordTokenizer
@@ -64,8 +63,6 @@ log = logging.getLogger("duet.fronts")
 SOCKET_ENV = "DUET_FRONT_SOCKET"  # the owner's Unix socket, for a front
 OWNER_ENV = "DUET_FRONT_OWNER"  # the owner's loopback URL, for a front
 FD_ENV = "DUET_FRONT_FD"  # the front's listening socket on the public port, inherited
-PARENT_ENV = "DUET_FRONT_PARENT"  # the owner's pid: a front stops once it is not its parent
-FLUSH_S = 0.25  # how often a front sends its metric observations to the owner
 
 
 # -- the front's side -----------------------------------------------------------------------
@@ -88,108 +85,6 @@ class _Forward:
 
     def inc(self, value: float = 1.0) -> None:
         self._sink.append((self._name, self._labels, "inc", value))
-
-
-def grouped(observed: list[Any]) -> list[tuple[str, tuple[tuple[str, str], ...], str, list[float]]]:
-    """A front's observations since its last flush, one item per (family, labels, method)
-    with every value in it: the owner applies each group at once (`app.owner.apply`)."""
-    groups: dict[tuple[str, tuple[tuple[str, str], ...], str], list[float]] = {}
-    for family, labels, method, value in observed:
-        groups.setdefault((family, labels, method), []).append(value)
-    return [(*key, values) for key, values in groups.items()]
-
-
-class RemoteEngine:
-    """A front's connection to the owner: searches out, answers back, matched by id."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.info: dict[str, Any] = {}
-        self.observed: list[Any] = []
-        self._ids = itertools.count()
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self.on_version: Callable[[str, str], None] = lambda _version, _path: None
-
-    async def connect(self, wait_s: float = 600.0) -> None:
-        """Connect and say hello, waiting while the owner loads (it opens the socket once
-        ready), but not for an owner that is gone: one killed while it loaded never stops
-        its fronts, which would otherwise hold the public port for `wait_s`."""
-        deadline = time.monotonic() + wait_s
-        parent = owner_pid()
-        while True:
-            try:
-                self._io = await asyncio.open_unix_connection(self.path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if os.getppid() != parent:
-                    raise ShuttingDown("the owner process is gone; this front stops") from None
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
-        reader, writer = self._io
-        await send(writer, {"op": "hello"})
-        self.info = (await recv(reader))["info"]
-        self._tasks = [
-            asyncio.create_task(self._read(), name="front-reader"),
-            asyncio.create_task(self._flush(), name="front-metrics"),
-        ]
-
-    async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        if self._io is not None:
-            self._io[1].close()
-            self._io = None
-
-    async def _read(self) -> None:
-        assert self._io is not None
-        reader = self._io[0]
-        try:
-            while True:
-                msg = await recv(reader)
-                if msg["op"] == "answer":
-                    fut = self._pending.pop(msg["id"], None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(msg)
-                elif msg["op"] == "version":
-                    self.info["version"] = msg["version"]
-                    self.on_version(msg["version"], msg["path"])
-        except (asyncio.IncompleteReadError, ConnectionError):
-            log.warning("the owner process closed its socket; this front stops answering")
-        finally:
-            self._io = None
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(
-                        ShuttingDown("the service is shutting down; retry on another replica")
-                    )
-            self._pending.clear()
-
-    async def _flush(self) -> None:
-        while True:
-            await asyncio.sleep(FLUSH_S)
-            if self.observed and self._io is not None:
-                items = grouped(self.observed)
-                self.observed.clear()  # the list itself stays: the metrics append to it
-                with contextlib.suppress(ConnectionError):
-                    await send(self._io[1], {"op": "observe", "items": items})
-
-    async def search(self, **msg: object) -> dict[str, Any]:
-        if self._io is None:
-            raise ShuttingDown("the service is shutting down; retry on another replica")
-        rid = next(self._ids)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
-        try:
-            post(self._io[1], {"op": "search", "id": rid, **msg})
-            return await fut
-        finally:
-            self._pending.pop(rid, None)
 
 
 class _RemoteModel:
@@ -312,12 +207,6 @@ class FrontPipeline(SearchPipeline):
     async def stop(self) -> None:
         await self.cache.close()
         self.stores.close()
-
-
-def owner_pid() -> int:
-    """The pid of the owner that started this front (told, since it may be gone before the
-    front reads its own parent)."""
-    return int(os.environ.get(PARENT_ENV, os.getppid()))
 
 
 async def _orphaned(parent: int) -> None:

@@ -5,7 +5,6 @@ one host, the socket in a private directory)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -31,39 +30,6 @@ log = logging.getLogger("duet.fronts")
 # the front's metrics the owner counts (its /metrics is the service's)
 FORWARDED = ("request_seconds", "cache_requests", "stage_seconds", "degraded", "shed")
 ACCEPT_POLL_S = 0.25  # how soon the accepting thread notices that the socket closed
-
-
-async def send(writer: asyncio.StreamWriter, msg: object) -> None:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(len(data).to_bytes(4, "little") + data)
-    await writer.drain()
-
-
-def post(writer: asyncio.StreamWriter, msg: object) -> None:
-    """`send` without waiting, for the messages each search makes (a front's request, the
-    owner's answer): those posted in one turn of the event loop leave in one write, at its
-    end. The peer is the service's own process reading all the time, and the messages in
-    flight are bounded by the requests admitted, so no backpressure is awaited."""
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    out = _outboxes.get(writer)
-    if out is None:
-        out = _outboxes[writer] = []
-        asyncio.get_running_loop().call_soon(_write_out, writer)
-    out += (len(data).to_bytes(4, "little"), data)
-
-
-_outboxes: dict[asyncio.StreamWriter, list[bytes]] = {}
-
-
-def _write_out(writer: asyncio.StreamWriter) -> None:
-    parts = _outboxes.pop(writer, [])
-    if parts and not writer.is_closing():
-        writer.write(b"".join(parts))
-
-
-async def recv(reader: asyncio.StreamReader) -> Any:
-    size = int.from_bytes(await reader.readexactly(4), "little")
-    return pickle.loads(await reader.readexactly(size))
 
 
 def error_of(exc: BaseException) -> dict[str, object]:

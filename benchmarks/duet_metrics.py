@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-FLUSH_S = 0.25  # how often a front sends the owner its observations: app.fronts.FLUSH_S
+FLUSH_S = 0.25  # how often a front sends the owner its observations: app.remote.FLUSH_S
 
 _SUMS = re.compile(r"^duet_(stage|request)_seconds_(sum|count)\{([^}]*)\} (\S+)$", re.M)
 _BUCKETS = re.compile(r"^duet_(request|stage|device_step)_seconds_bucket\{([^}]*)\} (\S+)$", re.M)

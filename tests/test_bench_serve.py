@@ -393,7 +393,7 @@ def test_the_tail_is_binned_from_the_first_answer_due() -> None:
 def test_the_benchmarks_wait_as_long_as_the_fronts_take_to_send_their_metrics() -> None:
     """`duet_metrics.stage_totals` waits for the fronts' observations (benchmarks may not
     import the app, so it keeps the interval itself): the two must agree."""
-    from app.fronts import FLUSH_S
+    from app.remote import FLUSH_S
     from benchmarks import duet_metrics
 
     assert duet_metrics.FLUSH_S == FLUSH_S

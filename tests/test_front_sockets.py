@@ -69,7 +69,8 @@ def test_a_front_whose_owner_died_while_loading_lets_go_of_the_port(tmp_path: Pa
     """An owner killed before it opened its engine socket (SIGKILL while the model loads)
     never stops its fronts; a front notices its owner is gone and exits, closing its public
     socket, instead of waiting ten minutes for a socket that will never open."""
-    from app.fronts import FD_ENV, OWNER_ENV, PARENT_ENV, SOCKET_ENV
+    from app.fronts import FD_ENV, OWNER_ENV, SOCKET_ENV
+    from app.remote import PARENT_ENV
 
     sock = public_sockets("127.0.0.1", 0, 16, 1)[0]
     port = sock.getsockname()[1]

@@ -284,48 +284,11 @@ def test_a_bad_fronts_setting_is_refused(monkeypatch: pytest.MonkeyPatch, bad: s
         load_settings()
 
 
-async def test_messages_posted_in_one_turn_leave_in_one_write(tmp_path: Path) -> None:
-    import asyncio
-
-    from app.owner import post, recv, send
-
-    got: asyncio.Queue[object] = asyncio.Queue()
-
-    async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await got.put(await recv(reader))
-            except asyncio.IncompleteReadError:
-                return
-
-    path = str(tmp_path / "s.sock")
-    server = await asyncio.start_unix_server(peer, path)
-    _, writer = await asyncio.open_unix_connection(path)
-    writes: list[int] = []
-    real = writer.write
-
-    def counted(data: bytes | bytearray | memoryview) -> None:
-        writes.append(len(data))
-        real(data)
-
-    writer.write = counted  # type: ignore[method-assign]
-    msgs = [{"op": "answer", "id": i, "hits": list(range(i))} for i in range(5)]
-    for m in msgs:
-        post(writer, m)
-    assert writes == []  # nothing leaves before the turn ends
-    await send(writer, {"op": "observe"})  # an awaited message goes at once, whole
-    received = [await asyncio.wait_for(got.get(), 5) for _ in range(6)]
-    assert received[0] == {"op": "observe"} and received[1:] == msgs
-    assert len(writes) == 2  # the five posted in one write
-    writer.close()
-    server.close()
-
-
 def test_grouped_observations_count_as_one_by_one_would() -> None:
     from prometheus_client import CollectorRegistry, Counter, Histogram
 
-    from app.fronts import grouped
     from app.owner import apply
+    from app.remote import grouped
 
     def family(reg: CollectorRegistry) -> tuple[Histogram, Counter]:
         buckets = (0.001, 0.005, 0.01, 0.05, 0.1, 1.0)

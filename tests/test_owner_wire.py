@@ -1,11 +1,13 @@
-"""The process layout's owner serves the fronts' socket on threads (`app.owner`): a search goes
-from the socket onto the engine's queue, and the worker that answers it writes the answer.
-Here with a real pipeline, real FAISS and a real Unix socket, the front's side spoken by the
-front's own client (`app.fronts.RemoteEngine`)."""
+"""The wire between the process layout's fronts and its owner. The owner serves the fronts'
+socket on threads (`app.owner`): a search goes from the socket onto the engine's queue, and
+the worker that answers it writes the answer. Here with a real pipeline, real FAISS and a
+real Unix socket, the front's side spoken by the front's own client
+(`app.remote.RemoteEngine`), which posts a turn's messages in one write."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import pickle
 import socket
 import threading
@@ -16,8 +18,8 @@ from typing import Any, cast
 import pytest
 
 from app.errors import ShuttingDown
-from app.fronts import RemoteEngine
 from app.owner import EngineServer, Peer, raise_error
+from app.remote import RemoteEngine, post
 from app.schemas import SearchOptions
 from models.builtin import BuiltinModel
 from store import indexio
@@ -139,3 +141,64 @@ async def test_the_owner_answers_a_fronts_searches_from_its_worker_threads(
         await remote.close()
         await pipeline.stop()
         index.close()
+
+
+async def test_messages_posted_in_one_turn_leave_in_one_write(tmp_path: Path) -> None:
+    """A front's searches posted in one turn of its event loop reach the owner in one write,
+    whole and in order; each turn's in a write of its own."""
+    got: asyncio.Queue[object] = asyncio.Queue()
+
+    async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                size = int.from_bytes(await reader.readexactly(4), "little")
+                await got.put(pickle.loads(await reader.readexactly(size)))
+            except asyncio.IncompleteReadError:
+                return
+
+    path = str(tmp_path / "s.sock")
+    server = await asyncio.start_unix_server(peer, path)
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_unix_connection(asyncio.Protocol, path)
+    writes: list[int] = []
+    real = transport.write
+
+    def counted(data: bytes | bytearray | memoryview) -> None:
+        writes.append(len(data))
+        real(data)
+
+    transport.write = counted  # type: ignore[method-assign]
+    msgs = [{"op": "search", "id": i, "ids": list(range(i))} for i in range(5)]
+    for m in msgs:
+        post(transport, m)
+    assert writes == []  # nothing leaves before the turn ends
+    received = [await asyncio.wait_for(got.get(), 5) for _ in range(5)]
+    assert received == msgs and len(writes) == 1  # the five in one write
+    post(transport, {"op": "observe"})  # a later turn's: a write of its own
+    assert await asyncio.wait_for(got.get(), 5) == {"op": "observe"} and len(writes) == 2
+    transport.close()
+    server.close()
+
+
+def test_a_fronts_link_cuts_messages_out_of_chunks_of_any_size() -> None:
+    """The owner's answers arrive in whatever chunks the socket gives: one cut in the length,
+    one in the body, several in one chunk; each message is handed on whole, in order, once."""
+    from app.remote import _Link
+
+    msgs = [{"op": "answer", "id": i, "pad": "x" * (i * 37)} for i in range(12)]
+    stream = b""
+    for m in msgs:
+        data = pickle.dumps(m)
+        stream += len(data).to_bytes(4, "little") + data
+    for sizes in ([1], [3, 5], [7, 200], [len(stream)]):
+        got: list[Any] = []
+        lost: list[bool] = []
+        link = _Link(got.append, functools.partial(lost.append, True))
+        at, i = 0, 0
+        while at < len(stream):
+            n = sizes[i % len(sizes)]
+            link.data_received(stream[at : at + n])
+            at, i = at + n, i + 1
+        assert got == msgs and not link._buf, sizes
+        link.connection_lost(None)
+        assert lost == [True]

@@ -210,8 +210,9 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
 
     import uvicorn
 
-    from app.fronts import FD_ENV, OWNER_ENV, PARENT_ENV, SOCKET_ENV
+    from app.fronts import FD_ENV, OWNER_ENV, SOCKET_ENV
     from app.limits import uvicorn_options
+    from app.remote import PARENT_ENV
     from models.errors import UserError
 
     try:
