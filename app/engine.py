@@ -214,10 +214,10 @@ class Engine(Generic[P, R]):
         loop: asyncio.AbstractEventLoop | None,
         done: Done[R] | None,
     ) -> None:
-        if self._closed:
-            raise ShuttingDown("the service is shutting down; retry on another replica")
         budget = self.timeout_s if timeout_s is None else timeout_s
-        with self._cond:
+        with self._cond:  # `stop` may run on another thread: checked under its lock
+            if self._closed:
+                raise ShuttingDown("the service is shutting down; retry on another replica")
             wait = self.wait_s()
             # with nothing ahead a request is always taken: if its own estimate does not
             # fit, it re-ranks what fits (degraded) rather than being turned away idle

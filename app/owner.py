@@ -5,6 +5,7 @@ one host, the socket in a private directory)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -99,13 +100,15 @@ class Peer:
                     return
             self._backlog += frame
             if self._writer is None:
-                self._writer = threading.Thread(
+                writer = threading.Thread(
                     target=self._write, name=f"duet-wire-{self.name}-out", daemon=True
                 )
-                self._writer.start()
+                writer.start()
+                self._writer = writer  # once started: a failed start is tried again
             self._cond.notify()
 
     def _write(self) -> None:
+        name_os_thread()
         while True:
             with self._cond:
                 while not self._backlog and not self.closed:
@@ -154,6 +157,7 @@ class EngineServer:
         self._peers: set[Peer] = set()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
+        self._accepting: threading.Thread | None = None
         self._count = itertools.count(1)
 
     @property
@@ -172,7 +176,10 @@ class EngineServer:
         listener.listen(64)
         listener.settimeout(ACCEPT_POLL_S)  # so that `stop` ends the accepting thread
         self._listener = listener
-        threading.Thread(target=self._accept, name="duet-wire-accept", daemon=True).start()
+        self._accepting = threading.Thread(
+            target=self._accept, name="duet-wire-accept", daemon=True
+        )
+        self._accepting.start()
         self.pipeline.swap_listeners.append(self._announce)  # called where the swap runs
         log.info("engine socket %s open for the fronts", self.path)
 
@@ -180,6 +187,11 @@ class EngineServer:
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
+        if self._accepting is not None:  # no front joins after the peers are closed
+            await asyncio.to_thread(self._accepting.join, 4 * ACCEPT_POLL_S)
+        p = self.app.state.pipeline
+        if p is not None and self._announce in p.swap_listeners:
+            p.swap_listeners.remove(self._announce)
         with self._lock:
             peers = list(self._peers)
         for peer in peers:
@@ -207,14 +219,17 @@ class EngineServer:
             "version": p.index.version,
             "path": str(p.index.path),  # where a front reads the hits' items
             "decode_side": self.app.state.decoder.side,  # how an upload is decoded
+            "timeout_s": p.engine.timeout_s,  # the request deadline (a lost answer's bound)
         }
 
     def _announce(self, version: str) -> None:
+        """Every front learns the version swapped in. Under the lock a hello is made and
+        sent under, so no front hears of a version before a hello that names an older one
+        (sends never block, so the lock is held briefly)."""
         msg = {"op": "version", "version": version, "path": str(self.pipeline.index.path)}
         with self._lock:
-            peers = list(self._peers)
-        for peer in peers:
-            peer.send(msg)
+            for peer in self._peers:
+                peer.send(msg)
 
     def _accept(self) -> None:
         name_os_thread()
@@ -248,7 +263,8 @@ class EngineServer:
                     self._observe(msg["items"])
                 elif op == "hello":
                     try:
-                        peer.send({"op": "hello", "info": self.info()})
+                        with self._lock:  # in order with the swaps' announcements
+                            peer.send({"op": "hello", "info": self.info()})
                     except NotReady:
                         return
         except Exception:
@@ -270,10 +286,14 @@ class EngineServer:
 
         def done(answer: Answer | None, exc: BaseException | None) -> None:
             try:
-                reply = _answer(rid, answer, index, exc)
+                try:
+                    peer.send(_answer(rid, answer, index, exc))
+                except Exception as failed:  # never a front left waiting without a reply
+                    log.exception("answering %s's search %s failed", peer.name, rid)
+                    peer.send(_answer(rid, None, None, failed))
             finally:
-                p.indexes.release(index)  # before the front has its answer
-            peer.send(reply)
+                # after the answer left: the last lease of a version swapped out closes it
+                p.indexes.release(index)
 
         try:
             image = None

@@ -20,11 +20,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from app.errors import ShuttingDown
+from app.errors import NotReady, ShuttingDown
 
 log = logging.getLogger("duet.fronts")
 
 FLUSH_S = 0.25  # how often a front sends its metric observations to the owner
+# how long a search waits for the owner's answer at most: a few times the owner's request
+# deadline and at least this, so only an answer lost (never a slow one) ends it, with a 503
+ANSWER_FLOOR_S = 30.0
 PARENT_ENV = "DUET_FRONT_PARENT"  # the owner's pid: a front stops once it is not its parent
 
 
@@ -106,6 +109,8 @@ class RemoteEngine:
         self.observed: list[Any] = []
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._asked: dict[int, float] = {}  # each pending search: when it was sent (loop time)
+        self.answer_s = ANSWER_FLOOR_S
         self._hello: asyncio.Future[dict[str, Any]] | None = None
         self._io: asyncio.Transport | None = None
         self._closing = False
@@ -135,6 +140,7 @@ class RemoteEngine:
         self._hello = loop.create_future()
         post(transport, {"op": "hello"})
         self.info = (await self._hello)["info"]
+        self.answer_s = max(ANSWER_FLOOR_S, 4 * float(self.info.get("timeout_s", 0.0)))
         self._tasks = [asyncio.create_task(self._flush(), name="front-metrics")]
 
     async def close(self) -> None:
@@ -175,21 +181,38 @@ class RemoteEngine:
                 fut.set_exception(gone)
 
     async def _flush(self) -> None:
+        """A few times a second: the metric observations to the owner, and a 503 for any
+        search whose answer is overdue (`answer_s`: one the owner lost, never a slow one)."""
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(FLUSH_S)
             if self.observed and self._io is not None:
                 items = grouped(self.observed)
                 self.observed.clear()  # the list itself stays: the metrics append to it
                 post(self._io, {"op": "observe", "items": items})
+            due = loop.time() - self.answer_s
+            for rid in [rid for rid, asked in self._asked.items() if asked < due]:
+                fut = self._pending.pop(rid, None)
+                if fut is not None and not fut.done():
+                    log.error("the owner did not answer search %d in %gs", rid, self.answer_s)
+                    fut.set_exception(
+                        NotReady(
+                            f"the process that owns the model did not answer within "
+                            f"{self.answer_s:g}s; retry in a moment"
+                        )
+                    )
 
     async def search(self, **msg: object) -> dict[str, Any]:
         if self._io is None:
             raise ShuttingDown("the service is shutting down; retry on another replica")
         rid = next(self._ids)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
         self._pending[rid] = fut
+        self._asked[rid] = loop.time()
         try:
             post(self._io, {"op": "search", "id": rid, **msg}, alone=len(self._pending) == 1)
             return await fut
         finally:
             self._pending.pop(rid, None)
+            del self._asked[rid]

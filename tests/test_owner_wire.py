@@ -11,6 +11,7 @@ import functools
 import pickle
 import socket
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -124,12 +125,20 @@ async def test_the_owner_answers_a_fronts_searches_from_its_worker_threads(
         answered = [name for op, name in senders if op == "answer"]
         assert len(answered) == len(texts)
         assert all(name.startswith("duet-engine-") for name in answered), answered
-        assert pipeline.indexes.in_use(index) == 0  # every search's lease was released
+        for _ in range(100):  # every search's lease ends, just after its answer leaves
+            if pipeline.indexes.in_use(index) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert pipeline.indexes.in_use(index) == 0
         # a refused search comes back as its error, which the front raises as the owner would
         await asyncio.to_thread(pipeline.engine.stop)
         reply = await remote.search(kind="text", text="one red circle", plan=plan, m=20, top_k=5)
         with pytest.raises(ShuttingDown):
             raise_error(reply["error"])
+        for _ in range(100):  # a lease ends just after its answer leaves
+            if pipeline.indexes.in_use(index) == 0:
+                break
+            await asyncio.sleep(0.02)
         assert pipeline.indexes.in_use(index) == 0
     finally:
         await server.stop()
@@ -202,3 +211,148 @@ def test_a_fronts_link_cuts_messages_out_of_chunks_of_any_size() -> None:
         assert got == msgs and not link._buf, sizes
         link.connection_lost(None)
         assert lost == [True]
+
+
+def test_answers_from_several_workers_at_once_arrive_whole_and_in_each_ones_order() -> None:
+    owner_side, front_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    owner_side.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    peer = Peer(owner_side, "front1")
+    per = 300
+
+    def worker(w: int) -> None:
+        for i in range(per):
+            peer.send({"op": "answer", "id": (w, i), "pad": bytes((i * 97) % 9000)})
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(4)]
+    for t in threads:
+        t.start()
+    got = _read(front_side, 4 * per)  # read while they send (the buffer holds a few only)
+    for t in threads:
+        t.join(10)
+    for w in range(4):
+        mine = [m["id"][1] for m in got if m["id"][0] == w]
+        assert mine == list(range(per)), w
+    assert all(len(m["pad"]) == (m["id"][1] * 97) % 9000 for m in got)
+    peer.close()
+    front_side.close()
+
+
+def test_a_search_admitted_while_the_engine_stops_is_refused_not_lost() -> None:
+    """`Engine.stop` on one thread, a search admitted on another (the owner's socket threads):
+    the search is refused (ShuttingDown) or answered, never left in a stopped queue. Made
+    certain here by holding the admitting thread just before it takes the engine's lock."""
+    from app.engine import Engine
+
+    def answer(tickets: Any) -> None:
+        for t in tickets:
+            t.resolve(1)
+
+    engine: Engine[str, int] = Engine(answer, workers=1, max_batch=4, max_queue=10, timeout_s=5)
+    engine.start()
+    real = engine._cond
+
+    class Late:
+        def __enter__(self) -> Any:
+            if threading.current_thread().name == "admitting":
+                time.sleep(0.2)  # engine.stop runs whole meanwhile
+            return real.__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return real.__exit__(*exc)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    engine._cond = Late()  # type: ignore[assignment]
+    outcome: list[object] = []
+
+    def admit() -> None:
+        try:
+            engine.enqueue("q", 0.0, lambda r, e: outcome.append((r, e)))
+        except ShuttingDown as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=admit, name="admitting")
+    t.start()
+    time.sleep(0.05)
+    engine.stop(timeout_s=2)
+    t.join(5)
+    assert len(outcome) == 1 and isinstance(outcome[0], ShuttingDown), outcome
+    assert not engine._queue
+
+
+async def test_a_front_fails_its_waiting_searches_when_the_owner_goes_or_loses_one(
+    tmp_path: Path,
+) -> None:
+    """The front's searches never wait forever: a 503 when the owner closes its socket, and
+    one past `answer_s` when the owner lost an answer."""
+    from app.errors import NotReady
+
+    path = str(tmp_path / "owner.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(2)
+    close_after_search = threading.Event()
+
+    def owner() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            peer = Peer(conn, "front")
+            while True:
+                try:
+                    msg = peer.recv()
+                except EOFError:
+                    break
+                if msg["op"] == "hello":
+                    peer.send({"op": "hello", "info": {"version": "v1", "timeout_s": 0.01}})
+                elif msg["op"] == "search" and close_after_search.is_set():
+                    peer.close()  # gone without answering
+                    break
+                # else: the search is never answered (an answer lost)
+
+    threading.Thread(target=owner, daemon=True).start()
+    lost = RemoteEngine(path)
+    await lost.connect(wait_s=5)
+    assert lost.answer_s == 30.0  # a few deadlines, at least the floor
+    lost.answer_s = 0.3
+    with pytest.raises(NotReady, match="did not answer"):
+        await asyncio.wait_for(lost.search(kind="text", text="a"), 10)
+    assert not lost._pending and not lost._asked
+    await lost.close()
+    close_after_search.set()
+    gone = RemoteEngine(path)
+    await gone.connect(wait_s=5)
+    with pytest.raises(ShuttingDown):
+        await asyncio.wait_for(gone.search(kind="text", text="b"), 10)
+    assert gone._io is None
+    with pytest.raises(ShuttingDown):  # and later searches are refused at once
+        await gone.search(kind="text", text="c")
+    await gone.close()
+    listener.close()
+
+
+async def test_a_lone_search_is_written_at_once_and_never_ahead_of_this_turns_others(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "s.sock")
+    server = await asyncio.start_unix_server(lambda r, w: None, path)
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_unix_connection(asyncio.Protocol, path)
+    writes: list[bytes] = []
+    transport.write = writes.append  # type: ignore[method-assign,assignment]
+    post(transport, {"op": "search", "id": 1}, alone=True)
+    assert len(writes) == 1  # at once, not at the end of the turn
+    post(transport, {"op": "observe"})
+    post(transport, {"op": "search", "id": 2}, alone=True)  # behind the turn's other message
+    assert len(writes) == 1
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert len(writes) == 2
+    frames, at = [], 0
+    while at < len(writes[1]):
+        size = int.from_bytes(writes[1][at : at + 4], "little")
+        frames.append(pickle.loads(writes[1][at + 4 : at + 4 + size]))
+        at += 4 + size
+    assert frames == [{"op": "observe"}, {"op": "search", "id": 2}]
+    transport.close()
+    server.close()
