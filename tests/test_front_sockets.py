@@ -115,3 +115,48 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT: a socket each")
+def test_a_front_that_dies_is_replaced_on_a_socket_of_its_own(
+    index_dir: Path, tmp_path: Path
+) -> None:
+    """A front killed while the service runs: the owner starts another on a new socket of the
+    public port, says so in its log, and every new connection is answered meanwhile and after
+    (the dead front's socket closed with it, so none waits on a socket nobody accepts from)."""
+    import signal
+
+    import httpx
+
+    from duet.commands.serve import FRONT_SETTLE_S
+    from tests.conftest import start_service, stop_service
+    from tests.test_fronts import _alive, _children, _listening
+
+    started = time.monotonic()
+    log = tmp_path / "svc.log"
+    svc = start_service(index_dir, log, DUET_FRONTENDS="2")
+    try:
+        port = int(svc.url.rsplit(":", 1)[1])
+        fronts = _children(svc.proc.pid)
+        assert len(fronts) == 2
+        time.sleep(max(0.0, started + FRONT_SETTLE_S + 1 - time.monotonic()))  # past its start
+        os.kill(fronts[0], signal.SIGKILL)
+        body = {"query": "two blue squares", "top_k": 3, "rerank": False}
+        codes = []
+        deadline = time.monotonic() + 30
+        new: list[int] = []
+        while time.monotonic() < deadline:
+            with httpx.Client(base_url=svc.url, timeout=10) as c:  # a new connection each
+                codes.append(c.post("/search/text", json=body).status_code)
+            new = [p for p in _children(svc.proc.pid) if p not in fronts and _alive(p)]
+            if new and _listening(new[0], port) and "starting another" in log.read_text():
+                break
+            time.sleep(0.2)
+        assert new and _listening(new[0], port), log.read_text()[-2000:]
+        assert set(codes) == {200}, codes
+        for _ in range(20):  # both fronts answer new connections
+            with httpx.Client(base_url=svc.url, timeout=10) as c:
+                assert c.post("/search/text", json=body).status_code == 200
+        assert f"front {fronts[0]} exited" in log.read_text()
+    finally:
+        stop_service(svc)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -205,12 +207,11 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
     of its own where the platform allows (`public_sockets`, `app.fronts`)."""
     import os
     import shutil
-    import subprocess
     import tempfile
 
     import uvicorn
 
-    from app.fronts import FD_ENV, OWNER_ENV, SOCKET_ENV
+    from app.fronts import OWNER_ENV, SOCKET_ENV
     from app.limits import uvicorn_options
     from app.remote import PARENT_ENV
     from models.errors import UserError
@@ -233,33 +234,18 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
         # as this process resolved it: a front has no model to tell the device by
         "DUET_HTTP_QUEUE_TARGET_MS": str(settings.http_queue_target_ms),
     }
-    fronts = []
-    for i in range(count):
-        sock = public[i % len(public)]  # its own socket, or the one they share
-        sock.set_inheritable(True)
-        fronts.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "duet.cli", "serve-front"],
-                env={**env, FD_ENV: str(sock.fileno())},
-                pass_fds=(sock.fileno(),),
-            )
-        )
-    for sock in public:
-        sock.close()  # the fronts hold them now: a front's socket ends with the front
-
-    def stop_fronts() -> None:
-        for p in fronts:
-            if p.poll() is None:
-                p.terminate()
-        for p in fronts:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
+    host, port = settings.host, public[0].getsockname()[1]
+    fronts = FrontProcesses(
+        env,
+        # a replacement's own socket where each front has one (SO_REUSEPORT)
+        (lambda: _listen(host, port, settings.http_backlog, reuse_port=True))
+        if len(public) == count > 1
+        else None,
+    )
+    fronts.start(public, count)
     app.state.engine_socket = path
-    app.state.stop_fronts = stop_fronts
-    log.info("process layout: %d fronts on the public port, the model here", len(fronts))
+    app.state.stop_fronts = fronts.stop
+    log.info("process layout: %d fronts on the public port, the model here", count)
     config = uvicorn.Config(
         app,
         log_level=settings.log_level,
@@ -269,8 +255,105 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
     try:
         uvicorn.Server(config).run(sockets=[owner])
     finally:
-        stop_fronts()
+        fronts.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+FRONT_WATCH_S = 1.0  # how often the owner looks for a front that died
+FRONT_SETTLE_S = 10.0  # a front that dies sooner after its start is not replaced again
+
+
+class FrontProcesses:
+    """The process layout's front processes, which the owner starts and stops. One that dies
+    while the service runs is replaced by a new front on a new listening socket of its own
+    (`listen`; where each front has one, SO_REUSEPORT). The dead front's socket closed with
+    it, so meanwhile the kernel spread new connections among the others. A front that dies
+    within FRONT_SETTLE_S of its start is not replaced again: a crash at start would repeat."""
+
+    def __init__(self, env: dict[str, str], listen: Any) -> None:
+        self.env = env
+        self._listen = listen  # () -> a new listening socket; None where fronts share one
+        self.procs: list[Any] = []
+        self._started: list[float] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    def start(self, sockets: list[Any], count: int) -> None:
+        with self._lock:
+            for i in range(count):
+                self._spawn(sockets[i % len(sockets)])  # its own socket, or the one they share
+        for sock in sockets:
+            sock.close()  # the fronts hold them now: a front's socket ends with the front
+        if self._listen is not None:
+            threading.Thread(target=self._watch, name="duet-fronts-watch", daemon=True).start()
+
+    def _spawn(self, sock: Any, slot: int | None = None) -> None:
+        import subprocess
+
+        from app.fronts import FD_ENV
+
+        sock.set_inheritable(True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "duet.cli", "serve-front"],
+            env={**self.env, FD_ENV: str(sock.fileno())},
+            pass_fds=(sock.fileno(),),
+        )
+        if slot is None:
+            self.procs.append(proc)
+            self._started.append(time.monotonic())
+        else:
+            self.procs[slot], self._started[slot] = proc, time.monotonic()
+
+    def _watch(self) -> None:
+        given_up: set[int] = set()
+        while not self._stopping.wait(FRONT_WATCH_S):
+            with self._lock:
+                for i, proc in enumerate(self.procs):
+                    if self._stopping.is_set() or i in given_up or proc.poll() is None:
+                        continue
+                    if time.monotonic() - self._started[i] < FRONT_SETTLE_S:
+                        given_up.add(i)
+                        log.error(
+                            "front %d exited (status %s) within %gs of its start; not replaced "
+                            "(see its log above); %d fronts serve",
+                            proc.pid,
+                            proc.returncode,
+                            FRONT_SETTLE_S,
+                            self.alive(),
+                        )
+                        continue
+                    log.error(
+                        "front %d exited (status %s); starting another", proc.pid, proc.returncode
+                    )
+                    try:
+                        sock = self._listen()
+                    except OSError as exc:
+                        given_up.add(i)
+                        log.error("cannot listen for a new front (%s); not replaced", exc)
+                        continue
+                    try:
+                        self._spawn(sock, i)
+                    finally:
+                        sock.close()  # the new front holds it
+
+    def alive(self) -> int:
+        return sum(p.poll() is None for p in self.procs)
+
+    def stop(self) -> None:
+        """SIGTERM to every front (they drain their requests), SIGKILL after 15 s."""
+        import subprocess
+
+        self._stopping.set()
+        with self._lock:  # no front is being replaced now, and none will be
+            procs = list(self.procs)
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def cmd_serve_front(args: argparse.Namespace) -> int:
