@@ -33,6 +33,12 @@ FORWARDED = ("request_seconds", "cache_requests", "stage_seconds", "degraded", "
 ACCEPT_POLL_S = 0.25  # how soon the accepting thread notices that the socket closed
 
 
+def frame(msg: object) -> bytes:
+    """`msg` as it crosses the socket, either way: a 4-byte length, then its pickle."""
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(data).to_bytes(4, "little") + data
+
+
 def error_of(exc: BaseException) -> dict[str, object]:
     """A DuetError as data (its class by name: every one lives in `app.errors`)."""
     if isinstance(exc, DuetError):
@@ -83,22 +89,21 @@ class Peer:
     def send(self, msg: object) -> None:
         """Write `msg` now if the socket takes it whole, else leave the rest to the writer
         thread (messages leave in the order sent). Nothing happens once the peer is closed."""
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        frame = memoryview(len(data).to_bytes(4, "little") + data)
+        out = memoryview(frame(msg))
         with self._cond:
             if self.closed:
                 return
             if not self._backlog and not self._writing:
                 try:
-                    frame = frame[self.sock.send(frame, socket.MSG_DONTWAIT) :]
+                    out = out[self.sock.send(out, socket.MSG_DONTWAIT) :]
                 except BlockingIOError:
                     pass
                 except OSError:
                     self._close()
                     return
-                if not frame:
+                if not out:
                     return
-            self._backlog += frame
+            self._backlog += out
             if self._writer is None:
                 writer = threading.Thread(
                     target=self._write, name=f"duet-wire-{self.name}-out", daemon=True

@@ -1,6 +1,6 @@
 """A front's connection to the owner (the process layout, `app.fronts`): its searches out, their
-answers back, matched by id, over one Unix socket in the owner's wire format (`app.owner`: a
-4-byte length, then a pickle).
+answers back, matched by id, over one Unix socket in the owner's wire format
+(`app.owner.frame`: a 4-byte length, then a pickle).
 
 The owner's messages are read by an asyncio protocol (`_Link`): each chunk that arrives is cut
 into its messages at once, and an answer settles its search's future in the same turn of the
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.errors import NotReady, ShuttingDown
+from app.owner import frame
 
 log = logging.getLogger("duet.fronts")
 
@@ -52,15 +53,15 @@ def post(writer: asyncio.WriteTransport, msg: object, alone: bool = False) -> No
     written at once unless others wait for this turn's write. The peer is the owner,
     reading all the time, and the messages in flight are bounded by the requests admitted,
     so no backpressure is awaited."""
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    data = frame(msg)
     out = _outboxes.get(writer)
     if out is None and alone:
-        writer.write(len(data).to_bytes(4, "little") + data)
+        writer.write(data)
         return
     if out is None:
         out = _outboxes[writer] = []
         asyncio.get_running_loop().call_soon(_write_out, writer)
-    out += (len(data).to_bytes(4, "little"), data)
+    out.append(data)
 
 
 _outboxes: dict[asyncio.WriteTransport, list[bytes]] = {}
