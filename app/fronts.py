@@ -136,13 +136,22 @@ class FrontPipeline(SearchPipeline):
         self.default_reranker = info["default_reranker"]
         self._unavailable = dict(info["unavailable"])
         self._served = _Version(info["version"])
+        # versions the owner swapped out: an answer that ran on one and arrives after the
+        # swap's announcement (the owner's workers write answers, the swap its announcement,
+        # in no set order) must not take this front back to it
+        self._retired: set[str] = set()
         self.stores = Stores(info["path"])
         self._running = 0  # searches in `run` now
         remote.on_version = self._swapped
 
     def _swapped(self, version: str, path: str) -> None:
-        self._served = _Version(version)
+        self._serve(version)
         self.stores.swapped(path)
+
+    def _serve(self, version: str) -> None:
+        self._retired.add(self._served.version)
+        self._retired.discard(version)  # served again (a reload back to it)
+        self._served = _Version(version)
 
     @property
     def index(self) -> IndexVersion:
@@ -181,8 +190,8 @@ class FrontPipeline(SearchPipeline):
             )
             if "error" in reply:
                 raise_error(reply["error"])
-            if reply["version"] != self._served.version:
-                self._served = _Version(reply["version"])
+            if reply["version"] != self._served.version and reply["version"] not in self._retired:
+                self._serve(reply["version"])  # one the announcement has not told of yet
             answer: Answer = reply["answer"]
             t0 = time.perf_counter()
             rows = [r for r, _, _, _ in answer.ranked]

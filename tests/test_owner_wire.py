@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import pytest
 
@@ -356,3 +356,41 @@ async def test_a_lone_search_is_written_at_once_and_never_ahead_of_this_turns_ot
     assert frames == [{"op": "observe"}, {"op": "search", "id": 2}]
     transport.close()
     server.close()
+
+
+async def test_a_late_answer_on_a_swapped_out_version_does_not_take_a_front_back(
+    index_dir: Path,
+) -> None:
+    """The owner's workers write answers and the swap its announcement in no set order: an
+    answer that ran on the old version and arrives after the announcement must not make the
+    front key its cache by the old version again (its repeated queries would then hit the
+    old entry for ever); an answer on a version not yet announced still moves it on."""
+    from app.batch import Answer
+    from app.fronts import FrontPipeline
+    from app.metrics import Metrics
+
+    path = str(indexio.resolve_current(index_dir))
+    replies: list[str] = []
+
+    class Owner:
+        info: ClassVar[dict[str, Any]] = {
+            "fingerprint": "f", "numerics": None, "vocab": None, "by_words": False,
+            "fusion_lambda": 0.1, "theta": 1.0, "rerankers": ["none"],
+            "default_reranker": "none", "unavailable": {}, "version": "v1", "path": path,
+        }  # fmt: skip
+        on_version: Any = None
+
+        async def search(self, **_: Any) -> dict[str, Any]:
+            answer = Answer([], [], {}, None, degraded=False, captions={})
+            return {"version": replies.pop(0), "path": path, "answer": answer}
+
+    front = FrontPipeline(cast(Any, Owner()), None, Metrics())
+    plan = cast(Any, None)
+    front._swapped("v2", path)  # the announcement first
+    for late, then in (("v1", "v2"), ("v3", "v3"), ("v2", "v3")):
+        replies.append(late)
+        await front.run(front.index, "text", "a", None, plan, 5, 5)
+        assert front.index.version == then, late
+    front._swapped("v1", path)  # a reload back to v1 serves it again
+    assert front.index.version == "v1"
+    front.stores.close()
