@@ -97,6 +97,28 @@ def test_jpeg_corpus_holds_jpegs_of_the_asked_size_and_is_deterministic(tmp_path
         assert img.format == "JPEG" and img.size == (96, 72) and img.mode == "RGB"
 
 
+def test_a_jpeg_corpus_is_the_same_bytes_encoded_by_a_pool_of_processes(tmp_path: Path) -> None:
+    style = PhotoStyle(size=(96, 72), quality=85, tiles=3)
+    here = write_corpus(tmp_path / "a", 40, seed=6, progress=False, photo=style)
+    pooled = write_corpus(tmp_path / "b", 40, seed=6, progress=False, photo=style, workers=2)
+    assert pooled.read_text() == here.read_text()
+    names = sorted(p.name for p in (tmp_path / "a" / "images").iterdir())
+    assert len(names) == 40 and names == sorted(
+        p.name for p in (tmp_path / "b" / "images").iterdir()
+    )
+    for name in names:
+        assert (tmp_path / "a" / "images" / name).read_bytes() == (
+            tmp_path / "b" / "images" / name
+        ).read_bytes(), name
+
+
+def test_a_photo_worker_that_fails_stops_the_corpus_with_its_error(tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    (out / "images" / "0003.jpg").mkdir(parents=True)  # a folder where a photo goes
+    with pytest.raises(IsADirectoryError):
+        write_corpus(out, 12, seed=6, progress=False, photo=PhotoStyle(size=(64, 48)), workers=2)
+
+
 def test_demo_corpus_cli_takes_a_jpeg_size_and_refuses_bad_ones(tmp_path: Path) -> None:
     cmd = [*DUET, "demo-corpus", "--out", str(tmp_path / "j"), "--images", "2", "--no-progress"]
     ok = subprocess.run(
@@ -111,6 +133,7 @@ def test_demo_corpus_cli_takes_a_jpeg_size_and_refuses_bad_ones(tmp_path: Path) 
         (["--image-size", "80x60"], "apply to --format jpeg"),
         (["--format", "jpeg", "--image-size", "80by60"], "WIDTHxHEIGHT"),
         (["--format", "jpeg", "--quality", "100"], "1 to 95"),
+        (["--format", "jpeg", "--workers", "0"], "at least 1"),
     ):
         res = subprocess.run(
             [*DUET, "demo-corpus", "--out", str(tmp_path / "x"), "--images", "1", *bad],

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing as mp
 import random
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -79,27 +83,30 @@ def write_corpus(
     n_captions: int = 5,
     progress: bool = True,
     photo: PhotoStyle | None = None,
+    workers: int = 1,
 ) -> Path:
     """Write `out/manifest.jsonl` and `out/images/*.png` (`*.jpg` in the `photo` style);
-    return the manifest path."""
+    return the manifest path. With `workers` > 1 the photos are scaled, grained and encoded
+    by that many processes (most of a photo's cost; the scenes are drawn here, in order), so
+    the bytes are the same whatever the number."""
     from tqdm import tqdm
 
-    grain = photo.grain_tiles(seed) if photo is not None else []
     out.mkdir(parents=True, exist_ok=True)
     (out / "images").mkdir(exist_ok=True)
     manifest = out / "manifest.jsonl"
     width = max(4, len(str(n_images - 1)))
-    with manifest.open("w", encoding="utf-8") as fh:
+    with _Photos(out, photo, seed, workers) as photos, manifest.open("w", encoding="utf-8") as fh:
         samples = generate(n_images, seed, n_captions)
         for i, sample in enumerate(
             tqdm(samples, total=n_images, desc="rendering", unit="img", disable=not progress)
         ):
             name = f"{i:0{width}d}"
             if photo is None:
-                rel, data = f"images/{name}.png", png_bytes(sample.image)
+                rel = f"images/{name}.png"
+                (out / rel).write_bytes(png_bytes(sample.image))
             else:
-                rel, data = f"images/{name}.jpg", photo.encode(sample.image, grain[i % len(grain)])
-            (out / rel).write_bytes(data)
+                rel = f"images/{name}.jpg"
+                photos.write(rel, sample.image, i)
             line = {
                 "id": f"img-{name}",
                 "image": rel,
@@ -108,3 +115,58 @@ def write_corpus(
             }
             fh.write(json.dumps(line, sort_keys=True) + "\n")
     return manifest
+
+
+# a photo worker's style and grain, set once per process by `_photo_worker_init`
+_WORKER: dict[str, Any] = {}
+
+
+def _photo_worker_init(out: Path, photo: PhotoStyle, seed: int) -> None:
+    _WORKER.update(out=out, photo=photo, grain=photo.grain_tiles(seed))
+
+
+def _write_photo(rel: str, image: Image.Image, i: int, state: dict[str, Any] | None = None) -> None:
+    """Encode and write one photo: in a worker process (its `_WORKER`), or here (`state`)."""
+    st = _WORKER if state is None else state
+    grain = st["grain"]
+    (st["out"] / rel).write_bytes(st["photo"].encode(image, grain[i % len(grain)]))
+
+
+class _Photos:
+    """Writes a corpus's photos, here or in a pool of processes; a pool keeps at most a few
+    photos a worker in flight (the drawn scenes wait in memory meanwhile), and an error in
+    one is raised here."""
+
+    def __init__(self, out: Path, photo: PhotoStyle | None, seed: int, workers: int) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+        self._pending: deque[Future[None]] = deque()
+        self._limit = 8 * workers
+        self._here: dict[str, Any] = {}
+        if photo is not None and workers > 1:
+            self._pool = ProcessPoolExecutor(
+                workers,
+                mp_context=mp.get_context("spawn"),
+                initializer=_photo_worker_init,
+                initargs=(out, photo, seed),
+            )
+        elif photo is not None:
+            self._here = {"out": out, "photo": photo, "grain": photo.grain_tiles(seed)}
+
+    def write(self, rel: str, image: Image.Image, i: int) -> None:
+        if self._pool is None:
+            _write_photo(rel, image, i, self._here)
+            return
+        self._pending.append(self._pool.submit(_write_photo, rel, image, i))
+        while len(self._pending) > self._limit:
+            self._pending.popleft().result()
+
+    def __enter__(self) -> _Photos:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            while self._pending and exc[0] is None:
+                self._pending.popleft().result()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
