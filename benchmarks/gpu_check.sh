@@ -52,6 +52,10 @@
 #             then `scale_serve` at 20k and 1M -> scale.json and the table in log.txt; on a GPU
 #             as two calls, STEPS=scale-build (BUDGET=560) then STEPS=scale-serve (what is left);
 #             a scale-build cut short by its budget goes on where it stopped when called again
+#   scale-20k (not in the default steps) `scale_serve` at 20k alone (the scale corpus's version
+#             built on the GPU): re-ranked at 1 and 32 clients, dot-only at 1, and the lone
+#             request's split, in about a minute -> scale_20k.json; at the last GPU run the
+#             million's dot-only p50 was the 20k's plus 0.16 ms
 #   scale-tiled (not in the default steps) the million's serving row without the million's
 #             build: the 20k version built on the GPU, tiled 50 times under new ids
 #             (benchmarks/startup_scale.py --tile-only: every row, vector and token a real
@@ -281,6 +285,11 @@ for s in $STEPS; do
       step scale-serve 300 90 python3 benchmarks/scale_serve.py --device $DEV --procs 4 \
         --seconds 4 --index "$n=$S/i-small" --index "$big=$S/i-big" --json "$OUT/scale.json"
     fi
+    ;;
+  scale-20k) # the 20k version served alone: the lone dot-only request's split in a minute
+    scale_small &&
+      step scale-serve-20k 150 60 python3 benchmarks/scale_serve.py --device $DEV --procs 4 \
+        --seconds 4 --index "$n=$S/i-small" --json "$OUT/scale_20k.json"
     ;;
   scale-tiled) # the million's serving row without its build: the 20k version tiled 50 times
     scale_small &&
