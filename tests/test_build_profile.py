@@ -119,6 +119,17 @@ def test_a_photo_worker_that_fails_stops_the_corpus_with_its_error(tmp_path: Pat
         write_corpus(out, 12, seed=6, progress=False, photo=PhotoStyle(size=(64, 48)), workers=2)
 
 
+def test_demo_corpus_workers_default_to_the_cores_and_never_pass_them() -> None:
+    from duet.commands.demo import _corpus_workers
+    from index_builder.write import cpu_threads
+
+    cores = cpu_threads()
+    assert _corpus_workers(None, 20000) == cores
+    assert _corpus_workers(None, 10) == 1  # too few photos to pay for the processes
+    assert _corpus_workers(10 * cores, 20000) == cores
+    assert _corpus_workers(1, 20000) == 1
+
+
 def test_demo_corpus_cli_takes_a_jpeg_size_and_refuses_bad_ones(tmp_path: Path) -> None:
     cmd = [*DUET, "demo-corpus", "--out", str(tmp_path / "j"), "--images", "2", "--no-progress"]
     ok = subprocess.run(

@@ -50,8 +50,9 @@ def add(sub: Any) -> None:
         "--workers",
         type=int,
         default=None,
-        help="processes that scale and encode the JPEGs, most of their cost (default: every "
-        "core this process may use; the bytes are the same whatever the number; jpeg only)",
+        help="processes that scale and encode the JPEGs, most of their cost (default and at "
+        "most: every core this process may use; the bytes are the same whatever the number; "
+        "jpeg only)",
     )
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(fn=cmd_demo_corpus)
@@ -119,12 +120,13 @@ def cmd_demo_corpus(args: argparse.Namespace) -> int:
 
 
 def _corpus_workers(asked: int | None, images: int) -> int:
-    """--workers, or by default every core this process may use; one for a corpus too small
-    to pay for starting processes (about a second for 16)."""
-    if asked is not None:
-        return asked
+    """--workers (at most the cores this process may use: more only share them), or by
+    default every core; one for a corpus too small to pay for starting processes (about a
+    second for 16)."""
     from index_builder.write import cpu_threads
 
+    if asked is not None:
+        return min(asked, cpu_threads())
     return cpu_threads() if images >= 256 else 1
 
 

@@ -95,7 +95,10 @@ def write_corpus(
     (out / "images").mkdir(exist_ok=True)
     manifest = out / "manifest.jsonl"
     width = max(4, len(str(n_images - 1)))
-    with _Photos(out, photo, seed, workers) as photos, manifest.open("w", encoding="utf-8") as fh:
+    with (
+        _Photos(out, photo, seed, workers, n_images) as photos,
+        manifest.open("w", encoding="utf-8") as fh,
+    ):
         samples = generate(n_images, seed, n_captions)
         for i, sample in enumerate(
             tqdm(samples, total=n_images, desc="rendering", unit="img", disable=not progress)
@@ -137,7 +140,10 @@ class _Photos:
     photos a worker in flight (the drawn scenes wait in memory meanwhile), and an error in
     one is raised here."""
 
-    def __init__(self, out: Path, photo: PhotoStyle | None, seed: int, workers: int) -> None:
+    def __init__(
+        self, out: Path, photo: PhotoStyle | None, seed: int, workers: int, n_images: int
+    ) -> None:
+        workers = max(1, min(workers, n_images))  # a process per photo at most
         self._pool: ProcessPoolExecutor | None = None
         self._pending: deque[Future[None]] = deque()
         self._limit = 8 * workers
