@@ -1,7 +1,8 @@
 """Issue 38's builder parts: the stage profile a build records, a photo-sized JPEG corpus
-built (its files and options: tests/test_photo_corpus.py), CPU shard workers that write the same files as one process, captions in long batches, the
-GPU paths' CPU-testable pieces (device JPEG decoding's merge and resize, FAISS clustering
-hook) and recall@10 without a dense score matrix."""
+built (its files and options: tests/test_photo_corpus.py), CPU shard workers that write the
+same files as one process, captions in long batches, the GPU paths' CPU-testable pieces
+(device JPEG decoding's merge and resize, FAISS clustering hook) and recall@10 without a
+dense score matrix."""
 
 from __future__ import annotations
 
