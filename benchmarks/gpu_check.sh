@@ -259,12 +259,12 @@ for s in $STEPS; do
         --runs "$BIGRUNS" --batch-size 256 --no-agreement
     ;;
   suite)
-    n=$(left)
+    secs=$(left) # not n: the scale steps' image count
     if [ "$DRY" = 1 ]; then
       el "suite skipped: DRY=1 (make test runs it here)"
-    elif [ "$n" -gt 30 ]; then
-      el "suite (at most ${n}s)"
-      timeout "$n" python3 -m pytest -v -p no:cacheprovider -n 12 -rf \
+    elif [ "$secs" -gt 30 ]; then
+      el "suite (at most ${secs}s)"
+      timeout "$secs" python3 -m pytest -v -p no:cacheprovider -n 12 -rf \
         --ignore=tests/test_browser.py --ignore=tests/test_fuzz.py \
         --ignore=tests/test_deploy_k8s.py --ignore=tests/test_deploy_compose.py \
         --ignore=tests/test_deploy_dockerfile.py --ignore=tests/test_deploy_monitoring.py \
@@ -272,7 +272,7 @@ for s in $STEPS; do
       grep -E "FAILED|ERROR" "$OUT/suite.log" | head -40 | tee -a "$LOG"
       tail -3 "$OUT/suite.log" | tee -a "$LOG"
     else
-      el "suite skipped: ${n}s left"
+      el "suite skipped: ${secs}s left"
     fi
     ;;
   scale | scale-build | scale-serve) # scale = both halves; a GPU session runs them as two calls

@@ -4,6 +4,7 @@ run's demo index); registered with `duet build` (`duet.commands.build.add`)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,9 @@ def add(sub: Any) -> None:
         "--workers",
         type=int,
         default=None,
-        help="processes that scale and encode the JPEGs, most of their cost (default and at "
-        "most: every core this process may use; the bytes are the same whatever the number; "
-        "jpeg only)",
+        help="processes that scale and encode the JPEGs, most of their cost (default: every "
+        "core this process may use, one under 256 images; at most the cores; the bytes are "
+        "the same whatever the number; jpeg only)",
     )
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(fn=cmd_demo_corpus)
@@ -123,11 +124,12 @@ def _corpus_workers(asked: int | None, images: int) -> int:
     """--workers (at most the cores this process may use: more only share them), or by
     default every core; one for a corpus too small to pay for starting processes (about a
     second for 16)."""
-    from index_builder.write import cpu_threads
-
+    # the cores as `index_builder.write.cpu_threads` counts them, without importing torch
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores or 1)
     if asked is not None:
-        return min(asked, cpu_threads())
-    return cpu_threads() if images >= 256 else 1
+        return min(asked, cores)
+    return cores if images >= 256 else 1
 
 
 def cmd_demo_index(args: argparse.Namespace) -> int:
