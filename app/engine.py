@@ -217,7 +217,7 @@ class Engine(Generic[P, R]):
         budget = self.timeout_s if timeout_s is None else timeout_s
         with self._cond:  # `stop` may run on another thread: checked under its lock
             if self._closed:
-                raise ShuttingDown("the service is shutting down; retry on another replica")
+                raise ShuttingDown()
             wait = self.wait_s()
             # with nothing ahead a request is always taken: if its own estimate does not
             # fit, it re-ranks what fits (degraded) rather than being turned away idle
@@ -256,7 +256,7 @@ class Engine(Generic[P, R]):
             self._queued_units = 0
             self._cond.notify_all()
         for t in pending:
-            t.fail(ShuttingDown("the service is shutting down; retry on another replica"))
+            t.fail(ShuttingDown())
         for th in self._threads:
             th.join(timeout_s)
         self._threads.clear()

@@ -115,6 +115,15 @@ class ShuttingDown(DuetError):
     status = 503
     code = "shutting_down"
 
+    def __init__(
+        self,
+        message: str = "the service is shutting down; retry on another replica",
+        *,
+        retry_after: int | None = None,
+        **extra: object,
+    ) -> None:
+        super().__init__(message, retry_after=retry_after, **extra)
+
 
 class DeadlineExceeded(DuetError):
     """The request's deadline (DUET_REQUEST_TIMEOUT_MS) passed while it waited for a worker:

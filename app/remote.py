@@ -109,8 +109,8 @@ class RemoteEngine:
         self.info: dict[str, Any] = {}
         self.observed: list[Any] = []
         self._ids = itertools.count()
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._asked: dict[int, float] = {}  # each pending search: when it was sent (loop time)
+        # each search waiting for its answer: its future, and when it was sent (loop time)
+        self._pending: dict[int, tuple[asyncio.Future[dict[str, Any]], float]] = {}
         self.answer_s = ANSWER_FLOOR_S
         self._hello: asyncio.Future[dict[str, Any]] | None = None
         self._io: asyncio.Transport | None = None
@@ -158,9 +158,9 @@ class RemoteEngine:
     def _message(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
         if op == "answer":
-            fut = self._pending.pop(msg["id"], None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            waiting = self._pending.pop(msg["id"], None)
+            if waiting is not None and not waiting[0].done():
+                waiting[0].set_result(msg)
         elif op == "version":
             self.info["version"] = msg["version"]
             self.on_version(msg["version"], msg["path"])
@@ -174,8 +174,9 @@ class RemoteEngine:
         if not self._closing:
             log.warning("the owner process closed its socket; this front stops answering")
         self._io = None
-        gone = ShuttingDown("the service is shutting down; retry on another replica")
-        waiting = [*self._pending.values(), *([self._hello] if self._hello else [])]
+        gone = ShuttingDown()
+        waiting = [fut for fut, _ in self._pending.values()]
+        waiting += [self._hello] if self._hello else []
         self._pending.clear()
         for fut in waiting:
             if not fut.done():
@@ -192,9 +193,9 @@ class RemoteEngine:
                 self.observed.clear()  # the list itself stays: the metrics append to it
                 post(self._io, {"op": "observe", "items": items})
             due = loop.time() - self.answer_s
-            for rid in [rid for rid, asked in self._asked.items() if asked < due]:
-                fut = self._pending.pop(rid, None)
-                if fut is not None and not fut.done():
+            for rid in [rid for rid, (_, asked) in self._pending.items() if asked < due]:
+                fut, _ = self._pending.pop(rid)
+                if not fut.done():
                     log.error("the owner did not answer search %d in %gs", rid, self.answer_s)
                     fut.set_exception(
                         NotReady(
@@ -205,15 +206,13 @@ class RemoteEngine:
 
     async def search(self, **msg: object) -> dict[str, Any]:
         if self._io is None:
-            raise ShuttingDown("the service is shutting down; retry on another replica")
+            raise ShuttingDown()
         rid = next(self._ids)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-        self._pending[rid] = fut
-        self._asked[rid] = loop.time()
+        self._pending[rid] = (fut, loop.time())
         try:
             post(self._io, {"op": "search", "id": rid, **msg}, alone=len(self._pending) == 1)
             return await fut
         finally:
             self._pending.pop(rid, None)
-            del self._asked[rid]

@@ -317,7 +317,7 @@ async def test_a_front_fails_its_waiting_searches_when_the_owner_goes_or_loses_o
     lost.answer_s = 0.3
     with pytest.raises(NotReady, match="did not answer"):
         await asyncio.wait_for(lost.search(kind="text", text="a"), 10)
-    assert not lost._pending and not lost._asked
+    assert not lost._pending  # each search's future and send time, one map
     await lost.close()
     close_after_search.set()
     gone = RemoteEngine(path)
