@@ -136,10 +136,10 @@ def test_the_demo_corpus_command_hands_its_workers_to_the_corpus(
 
 
 def test_demo_corpus_workers_default_to_the_cores_and_never_pass_them() -> None:
+    from app.engine import available_cores
     from duet.commands.demo import _corpus_workers
-    from index_builder.write import cpu_threads
 
-    cores = cpu_threads()
+    cores = available_cores()
     assert _corpus_workers(None, 20000) == cores
     assert _corpus_workers(None, 10) == 1  # too few photos to pay for the processes
     assert _corpus_workers(10 * cores, 20000) == cores

@@ -4,7 +4,6 @@ run's demo index); registered with `duet build` (`duet.commands.build.add`)."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
@@ -124,9 +123,9 @@ def _corpus_workers(asked: int | None, images: int) -> int:
     """--workers (at most the cores this process may use: more only share them), or by
     default every core; one for a corpus too small to pay for starting processes (about a
     second for 16)."""
-    # the cores as `index_builder.write.cpu_threads` counts them, without importing torch
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores or 1)
+    from app.engine import available_cores  # (index_builder's count imports torch)
+
+    cores = available_cores()
     if asked is not None:
         return min(asked, cores)
     return cores if images >= 256 else 1

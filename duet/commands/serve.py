@@ -273,21 +273,20 @@ class FrontProcesses:
     def __init__(self, env: dict[str, str], listen: Any) -> None:
         self.env = env
         self._listen = listen  # () -> a new listening socket; None where fronts share one
-        self.procs: list[Any] = []
-        self._started: list[float] = []
+        self.fronts: list[tuple[Any, float]] = []  # each front's process and start time
         self._lock = threading.Lock()
         self._stopping = threading.Event()
 
     def start(self, sockets: list[Any], count: int) -> None:
         with self._lock:
-            for i in range(count):
-                self._spawn(sockets[i % len(sockets)])  # its own socket, or the one they share
+            for i in range(count):  # its own socket, or the one they share
+                self.fronts.append(self._spawn(sockets[i % len(sockets)]))
         for sock in sockets:
             sock.close()  # the fronts hold them now: a front's socket ends with the front
         if self._listen is not None:
             threading.Thread(target=self._watch, name="duet-fronts-watch", daemon=True).start()
 
-    def _spawn(self, sock: Any, slot: int | None = None) -> None:
+    def _spawn(self, sock: Any) -> tuple[Any, float]:
         import subprocess
 
         from app.fronts import FD_ENV
@@ -298,20 +297,16 @@ class FrontProcesses:
             env={**self.env, FD_ENV: str(sock.fileno())},
             pass_fds=(sock.fileno(),),
         )
-        if slot is None:
-            self.procs.append(proc)
-            self._started.append(time.monotonic())
-        else:
-            self.procs[slot], self._started[slot] = proc, time.monotonic()
+        return proc, time.monotonic()
 
     def _watch(self) -> None:
         given_up: set[int] = set()
         while not self._stopping.wait(FRONT_WATCH_S):
             with self._lock:
-                for i, proc in enumerate(self.procs):
+                for i, (proc, started) in enumerate(self.fronts):
                     if self._stopping.is_set() or i in given_up or proc.poll() is None:
                         continue
-                    if time.monotonic() - self._started[i] < FRONT_SETTLE_S:
+                    if time.monotonic() - started < FRONT_SETTLE_S:
                         given_up.add(i)
                         log.error(
                             "front %d exited (status %s) within %gs of its start; not replaced "
@@ -332,12 +327,12 @@ class FrontProcesses:
                         log.error("cannot listen for a new front (%s); not replaced", exc)
                         continue
                     try:
-                        self._spawn(sock, i)
+                        self.fronts[i] = self._spawn(sock)
                     finally:
                         sock.close()  # the new front holds it
 
     def alive(self) -> int:
-        return sum(p.poll() is None for p in self.procs)
+        return sum(p.poll() is None for p, _ in self.fronts)
 
     def stop(self) -> None:
         """SIGTERM to every front (they drain their requests), SIGKILL after 15 s."""
@@ -345,7 +340,7 @@ class FrontProcesses:
 
         self._stopping.set()
         with self._lock:  # no front is being replaced now, and none will be
-            procs = list(self.procs)
+            procs = [p for p, _ in self.fronts]
         for p in procs:
             if p.poll() is None:
                 p.terminate()
