@@ -290,3 +290,26 @@ def stop_service(service: Service) -> None:
         service.proc.wait(timeout=15)
     except subprocess.TimeoutExpired:
         service.proc.kill()
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (it exists and is not a zombie: one that exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

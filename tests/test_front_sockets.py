@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from duet.commands.serve import public_sockets
+from tests.conftest import child_pids, process_alive
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,19 +103,11 @@ def test_a_front_whose_owner_died_while_loading_lets_go_of_the_port(tmp_path: Pa
     sock.close()
     front = int(out.stdout.split()[0])
     deadline = time.monotonic() + 60
-    while Path(f"/proc/{front}").exists() and _alive(front) and time.monotonic() < deadline:
+    while Path(f"/proc/{front}").exists() and process_alive(front) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive(front), "the front still runs without its owner"
+    assert not process_alive(front), "the front still runs without its owner"
     with socket.socket() as probe:  # nothing holds the port now
         probe.bind(("127.0.0.1", port))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT: a socket each")
@@ -130,13 +123,13 @@ def test_a_front_that_dies_is_replaced_on_a_socket_of_its_own(
 
     from duet.commands.serve import FRONT_SETTLE_S
     from tests.conftest import start_service, stop_service
-    from tests.test_fronts import _alive, _children, _listening
+    from tests.test_fronts import _listening
 
     log = tmp_path / "svc.log"
     svc = start_service(index_dir, log, DUET_FRONTENDS="2")
     try:
         port = int(svc.url.rsplit(":", 1)[1])
-        fronts = _children(svc.proc.pid)
+        fronts = child_pids(svc.proc.pid)
         assert len(fronts) == 2
         time.sleep(FRONT_SETTLE_S + 1)  # past its start, which came before they were seen
         os.kill(fronts[0], signal.SIGKILL)
@@ -147,7 +140,7 @@ def test_a_front_that_dies_is_replaced_on_a_socket_of_its_own(
         while time.monotonic() < deadline:
             with httpx.Client(base_url=svc.url, timeout=10) as c:  # a new connection each
                 codes.append(c.post("/search/text", json=body).status_code)
-            new = [p for p in _children(svc.proc.pid) if p not in fronts and _alive(p)]
+            new = [p for p in child_pids(svc.proc.pid) if p not in fronts and process_alive(p)]
             if new and _listening(new[0], port) and "starting another" in log.read_text():
                 break
             time.sleep(0.2)

@@ -18,7 +18,7 @@ import pytest
 
 from index_builder.build import build
 from models.builtin import BuiltinModel
-from tests.conftest import REPO, Placed, start_service, stop_service
+from tests.conftest import REPO, Placed, child_pids, process_alive, start_service, stop_service
 
 pytestmark = pytest.mark.slow
 
@@ -28,28 +28,6 @@ QUERIES = [
     {"query": "a red square", "top_k": 4, "rerank": False},
     {"query": "a green cross", "reranker": "late"},
 ]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _hits(body: dict[str, object]) -> list[tuple[str, float, object, object]]:
@@ -79,7 +57,7 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
     fronts = start_service(index_dir, tmp_path / "fronts.log", DUET_FRONTENDS="2")
     single = start_service(index_dir, tmp_path / "single.log", DUET_GC_FREEZE="0")
     try:
-        kids = [p for p in _children(fronts.proc.pid) if "serve-front" in _cmdline(p)]
+        kids = [p for p in child_pids(fronts.proc.pid) if "serve-front" in _cmdline(p)]
         assert len(kids) == 2
         # each front accepts on a socket of its own (SO_REUSEPORT), not one they share
         port = int(fronts.url.rsplit(":", 1)[1])
@@ -135,9 +113,9 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
         fronts.proc.send_signal(signal.SIGTERM)
         fronts.proc.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in kids) and time.monotonic() < deadline:
+        while any(process_alive(p) for p in kids) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(_alive(p) for p in kids), "a front outlived its owner"
+        assert not any(process_alive(p) for p in kids), "a front outlived its owner"
     finally:
         stop_service(fronts)
         stop_service(single)

@@ -19,7 +19,7 @@ from PIL import Image
 
 from models.world import PhotoStyle, write_corpus
 from models.world.corpus import _Photos
-from tests.conftest import DUET, REPO
+from tests.conftest import DUET, REPO, child_pids, process_alive
 
 
 def test_jpeg_corpus_holds_jpegs_of_the_asked_size_and_is_deterministic(tmp_path: Path) -> None:
@@ -87,32 +87,19 @@ def test_a_pools_workers_exit_when_the_process_that_made_them_is_killed(tmp_path
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while len(_children(proc.pid)) < 2 or not any((tmp_path / "c" / "images").glob("*")):
+        while len(child_pids(proc.pid)) < 2 or not any((tmp_path / "c" / "images").glob("*")):
             assert proc.poll() is None and time.monotonic() < deadline, "no pool started"
             time.sleep(0.2)
-        workers = _children(proc.pid)
+        workers = child_pids(proc.pid)
     finally:
         proc.kill()  # no clean-up of its own: SIGKILL
         proc.wait(30)
     deadline = time.monotonic() + 20
-    while (alive := [pid for pid in workers if _alive(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in workers if process_alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"workers {alive} outlived the process that made them"
-
-
-def _children(pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in found.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
 
 
 def test_the_demo_corpus_command_hands_its_workers_to_the_corpus(
