@@ -23,7 +23,15 @@ def refuse_if_not_understood(model: Any, query: str) -> None:
     """422 when the query has words but the model knows none of them that name something
     ("crimson box", "a pink star", "zzz qqq"): its hits would be the same arbitrary list for
     every such query, at scores as high as true matches'. A model that cannot tell (no
-    `content_words`, or None from it) lets every query through."""
+    `content_words`, or None from it) lets every query through.
+
+    Also 422 when the model would not read all of it (`too_long`: the builtin model reads 31
+    words): its first words alone would be answered, as confidently, with nothing in the
+    answer saying the rest was never read."""
+    too_long = getattr(model, "too_long", None)
+    why = too_long(query) if callable(too_long) else None
+    if why:
+        raise ValidationFailed(f"query: {why}", loc=("body", "query"))
     content = getattr(model, "content_words", None)
     if not callable(content) or not caption_words(query):
         return  # no words at all: the pipeline's own 422 says what it saw
@@ -41,7 +49,8 @@ def refuse_if_not_understood(model: Any, query: str) -> None:
     raise ValidationFailed(
         f"query: has no words the model can read: {what}. Name a shape, a colour, a size, a "
         'count or a place it knows, e.g. "a red circle" or "two blue squares left of a '
-        'triangle"'
+        'triangle"',
+        loc=("body", "query"),
     )
 
 

@@ -226,8 +226,9 @@ class Engine(Generic[P, R]):
                 # the count cap (DUET_MAX_QUEUE), or work ahead past this request's deadline
                 self._on_shed("queue_full" if full else "queue_wait")
                 raise Overloaded(
-                    f"the service is at capacity (about {wait:.1f}s of work queued, "
-                    f"{len(self._queue)} requests); retry after the Retry-After seconds",
+                    f"the service is at capacity (about {wait:.1f}s of work ahead: "
+                    f"{len(self._queue)} requests waiting, and those being served); retry "
+                    "after the Retry-After seconds",
                     retry_after=self.retry_after(),
                 )
             ticket: Ticket[P, R] = Ticket(

@@ -41,8 +41,23 @@ class DuetError(Exception):
 
 
 class ValidationFailed(DuetError):
+    """A 422 from the service's own checks (pydantic's arrive as `RequestValidationError`),
+    with `details` as pydantic's 422s have them: by default one fault, at `loc`."""
+
     status = 422
     code = "validation_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        loc: Sequence[str | int] = ("body",),
+        details: list[dict[str, Any]] | None = None,
+        **extra: object,
+    ) -> None:
+        if details is None:
+            details = [{"loc": list(loc), "msg": message, "type": "value_error"}]
+        super().__init__(message, retry_after=None, details=details, **extra)
 
 
 class RerankerUnavailable(DuetError):
@@ -176,8 +191,8 @@ class ErrorBody(BaseModel):
     message: str
     details: list[dict[str, Any]] | None = Field(
         None,
-        description="422 validation_error only: each fault, with `loc` (where), `msg` and "
-        "`type`, as pydantic reports it",
+        description="422 validation_error only (every one): each fault, with `loc` "
+        "(where: the field, where there is one), `msg` and `type`, as pydantic reports it",
     )
 
 

@@ -105,6 +105,9 @@ class _RemoteModel:
     def content_words(self, text: str) -> list[str] | None:
         return None if self.tokenizer is None else self.tokenizer.content_words(text)
 
+    def too_long(self, text: str) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.too_long(text)
+
     def query_identity(self, text: str) -> str:
         if not self.by_words or self.tokenizer is None:
             return text

@@ -185,6 +185,9 @@ def _lifespan(
         beats = asyncio.create_task(app.state.heartbeat.run(), name="liveness-heartbeat")
         metrics.ready.set(1)
         frozen = freeze_startup_heap(settings.gc_freeze)
+        with pipeline.indexes.lease() as index:
+            if why := ui.images_unserved(index, settings):
+                log.warning("GET /images/{id} will answer 404 for every hit: %s", why)
         log.info(
             "duet ready (cache: %s, index poll: %s)",
             cache.backend.name,

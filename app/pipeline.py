@@ -214,10 +214,11 @@ class SearchPipeline:
         identity = getattr(self.model, "query_identity", None)
         key = identity(text) if callable(identity) else text
         if not any(ch.isalnum() or unicodedata.category(ch).startswith(("S", "P")) for ch in key):
-            builtin = ", or characters outside a-z and 0-9 for the builtin model"
+            builtin = ", or characters that are no letter or digit for the builtin model"
             raise ValidationFailed(
                 "query: has no words the model can read (only spaces, control or invisible "
-                f"characters{builtin if key != text else ''})"
+                f"characters{builtin if key != text else ''})",
+                loc=("body", "query"),
             )
         return key
 

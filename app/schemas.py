@@ -64,12 +64,14 @@ class SearchOptions(BaseModel):
         alias="lambda",
         ge=0.0,
         le=1.0,
+        allow_inf_nan=False,  # NaN: "should be a finite number", not "less than or equal to 1"
         description="fusion weight of the dot product; default DUET_RERANK_FUSION_LAMBDA",
     )
     theta: float | None = Field(
         None,
         ge=0.0,
         le=1.0,
+        allow_inf_nan=False,
         description="late only: S_gl = (1-theta)*dot + theta*S_l; default DUET_RERANK_THETA",
     )
 
@@ -156,11 +158,12 @@ class TextSearchRequest(SearchOptions):
         ..., min_length=1, max_length=MAX_QUERY_CHARS, description="a sentence describing the image"
     )
 
-    @model_validator(mode="after")
-    def _not_blank(self) -> TextSearchRequest:
-        if not self.query.strip():
+    @field_validator("query")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
             raise ValueError("query must contain more than whitespace")
-        return self
+        return value
 
 
 class ImageSearchJSON(SearchOptions):

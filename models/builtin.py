@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from models.caption_states import CaptionStates
 from models.device import resolve_device
@@ -23,7 +23,7 @@ from models.images import side_for
 from models.inference import CrossEncoderRuntime, Precision, PrecisionChoice
 from models.joint import JointConfig, JointModel
 from models.masked_cross import DTYPES, MaskedCrossEncoder
-from models.shipped import DEFAULT_WEIGHTS
+from models.shipped import DEFAULT_WEIGHTS, save_weights
 from models.tokenizer import WordTokenizer, unique_texts
 
 WEIGHTS_FILE = "model.safetensors"
@@ -93,7 +93,7 @@ def save_model(model: JointModel, tokenizer: WordTokenizer, out: Path) -> None:
     """Write weights (safetensors), config and vocabulary into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_weights(state, out / WEIGHTS_FILE)
     (out / "config.json").write_text(json.dumps(model.cfg.to_json(), indent=1) + "\n")
     tokenizer.save(out / "vocab.json")
 
@@ -167,6 +167,10 @@ class BuiltinModel:
     def unknown_words(self, text: str) -> list[str]:
         """The words of `text` outside the vocabulary (each read as [UNK])."""
         return self.tokenizer.unknown_words(text)
+
+    def too_long(self, text: str) -> str | None:
+        """Why the model would not read all of `text` (`WordTokenizer.too_long`), or None."""
+        return self.tokenizer.too_long(text)
 
     def content_words(self, text: str) -> list[str]:
         """The words of `text` the model knows that name something (not articles,

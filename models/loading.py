@@ -10,9 +10,8 @@
 `load_models` checks the choices (names, directories, checkpoint kinds, combinations) before
 loading anything and returns one `Models`: the service's model in the `JointEncoder` shape.
 Its image tokens are the ones its re-ranker reads, so that is what an index built with it
-stores; its fingerprint names both parts (see `Models.fingerprint`), so an index built with
-other models is refused. Nothing is downloaded.
-"""
+stores; its fingerprint names both parts (`Models.fingerprint`), so an index built with
+other models is refused. Nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -107,11 +106,9 @@ class Models:
         self.name = encoder_part.name if same else f"{encoder_part.name}+{token_part.name}"
         # what an index built with these models records and the service checks: the encoder's
         # fingerprint, joined with the token source's when that is another model
-        self.fingerprint = (
-            encoder_part.fingerprint
-            if same
-            else f"{encoder_part.fingerprint}+{token_part.fingerprint}"
-        )
+        self.fingerprint = encoder_part.fingerprint
+        if not same:
+            self.fingerprint += f"+{token_part.fingerprint}"
         self.device = getattr(encoder, "device", "cpu")
         # what else decides a score besides the weights: the device kind and the builtin
         # cross-encoder's precision (fp16 on a GPU gives other scores than fp32 on a CPU), so
@@ -141,18 +138,21 @@ class Models:
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         return self.encoder.encode_texts(texts)
 
-    def unknown_words(self, text: str) -> list[str]:
-        """The query's words the encoder's vocabulary lacks (read as [UNK]); a Hugging Face
-        encoder's sub-word tokenizer knows every word, so [] there."""
-        words = getattr(self.encoder, "unknown_words", None)
-        return list(words(text)) if callable(words) else []
+    def unknown_words(self, text: str) -> list[str]:  # read as [UNK]
+        return list(self._words("unknown_words", text) or [])
 
-    def content_words(self, text: str) -> list[str] | None:
-        """The query's words the encoder knows that name something (`BuiltinModel.
-        content_words`); None when the encoder cannot tell (a sub-word tokenizer reads
-        every word)."""
-        words = getattr(self.encoder, "content_words", None)
-        return list(words(text)) if callable(words) else None
+    def too_long(self, text: str) -> str | None:  # `WordTokenizer.too_long`
+        return self._words("too_long", text)
+
+    def content_words(self, text: str) -> list[str] | None:  # None: it cannot tell
+        return self._words("content_words", text)
+
+    def _words(self, method: str, text: str) -> Any:
+        """The builtin encoder's word tokenizer's view of a query (its unknown words, why it
+        is too long, its content words); a Hugging Face sub-word tokenizer reads every word
+        and cuts a text at its own limit, so None there."""
+        said = getattr(self.encoder, method, None)
+        return said(text) if callable(said) else None
 
     def query_identity(self, text: str) -> str:
         """What the cache keys a text query by: its words (aliases read as their word) when

@@ -4,13 +4,17 @@ CLI all import it (training and the world generator from here, never the other w
 
 from __future__ import annotations
 
+import os
 import re
+import unicodedata
 from pathlib import Path
+from typing import Any
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights"
 
 _WORD = re.compile(r"[a-z]+|\d+")
 _PLAIN = re.compile(r"[a-z ]*")  # a text whose words are its space-separated runs
+_RUN = re.compile(r"[^\W_]+")  # a run of letters or digits, in any script
 
 # Words people type that the world's grammar never writes, each read as the word the grammar
 # uses for the same thing: captions join two things with "with" ("a red circle with a blue
@@ -24,6 +28,31 @@ def caption_words(text: str) -> list[str]:
     """The words of a text as duet's tokenizer reads them: lower-cased letters or digits, the
     rest dropped (the world generator uses this too, so word indices there are token
     positions in `models.tokenizer`, after its [CLS]). Split at its spaces when it has no
-    other characters (most captions and queries: 0.6 against 1.3 us)."""
+    other characters (most captions and queries: 0.6 against 1.3 us).
+
+    A text with other scripts' characters is read in Unicode's compatibility form first
+    (full-width "ｒｅｄ" is "red", the ligature "ﬁ" is "fi"), and a run of letters that is
+    not all ASCII is one word ("café", "naïve", "日本の猫"), which a vocabulary of English
+    words does not know and `WordTokenizer.unknown_words` reports as typed; before, only its
+    ASCII letters were kept ("caf", "na" and "ve") and the rest dropped unseen."""
     lower = text.lower()
-    return lower.split() if _PLAIN.fullmatch(lower) else _WORD.findall(lower)
+    if _PLAIN.fullmatch(lower):
+        return lower.split()
+    if lower.isascii():
+        return _WORD.findall(lower)
+    words: list[str] = []
+    for run in _RUN.findall(unicodedata.normalize("NFKC", text).lower()):
+        words += _WORD.findall(run) if run.isascii() else [run]
+    return words
+
+
+def save_weights(state: dict[str, Any], path: Path) -> None:
+    """Write tensors as safetensors with the permissions any file this process makes gets
+    (0644 under the usual umask 022): safetensors' own writer makes its file 0600, so a
+    model trained by one user could not be read by the service's (uid 10001 in the image)."""
+    from safetensors.torch import save_file  # torch's: only where weights are written
+
+    save_file(state, str(path), metadata={"format": "pt"})
+    mask = os.umask(0o022)  # read the umask (it can only be read by setting it)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)

@@ -80,6 +80,18 @@ class WordTokenizer:
                 seen.setdefault(w, None)
         return list(seen)
 
+    def too_long(self, text: str) -> str | None:
+        """Why the model would not read all of `text` (it reads its first `max_len` - 1
+        words, after [CLS]), or None: a query is refused rather than cut short unseen."""
+        words = caption_words(text)
+        limit = self.max_len - 1
+        if len(words) <= limit:
+            return None
+        return (
+            f"the model reads at most {limit} words and this query has {len(words)}: shorten "
+            f'it (the words from "{words[limit]}" on would not be read)'
+        )
+
     def content_words(self, text: str) -> list[str]:
         """The words of `text` this vocabulary knows, less `FUNCTION_WORDS`: what the model
         understood of it (none for "crimson box" or "a pink star")."""

@@ -41,6 +41,19 @@ def service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     stop_service(svc)
 
 
+def test_readyz_and_the_log_say_when_hits_images_cannot_be_served(
+    service: Service, corpus: Path
+) -> None:
+    """Served without DUET_IMAGES_DIR, from an index folder apart from its corpus: every
+    hit's image_url is a 404, which /readyz and the start-up log say, naming the setting."""
+    with service.client() as c:
+        said = c.get("/readyz").json()["images"]
+        hit = c.post("/search/text", json={"query": "a red circle", "top_k": 1}).json()
+        assert c.get(hit["hits"][0]["image_url"]).status_code == 404
+    assert f"set DUET_IMAGES_DIR={corpus.parent}" in said, said
+    assert "GET /images/{id} will answer 404 for every hit" in service.log.read_text()
+
+
 def _scenes(corpus: Path) -> list[Scene]:
     lines = corpus.read_text().splitlines()
     return [Scene.from_json(json.loads(ln)["meta"]["scene"]) for ln in lines if ln.strip()]
@@ -108,19 +121,59 @@ def test_content_words_leave_out_articles_and_prepositions() -> None:
     assert unknown_words("crimson box") == ["crimson", "box"]
 
 
-def test_caption_words_read_every_text_as_the_tokenizer_pattern_does() -> None:
+def test_caption_words_read_every_ascii_text_as_the_tokenizer_pattern_does() -> None:
     """`caption_words` splits a plain text (lower-case letters and spaces once lowered) at its
-    spaces and reads any other with the pattern: the same words either way."""
+    spaces and reads any other ASCII one with the pattern: the same words either way."""
     import random
 
     from models.shipped import caption_words
 
     rng = random.Random(5)
-    alphabet = "abcxyz ABCXYZ  0123 9\t\n,.;'-_éÉßİ\u212a\u00a0/"
+    alphabet = "abcxyz ABCXYZ  0123 9\t\n,.;'-_\u212a/"  # the Kelvin sign lowers to "k"
     texts = ["", " ", "a red circle", "  A  Red   circle ", "two 2red circles", "\u212aelvin"]
     texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
     for text in texts:
         assert caption_words(text) == re.findall(r"[a-z]+|\d+", text.lower()), repr(text)
+
+
+def test_caption_words_read_other_scripts_whole_and_full_width_letters_as_ascii() -> None:
+    """A word with letters outside ASCII is one word, as typed (lower-cased), so the model
+    reads it as one unknown word and the answer names it; compatibility forms (full-width
+    letters and digits, ligatures) are read as the letters they stand for."""
+    from models.shipped import caption_words
+
+    assert caption_words("ｒｅｄ circle") == ["red", "circle"]
+    assert caption_words("Ｒed ＣＩＲＣＬＥ １２") == ["red", "circle", "12"]
+    assert caption_words("a café red circle") == ["a", "café", "red", "circle"]
+    assert caption_words("naïve, NAÏVE") == ["naïve", "naïve"]
+    assert caption_words("un cercle rouge é 日本の猫 🙂 red") == [
+        *("un", "cercle", "rouge", "é", "日本の猫", "red")
+    ]
+    assert caption_words("ﬁre red\u00a0circle") == ["fire", "red", "circle"]
+    assert caption_words("x_y 3d") == ["x", "y", "3", "d"]  # ASCII as the pattern reads it
+    assert unknown_words("a café red circle") == ["café"]
+    assert unknown_words("ｒｅｄ circle") == []
+    assert unknown_words("naïve 日本の猫 🙂 red") == ["naïve", "日本の猫"]
+
+
+def test_a_query_longer_than_the_model_reads_is_refused_naming_the_limit(
+    service: Service,
+) -> None:
+    """The builtin model reads 31 words after its [CLS]: a longer query would be answered from
+    its first 31 alone, as confidently and with nothing saying so; it is a 422 instead."""
+    tok = WordTokenizer(["a", "red"], max_len=4)
+    assert tok.too_long("a red a") is None
+    assert "at most 3 words and this query has 4" in (tok.too_long("a red a red") or "")
+    long_query = "a " * 31 + "large blue square"
+    with service.client() as c:
+        r = c.post("/search/text", json={"query": long_query, "top_k": 1})
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert "at most 31 words and this query has 34" in err["message"]
+        assert 'the words from "large" on' in err["message"]
+        assert err["details"][0]["loc"] == ["body", "query"]
+        ok = c.post("/search/text", json={"query": "a " * 28 + "red circle", "top_k": 1})
+        assert ok.status_code == 200, ok.text
 
 
 # -- rows 2 and 3: each hit's caption and match ---------------------------------------------

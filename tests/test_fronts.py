@@ -65,11 +65,14 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
         assert all(len(s) == 1 for s in listening) and listening[0] != listening[1], listening
         with fronts.client() as f, single.client() as s:
             schemas = s.get("/openapi.json").json()["components"]["schemas"]
-            for body in [*QUERIES, QUERIES[0]]:  # the last one answered from the cache
+            # the last one answered from the cache; a café: one word the model does not know
+            bodies = [*QUERIES, QUERIES[0], {"query": "a red café circle"}]
+            for body in bodies:
                 a, b = f.post("/search/text", json=body), s.post("/search/text", json=body)
                 assert a.status_code == b.status_code == 200, (a.text, b.text)
                 assert _hits(a.json()) == _hits(b.json()), body
                 assert a.json()["index_version"] == b.json()["index_version"]
+                assert a.json()["unknown_words"] == b.json()["unknown_words"]
                 for answer in (a.json(), b.json()):  # what the document calls required is there
                     assert set(schemas["SearchResponse"]["required"]) <= set(answer)
                     for hit in answer["hits"]:
@@ -83,12 +86,15 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
                 assert _hits(a.json()) == _hits(b.json()), name
                 assert set(schemas["SearchResponse"]["required"]) <= set(a.json())
                 assert all(set(schemas["Hit"]["required"]) <= set(h) for h in a.json()["hits"])
-            for q in ("crimson box", "zzz qqq"):  # nothing the model reads: refused alike
+            # nothing the model reads, or more than it reads: refused alike
+            for q in ("crimson box", "zzz qqq", "a " * 31 + "red circle"):
                 a, b = (
                     f.post("/search/text", json={"query": q}),
                     s.post("/search/text", json={"query": q}),
                 )
                 assert a.status_code == b.status_code == 422 and a.json() == b.json()
+            cafe = f.post("/search/text", json={"query": "a red café circle"}).json()
+            assert cafe["unknown_words"] == ["café"]
             bad = f.post("/search/text", json={"query": ""})
             assert bad.status_code == 422 and bad.json()["error"]["code"] == "validation_error"
             broken = f.post("/search/image", files={"image": ("x.png", b"not an image")})
@@ -101,10 +107,11 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
                 metrics = f.get("/metrics").text
                 text = _count(metrics, 'endpoint="/search/text",status="200"')
                 image = _count(metrics, 'endpoint="/search/image",status="200"')
-                if text >= len(QUERIES) + 1 and image >= 2:
+                if text >= len(bodies) + 1 and image >= 2:
                     break
                 time.sleep(0.2)
-            assert _count(metrics, 'endpoint="/search/text",status="200"') == len(QUERIES) + 1
+            # each of the bodies, and the café's once more
+            assert _count(metrics, 'endpoint="/search/text",status="200"') == len(bodies) + 1
             assert _count(metrics, 'endpoint="/search/image",status="200"') == 2  # PNG, JPEG
             assert 'duet_stage_seconds_count{stage="rerank"}' in metrics
         # each process froze its start-up heap (app.heap), unless told not to

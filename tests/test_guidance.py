@@ -94,6 +94,7 @@ def test_head_on_the_page_is_get_without_the_body(served: tuple[Any, httpx.Clien
         ("/search/text", "[1, 2]", 'the body must be a JSON object such as {"query": '),
         ("/search/text", "", 'the body is empty; send a JSON object such as {"query": '),
         ("/search/text", '{"query": "a", "image_b64": "x"}', "image_b64: not a field of this"),
+        ("/search/text", '{"query": "a", "lambda": NaN}', "lambda: Input should be a finite"),
         ("/search/image", "{}", 'image_b64: Field required; send a JSON object such as {"image'),
         ("/search/image", "[1]", 'the body must be a JSON object such as {"image_b64": '),
         (
@@ -213,3 +214,76 @@ def test_every_documented_error_has_the_shape_duet_answers(
         assert {"408", "499"} <= set(doc["paths"][route]["post"]["responses"])
     r = served[1].post("/search/text", json={"query": "a red circle", "top_k": 0})
     assert r.status_code == 422 and r.json()["error"]["details"][0]["loc"][-1] == "top_k"
+
+
+@pytest.mark.parametrize(
+    ("path", "send"),
+    [
+        ("/search/text", {"json": {"query": "a red circle"}}),
+        ("/search/image", {"files": {"image": ("a.png", _png((8, 8)))}}),
+    ],
+)
+def test_options_in_the_url_are_refused_not_ignored(
+    served: tuple[Any, httpx.Client], path: str, send: dict[str, Any]
+) -> None:
+    """`?top_k=1` on a search route would change nothing (options are read from the body):
+    a 422 naming the parameters and where to send them, with `details`."""
+    r = served[1].post(path + "?top_k=1&foo=bar&top_k=2", **send)
+    says = _error(r, 422, "validation_error")
+    assert "URL parameters top_k, foo" in says and "send them as fields of it" in says, says
+    assert r.json()["error"]["details"][0]["loc"] == ["query", "top_k"]
+    assert served[1].post(path, **send).status_code == 200
+
+
+def test_a_multipart_body_that_cannot_be_cut_up_says_what_to_send(
+    served: tuple[Any, httpx.Client],
+) -> None:
+    """Two files, a multipart type without its boundary, a body cut before its closing
+    boundary: 422s that say how a form is sent, not Starlette's bare 400."""
+    c = served[1]
+    two = c.post(
+        "/search/image",
+        files=[("image", ("a.png", _png((8, 8)))), ("image", ("b.png", _png((8, 8))))],
+    )
+    says = _error(two, 422, "validation_error")
+    assert "Too many files" in says and 'one file field named "image"' in says, says
+    bare = c.post("/search/image", content=b"x", headers={"content-type": "multipart/form-data"})
+    assert "boundary" in _error(bare, 422, "validation_error")
+    cut = (
+        b'--b\r\ncontent-disposition: form-data; name="image"; filename="a.png"\r\n'
+        b"content-type: image/png\r\n\r\n" + _png((8, 8))
+    )
+    r = c.post(
+        "/search/image", content=cut, headers={"content-type": "multipart/form-data; boundary=b"}
+    )
+    says = _error(r, 422, "validation_error")
+    assert 'a file field named "image"' in says and "closing boundary" in says, says
+
+
+def test_every_422_of_the_services_own_checks_has_details(
+    served: tuple[Any, httpx.Client],
+) -> None:
+    """api.md: a validation 422 adds `details` (each fault's loc, msg and type), whether
+    pydantic or duet's own checks refused it."""
+    c = served[1]
+    bad_form = c.post(
+        "/search/image", files={"image": ("a.png", _png((8, 8)))}, data={"top_k": "many"}
+    )
+    _error(bad_form, 422, "validation_error")
+    (fault,) = bad_form.json()["error"]["details"]
+    assert fault["loc"] == ["body", "top_k"] and fault["type"] and fault["msg"], fault
+    blank = c.post("/search/text", json={"query": "   "})
+    _error(blank, 422, "validation_error")
+    assert blank.json()["error"]["details"][0]["loc"] == ["body", "query"]
+    not_utf8 = c.post(
+        "/search/text", content=b'{"query": "\xff"}', headers={"content-type": "application/json"}
+    )
+    _error(not_utf8, 422, "validation_error")
+    assert not_utf8.json()["error"]["details"][0]["loc"] == ["body"]
+
+
+def test_head_on_metrics_is_get_without_the_body(served: tuple[Any, httpx.Client]) -> None:
+    c = served[1]
+    head = c.head("/metrics")
+    assert head.status_code == 200 and head.content == b"", head.status_code
+    assert head.headers["content-type"] == c.get("/metrics").headers["content-type"]

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.errors import NotReady, documented
+from app.routes.ui import images_unserved
 
 router = APIRouter(tags=["ops"])
 
@@ -42,6 +43,8 @@ async def readyz(request: Request) -> JSONResponse:
             "index_version": index.version,
             "items": {"images": index.image_index.ntotal, "texts": index.text_index.ntotal},
             "cache": pipeline.cache.backend.name,
+            # whether GET /images/{id} serves this version's images here, or why not
+            "images": images_unserved(index, request.app.state.settings) or "served",
             "reload": reloader.status() if reloader is not None else None,
         }
     )
@@ -62,3 +65,9 @@ async def metrics(request: Request) -> Response:
     return Response(
         generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
     )
+
+
+# HEAD as GET without the body (the server leaves it out), not a 405: what a probe or a
+# monitor that sends HEAD needs (RFC 9110: HEAD wherever GET is served)
+router.head("/readyz", include_in_schema=False)(readyz)
+router.head("/metrics", include_in_schema=False)(metrics)

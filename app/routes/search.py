@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.answers import refuse_if_not_understood
@@ -247,6 +248,18 @@ async def _text_request(request: Request) -> TextSearchRequest:
         raise RequestValidationError(explained(exc, _TEXT_FIELDS, TEXT_EXAMPLE)) from exc
 
 
+def _no_url_parameters(request: Request, fields: list[str]) -> None:
+    """422 for parameters in the URL (`?top_k=1`): a search reads its options from the body
+    only, and an option given where it is not read would change nothing, unseen."""
+    names = list(dict.fromkeys(request.query_params))
+    if names:
+        raise ValidationFailed(
+            f"URL parameters {', '.join(names)}: the search routes read their options from "
+            f"the body only; send them as fields of it ({', '.join(fields)})",
+            loc=("query", names[0]),
+        )
+
+
 _TEXT_FIELDS = ["query", *field_names(SearchOptions)]
 _IMAGE_FIELDS = ["image_b64", *field_names(SearchOptions)]
 _FORM_FIELDS = ["image", *field_names(SearchOptions)]
@@ -262,6 +275,7 @@ async def search_text(request: Request) -> Response:
     """A sentence finds images (the body as `content-type: application/json`)."""
     # 415, 503, then the body's 422 (FastAPI's order, but for a body that is no JSON at all)
     _json_body(request)
+    _no_url_parameters(request, _TEXT_FIELDS)
     pipeline = await get_pipeline(request)
     body = await _text_request(request)
     refuse_if_not_understood(pipeline.model, body.query)
@@ -322,7 +336,11 @@ def _options(fields: dict[str, Any], model: type[SearchOptions], takes: list[str
     try:
         return model.model_validate(fields)
     except ValidationError as exc:
-        raise ValidationFailed(describe_errors(explained(exc, takes, IMAGE_EXAMPLE))) from exc
+        faults = explained(exc, takes, IMAGE_EXAMPLE)
+        details: list[dict[str, Any]] = [
+            {k: e[k] for k in ("loc", "msg", "type") if k in e} for e in faults
+        ]
+        raise ValidationFailed(describe_errors(faults), details=details) from exc
 
 
 @router.post(
@@ -336,11 +354,22 @@ async def search_image(request: Request, pipeline: PipelineDep, settings: Settin
     max_bytes = settings.max_image_bytes  # the body itself is bounded by app.limits.BodyLimit
     ctype = request.headers.get("content-type", "")
     media = _media_type(request)
+    _no_url_parameters(request, _IMAGE_FIELDS)
     if media == "multipart/form-data":
-        form = await request.form(max_files=1, max_fields=16)
+        try:
+            form = await request.form(max_files=1, max_fields=16)
+        except StarletteHTTPException as exc:  # Starlette's 400 for a body it cannot cut up
+            raise ValidationFailed(
+                f'multipart body: {exc.detail} Send one file field named "image" and the '
+                "options as text fields (curl: -F image=@photo.jpg -F top_k=5)"
+            ) from exc
         upload = form.get("image")
         if not isinstance(upload, UploadFile):
-            raise ValidationFailed('multipart body needs a file field named "image"')
+            raise ValidationFailed(
+                'multipart body needs a file field named "image" (the body may also have '
+                "ended before its closing boundary)",
+                loc=("body", "image"),
+            )
         data = await upload.read(max_bytes + 1)
         fields = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
         opts = _options(fields, SearchOptions, _FORM_FIELDS)

@@ -8,12 +8,17 @@ from __future__ import annotations
 import os
 from html import escape as html_escape
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse
 
 from app.errors import ImageNotFound, NotReady, documented
+
+if TYPE_CHECKING:
+    from app.config import Settings
+    from store.indexio import IndexVersion
 
 router = APIRouter(tags=["ui"])
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -138,6 +143,27 @@ def allowed(path: Path, roots: list[Path]) -> bool:
     return any(path.is_relative_to(root.resolve()) for root in roots)
 
 
+def images_unserved(index: IndexVersion, settings: Settings) -> str | None:
+    """Why `GET /images/{id}` cannot serve `index`'s images on this host (every hit's
+    `image_url` would be a 404), or None: told at start-up and by /readyz, not first by a
+    page of broken thumbnails."""
+    root = index.images_root
+    if root is None or index.image_index.ntotal == 0:
+        return None if root else "the index does not record its corpus folder"
+    if not root.is_dir():
+        return f"its corpus folder {root} is not on this host (mount it, and set DUET_IMAGES_DIR)"
+    first = index.store.images([0])[0]  # as the route finds a hit's file
+    path = inside(root, first.path) if first.path else None
+    if path is None:
+        return f"its first image, {first.path!r}, is not in its corpus folder {root}"
+    if not allowed(path, [settings.images_dir or settings.index_dir, index.path]):
+        return (
+            f"its corpus folder {root} is outside the folder images are served from; set "
+            f"DUET_IMAGES_DIR={root}"
+        )
+    return None
+
+
 @router.get(
     "/images/{item_id}",
     response_class=FileResponse,
@@ -179,3 +205,7 @@ async def image(item_id: str, request: Request) -> Response:
     if etag in (tag.strip().removeprefix("W/") for tag in asked.split(",")) or asked == "*":
         return Response(status_code=304, headers={**headers, "ETag": etag})
     return answer
+
+
+# HEAD as GET (`FileResponse` sends no body for it): a link checker can test an image_url
+router.head("/images/{item_id}", include_in_schema=False)(image)
