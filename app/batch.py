@@ -165,7 +165,8 @@ class BatchWorker(DeviceStepping):
         """Encode and search every query of the batch together, then re-rank and answer
         each; one query's failure fails that query alone."""
         start = time.monotonic()
-        work = [Work(t, {"queue": ms(start - t.enqueued)}) for t in tickets]
+        alone = len(tickets) == 1
+        work = [Work(t, {"queue": ms(start - t.enqueued)}, alone=alone) for t in tickets]
         try:
             with clock(work, "encode"):
                 vecs = self._encode(work)
@@ -349,6 +350,7 @@ class BatchWorker(DeviceStepping):
                     texts = [by_row[r] for r in rows]
                 meta, captions = items_of(q.index.store, q.kind, rows, texts)
         used = None if scores is None else len(scores)
+        w.waited_for_others()
         return Answer(
             ranked,
             meta,

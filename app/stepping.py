@@ -247,7 +247,7 @@ class DeviceStepping:
         for t in tickets:
             q = t.payload
             groups.setdefault((id(q.index), q.plan.reranks, q.kind), []).append(
-                Work(t, {"queue": ms(start - t.enqueued)})
+                Work(t, {"queue": ms(start - t.enqueued)}, alone=len(tickets) == 1)
             )
         chunks: list[list[Work]] = []
         for (_, reranks, _), members in groups.items():

@@ -51,6 +51,31 @@ async def test_concurrent_requests_share_rerank_batches(index_dir: Path) -> None
     assert engine["duet_engine_batch_size_count"] < 6
 
 
+async def test_a_batched_requests_stages_add_up_to_its_total(index_dir: Path) -> None:
+    """Six requests in one engine batch, each its own re-rank call (20 pairs, at most 20 a
+    call): the later ones wait in the worker for the earlier ones' calls. That wait is their
+    `batch` stage, so each answer's stages add up to about its total (before it, most of a
+    loaded request's total was in no stage); a lone request has no `batch`."""
+    settings = Settings(index_dir=index_dir, rerank_max_batch=20)
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://duet") as client:
+            body = {"top_k": 5, "candidates": 20}
+            lone = await client.post("/search/text", json={"query": "a red circle", **body})
+            queries = [f"a {c} circle" for c in ("blue", "yellow", "purple", "orange", "green")]
+            rs = await asyncio.gather(
+                *(client.post("/search/text", json={"query": q, **body}) for q in queries)
+            )
+    assert lone.status_code == 200 and "batch" not in lone.json()["timings_ms"]
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    timings = [r.json()["timings_ms"] for r in rs]
+    assert any(t.get("batch", 0) > 0 for t in timings), timings
+    for t in timings:
+        unattributed = t["total"] - sum(v for k, v in t.items() if k != "total")
+        assert unattributed <= max(5.0, 0.2 * t["total"]), t
+
+
 async def test_not_ready_before_startup(index_dir: Path) -> None:
     app = create_app(Settings(index_dir=index_dir))
     transport = httpx.ASGITransport(app=app)
