@@ -299,6 +299,35 @@ def test_a_text_search_is_an_address_that_runs_it_again(service: Service, browse
     assert d.find_element(By.CSS_SELECTOR, "#grid .hit").text == first
 
 
+def test_only_the_latest_search_is_shown_when_an_older_answer_comes_last(
+    service: Service, browser: Any
+) -> None:
+    """Two searches sent one after the other, the first one's answer made to come last (the
+    page's fetch held back 1.5 s for it): the grid, the status and the address show the
+    second search, never the first one's late answer under the second one's words."""
+    d = browser
+    d.get(service.url + "/")
+    d.execute_script(
+        "const real = window.fetch; let n = 0;"
+        "window.fetch = (url, init) => { const wait = n++ === 0 ? 1500 : 0;"
+        "  return new Promise((ok) => setTimeout(ok, wait)).then(() => real(url, init)); };"
+    )
+    _search(d, "two green crosses above a red diamond")
+    _search(d, "a yellow circle at the top", "none")
+    _answered(d)
+    time.sleep(2.5)  # past the first search's held-back answer
+    with service.client() as c:
+        want = c.post(
+            "/search/text",
+            json={"query": "a yellow circle at the top", "top_k": 12, "reranker": "none"},
+        ).json()
+    ids = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#grid .hit .id")]
+    assert ids == [h["id"] for h in want["hits"]]
+    assert "re-ranker none" in d.find_element(By.ID, "legend").text
+    assert d.current_url.endswith("?q=a%20yellow%20circle%20at%20the%20top"), d.current_url
+    assert d.find_element(By.ID, "error").text == ""
+
+
 def test_the_api_pages_say_what_to_read_when_their_cdn_is_out_of_reach(
     service: Service, browser: Any
 ) -> None:
