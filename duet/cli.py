@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from duet.commands import build, evaluate, serve, train
-from duet.commands.common import HelpFormatter, fail
+from duet.commands.common import EXIT_INTERRUPTED, HelpFormatter, fail
 from duet.commands.evaluate import eval_modes
 
 __all__ = ["eval_modes", "main", "parser"]
@@ -39,9 +39,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# what Ctrl-C leaves, by command (`duet build` says it itself; `serve` shuts down cleanly)
+AFTER_CTRL_C = {
+    "demo-corpus": "the corpus in --out is incomplete (it has no manifest.jsonl yet): run "
+    "the same command again; it writes the same bytes",
+    "demo-index": "run the same command again: it keeps a finished corpus and resumes the "
+    "build from the shards written so far",
+    "eval": "nothing was written",
+    "train": "--out is as it was (a model is written only when training ends); training "
+    "does not resume: run it again",
+    "soup": "--out may hold a part of the averaged model: run the same command again",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure a user can fix (`models.errors.UserError`: a wrong
-    path, setting, choice or file) is caught here, once: its message, exit status 2."""
+    path, setting, choice or file) is caught here, once: its message, exit status 2. Ctrl-C
+    ends a command with one line saying what it left (status 130), and a failure of the
+    machine's files (a full disk, a read-only folder, a file where a folder goes) with the
+    system's own message and the path (status 1), not a traceback."""
     from models.errors import UserError
 
     args = parser().parse_args(argv)
@@ -49,6 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.fn(args))
     except UserError as exc:
         return fail(f"{exc}\n  {exc.hint}" if exc.hint else str(exc))
+    except KeyboardInterrupt:
+        left = AFTER_CTRL_C.get(args.command)
+        print(f"duet: interrupted{f'; {left}' if left else ''}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        why = exc.strerror or str(exc) or type(exc).__name__
+        print(f"duet: error: {why}{where} (duet {args.command} stopped)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

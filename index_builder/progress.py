@@ -9,7 +9,7 @@ import logging
 import time
 from types import TracebackType
 
-from tqdm import tqdm
+from models.bars import tqdm
 
 log = logging.getLogger("duet.build")
 

@@ -48,7 +48,7 @@ def mine_negatives(
     `index` training images (each kept with chance index / N), the band a served index of
     that size hands the re-ranker: the top 50 of 1,000 images reaches the top ~1,000 of
     20,000, where the top 50 of all 20,000 holds only the hardest few."""
-    from tqdm import tqdm
+    from models.bars import tqdm
 
     was_training = model.training
     model.eval()
@@ -103,7 +103,7 @@ def own_logits(
     such blind spots, not deep wrong images, are what a longer list exposes). With `parts`,
     over each two-thing scene's one-thing captions too ("a small yellow triangle" of a small
     yellow triangle beside a large yellow cross): the blind spots a short query meets."""
-    from tqdm import tqdm
+    from models.bars import tqdm
 
     was_training = model.training
     model.eval()

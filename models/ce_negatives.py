@@ -232,7 +232,7 @@ def ce_pool(
     """Twins (`perturbed_twin`) rendered, states and vectors of every training image, each
     image's `ranks` best-ranked captions of other images; with `move`, each image's states
     moved a few pixels too (`models.ce_moves`)."""
-    from tqdm import tqdm
+    from models.bars import tqdm
 
     twins = [perturbed_twin(rng, s.scene, flip, count) for s in samples]
     twin_images = [

@@ -188,7 +188,7 @@ def train_cross_encoder(
     below 0 (`models.ce_mining.own_logits`): its blind spots, shown as positives more often.
     `move` of each batch's images are shown moved up to 4 pixels (`models.ce_moves`), `typed` of
     its captions as people type them (`world.typed`); on `device` (default: `model`'s)."""
-    from tqdm import tqdm
+    from models.bars import tqdm
 
     batch = min(batch, len(samples))
     device = _to_device(model, reset, device)

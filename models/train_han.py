@@ -48,7 +48,7 @@ def train_han(
     progress: bool = True,
 ) -> HAN:
     """Train a HAN head for `steps` steps of `batch` pairs (half scenes, half their twins)."""
-    from tqdm import tqdm
+    from models.bars import tqdm
 
     head = HAN(HANConfig(word_dim=model.cfg.d_model, region_dim=model.cfg.d_model))
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)

@@ -150,7 +150,7 @@ def train_joint(
     device: torch.device | str = "cpu",
 ) -> JointModel:
     """Stage 1: the joint model, both roles, end to end (from `start` when given), on `device`."""
-    from tqdm import tqdm
+    from models.bars import tqdm
 
     pix = pixel_bytes([s.image for s in samples], world.IMAGE_SIZE).to(device)  # uint8
     new = JointConfig(vocab_size=tok.vocab_size, stem_norm=1)
@@ -269,7 +269,7 @@ def _pretrain_tower(
     progress: bool,
 ) -> None:
     """Stage 0: the image tower alone, supervised by the patch labels (`patch_targets`)."""
-    from tqdm import tqdm
+    from models.bars import tqdm
 
     tower, head = model.image_tower, PatchHead(model.cfg.d_model).to(pix.device)
     opt = torch.optim.AdamW([*tower.parameters(), *head.parameters()], lr=cfg.lr)

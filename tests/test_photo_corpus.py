@@ -116,6 +116,7 @@ def test_the_demo_corpus_command_hands_its_workers_to_the_corpus(
 
     monkeypatch.setattr(models.world, "write_corpus", record)
     base = {"out": str(tmp_path), "seed": 1, "captions": 5, "image_size": None, "quality": 90}
+    base["force"] = False
     args = argparse.Namespace(**base, images=300, format="jpeg", workers=1, no_progress=True)
     assert cmd_demo_corpus(args) == 0 and seen["workers"] == 1
     args = argparse.Namespace(**base, images=300, format="png", workers=None, no_progress=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from duet.commands.common import (
+    EXIT_INTERRUPTED,
     HelpFormatter,
     fail,
     load_settings,
@@ -154,9 +155,6 @@ def _add_build_options(b: argparse.ArgumentParser, weights: Path) -> None:
     model_options(b, "encodes")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.set_defaults(fn=cmd_build)
-
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 
 def cmd_build(args: argparse.Namespace) -> int:

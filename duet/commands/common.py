@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("duet")
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -4,6 +4,7 @@ run's demo index); registered with `duet build` (`duet.commands.build.add`)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,12 @@ def add(sub: Any) -> None:
         "core this process may use, one under 256 images; at most the cores; the bytes are "
         "the same whatever the number; jpeg only)",
     )
+    d.add_argument(
+        "--force",
+        action="store_true",
+        help="write the corpus into --out even if it holds files no demo corpus wrote (a "
+        "demo corpus there is written over without it; its images no longer listed go)",
+    )
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(fn=cmd_demo_corpus)
 
@@ -96,11 +103,30 @@ def _photo_style(args: argparse.Namespace) -> Any:
     return PhotoStyle(size=size, quality=args.quality)
 
 
+def _not_ours(
+    out: Path, force: str = ", or pass --force to write the corpus over them"
+) -> str | None:
+    """Why a demo corpus may not be written into `out` (it holds a user's files), or None."""
+    from models.world.corpus import foreign_files
+
+    found = foreign_files(out)
+    if not found:
+        return None
+    if not out.is_dir():
+        return f"{out} is a file, not a folder: choose a folder for the corpus"
+    return (
+        f"{out} already holds files no demo corpus wrote ({', '.join(found)}"
+        f"{', ...' if len(found) == 5 else ''}): choose a new or empty folder{force}"
+    )
+
+
 def cmd_demo_corpus(args: argparse.Namespace) -> int:
     from models.world import write_corpus
 
     if args.images < 1:
         return fail("--images must be at least 1")
+    if not args.force and (why := _not_ours(Path(args.out))):
+        return fail(why)
     photo = _photo_style(args)
     if isinstance(photo, str):
         return fail(photo)
@@ -142,6 +168,8 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
     from models.loading import load_models
     from models.world import write_corpus
 
+    if args.images < 1:
+        return fail("--images must be at least 1")
     setup_logging()
     settings = load_settings()
     encoder, reranker, labels = model_choices(args, settings)
@@ -156,13 +184,19 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
         exists = (out / "current").exists()
         if exists and not _stale_demo_index(out, corpus, model.fingerprint):
             return 0
-        if not exists:
-            print(f"no index in {out}: generating {args.images} demo images in {corpus}")
         # a stale demo index is built again from the corpus it was built from, which its
-        # version (perhaps still served by older replicas) keeps pointing at: never rewritten
+        # version (perhaps still served by older replicas) keeps pointing at: never rewritten;
+        # so is a corpus this command finished before (an interrupted first run's): rendered
+        # again, its files' times would key new shards and the build would start over
         manifest = corpus / "manifest.jsonl"
-        if not (exists and manifest.is_file()):
+        kept = exists or _same_demo_corpus(corpus, args.images, args.seed)
+        if not (kept and manifest.is_file()):
+            if why := _not_ours(corpus, force=""):
+                return fail(f"--corpus-out: {why}")
+            print(f"no index in {out}: generating {args.images} demo images in {corpus}")
             manifest = write_corpus(corpus, args.images, args.seed, progress=not args.no_progress)
+        elif not exists:
+            print(f"no index in {out}: building the demo corpus already in {corpus}")
         report = build(
             manifest,
             out,
@@ -176,6 +210,17 @@ def cmd_demo_index(args: argparse.Namespace) -> int:
         f"{report.seconds:.1f}s"
     )
     return 0
+
+
+def _same_demo_corpus(corpus: Path, images: int, seed: int) -> bool:
+    """Whether `corpus` holds a finished demo corpus of `images` images drawn with `seed`."""
+    from models.world.corpus import demo_images
+
+    listed = demo_images(corpus)
+    if listed is None or len(listed) != images or not (corpus / "manifest.jsonl").is_file():
+        return False
+    with (corpus / "manifest.jsonl").open(encoding="utf-8") as fh:
+        return json.loads(fh.readline()).get("meta", {}).get("seed") == seed
 
 
 def _stale_demo_index(out: Path, corpus: Path, fingerprint: str) -> bool:

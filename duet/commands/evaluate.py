@@ -9,6 +9,7 @@ from typing import Any
 
 from duet.commands.common import (
     HelpFormatter,
+    fail,
     index_corpus,
     load_settings,
     model_choices,
@@ -144,6 +145,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from models.loading import check_choices, load_models
     from models.world import partial_queries
 
+    if args.candidates < 1:  # before any work: a wrong figure fails fast, not after it
+        return fail("--candidates must be at least 1 (M, the candidates each query re-ranks)")
+    if not 0.0 <= args.theta <= 1.0:
+        return fail("--theta must be 0 to 1 (S_gl = (1 - theta) * dot + theta * S_l)")
     setup_logging("warning")
     settings = load_settings(model_dir=args.model_dir, device=args.device)
     encoder, reranker, labels = model_choices(args, settings)

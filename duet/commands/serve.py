@@ -10,12 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from duet.commands.common import (
-    HelpFormatter,
-    load_settings,
-    log,
-    setup_logging,
-)
+from duet.commands.common import HelpFormatter, fail, load_settings, log, setup_logging
 
 # oneDNN (torch's CPU kernels) caches a primitive per input shape, up to 1,024 of them, each
 # with its scratch memory; a search's shapes follow its candidates and caption lengths, so a
@@ -132,8 +127,9 @@ def check_port(host: str, port: int) -> None:
     """UserError, before the model and index load, when another process listens on `port`:
     a socket bound there as uvicorn binds its own (address reuse on, IPv6 only for an IPv6
     address) is refused only then. The probe is closed at once: the port opens when the
-    service is ready, as before. A port taken during the load still fails as uvicorn fails
-    (exit 3); any other error is left for uvicorn to report."""
+    service is ready, as before; so is a host this machine has no address for, or no name.
+    A port taken during the load still fails as uvicorn fails (exit 3); any other error is
+    left for uvicorn to report."""
     import errno
     import socket
 
@@ -156,6 +152,11 @@ def check_port(host: str, port: int) -> None:
                 raise UserError(
                     f"port {port} on {host} is already in use (another duet?); pass another "
                     "--port, or set DUET_PORT"
+                ) from exc
+            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+                raise UserError(
+                    f"cannot listen on {host}: {exc.strerror or exc}; pass an address this "
+                    "host has (--host, DUET_HOST: 127.0.0.1, 0.0.0.0 for every interface)"
                 ) from exc
 
 
@@ -384,12 +385,16 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
+    if not args.timeout > 0:
+        return fail("--timeout must be more than 0 seconds")
     settings = load_settings()
     url = args.url or f"http://127.0.0.1:{settings.health_port or settings.port}/healthz"
+    if not url.startswith(("http://", "https://")):
+        return fail(f"--url {url!r}: give an http:// or https:// URL")
     try:
         with urllib.request.urlopen(url, timeout=args.timeout) as resp:
             ok = resp.status == 200
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: an unreadable URL
         print(f"duet: unhealthy: {url}: {exc}", file=sys.stderr)
         return 1
     return 0 if ok else 1

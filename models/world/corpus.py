@@ -96,12 +96,13 @@ def write_corpus(
     the bytes are the same whatever the number. The manifest is put in place last (an old
     one removed first), so an interrupted corpus has none, rather than one listing files
     that are missing or not yet rewritten; its lines so far are in `manifest.jsonl.partial`."""
-    from tqdm import tqdm
+    from models.bars import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "images").mkdir(exist_ok=True)
     manifest = out / "manifest.jsonl"
     partial = out / "manifest.jsonl.partial"  # in place once every file it lists is written
+    before = demo_images(out) or set()  # a demo corpus's images written here before
     manifest.unlink(missing_ok=True)
     width = max(4, len(str(n_images - 1)))
     with (
@@ -126,8 +127,45 @@ def write_corpus(
                 "meta": {"scene": sample.scene.to_json(), "seed": seed},
             }
             fh.write(json.dumps(line, sort_keys=True) + "\n")
+            before.discard(rel)
     partial.replace(manifest)
+    for rel in before:  # a larger or other-format demo corpus's images, listed no more
+        (out / rel).unlink(missing_ok=True)
     return manifest
+
+
+def demo_images(out: Path) -> set[str] | None:
+    """The image files a demo corpus (`write_corpus`) in `out` lists: its manifest's, or an
+    interrupted one's `manifest.jsonl.partial` (empty when cut before its first line); None
+    when `out` holds no demo corpus (a manifest whose first line is no scene of the world)."""
+    for name in ("manifest.jsonl", "manifest.jsonl.partial"):
+        path = out / name
+        if not path.is_file():
+            continue
+        try:
+            with path.open(encoding="utf-8") as fh:
+                lines = [json.loads(line) for line in fh if line.strip()]
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not lines:
+            return set() if name.endswith(".partial") else None
+        first = lines[0]
+        if not (isinstance(first, dict) and "scene" in (first.get("meta") or {})):
+            return None
+        return {str(line["image"]) for line in lines if isinstance(line, dict) and "image" in line}
+    return None
+
+
+def foreign_files(out: Path) -> list[str]:
+    """The names of what `out` holds that no demo corpus wrote (at most five), or [] when it
+    is missing, empty or a demo corpus's folder: a corpus is only written over another demo
+    corpus, never over a user's files (`duet demo-corpus --force` to do it anyway)."""
+    if not out.is_dir():
+        return [out.name] if out.exists() else []
+    names = sorted(p.name for p in out.iterdir())
+    if not names or demo_images(out) is not None:
+        return []
+    return names[:5]
 
 
 # a photo worker's style and grain, set once per process by `_photo_worker_init`

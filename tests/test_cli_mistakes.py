@@ -1,0 +1,116 @@
+"""What the commands do with a user's mistakes and interruptions, run as a user runs them (the
+real `duet` in a subprocess): a demo corpus never written over a user's files, Ctrl-C and a
+failing disk told in one line (no traceback), and options checked before any work."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from models.world import write_corpus
+from tests.conftest import DUET
+
+
+def _duet(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*DUET, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_demo_corpus_never_writes_over_a_users_files_unless_forced(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    (mine / "images").mkdir(parents=True)
+    line = '{"id": "mine", "image": "images/0000.png", "captions": ["my photo"]}\n'
+    (mine / "manifest.jsonl").write_text(line)
+    (mine / "images" / "0000.png").write_bytes(b"my own picture")
+    refused = _duet("demo-corpus", "--out", str(mine), "--images", "3", "--no-progress")
+    assert refused.returncode == 2, refused.stderr
+    assert "already holds files no demo corpus wrote (images, manifest.jsonl)" in refused.stderr
+    assert "--force" in refused.stderr and "Traceback" not in refused.stderr
+    assert (mine / "manifest.jsonl").read_text() == line
+    assert (mine / "images" / "0000.png").read_bytes() == b"my own picture"
+    forced = _duet("demo-corpus", "--out", str(mine), "--images", "3", "--no-progress", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert len((mine / "manifest.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_demo_corpus_written_again_smaller_leaves_none_of_its_old_images(
+    tmp_path: Path,
+) -> None:
+    """Over a demo corpus (no --force needed): the images the new manifest no longer lists
+    go, and a file the old corpus did not list stays."""
+    out = tmp_path / "demo"
+    write_corpus(out, 6, seed=3, progress=False)
+    (out / "notes.txt").write_text("kept")
+    again = _duet("demo-corpus", "--out", str(out), "--images", "2", "--no-progress")
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in (out / "images").iterdir()) == ["0000.png", "0001.png"]
+    assert (out / "notes.txt").read_text() == "kept"
+
+
+def test_ctrl_c_ends_a_command_with_one_line_saying_what_it_left(tmp_path: Path) -> None:
+    out = tmp_path / "big"
+    proc = subprocess.Popen(
+        [*DUET, "demo-corpus", "--out", str(out), "--images", "200000", "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not (out / "manifest.jsonl.partial").is_file() or not any((out / "images").iterdir()):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1].startswith("duet: interrupted; the corpus in --out is")
+    assert not (out / "manifest.jsonl").exists()  # nothing a build would take for a corpus
+
+
+def test_a_failing_file_system_is_one_line_naming_the_path_not_a_traceback() -> None:
+    res = _duet("demo-corpus", "--out", "/proc/duet-cannot-be-here", "--images", "2", "--force")
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith("duet: error: ") and "/proc/duet-cannot-be-here" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_options_are_checked_before_any_work(tmp_path: Path) -> None:
+    for args, says in (
+        (["eval", "--index", str(tmp_path), "--candidates", "0"], "--candidates must be at"),
+        (["eval", "--index", str(tmp_path), "--theta", "5"], "--theta must be 0 to 1"),
+        (["demo-index", "--out", str(tmp_path / "i"), "--images", "0"], "--images must be"),
+        (["healthcheck", "--url", "notaurl"], "give an http:// or https:// URL"),
+        (["healthcheck", "--timeout", "-1"], "--timeout must be more than 0"),
+        (["serve", "--host", "999.1.1.1", "--port", "18999"], "cannot listen on 999.1.1.1"),
+        (["demo-corpus", "--out", str(tmp_path / "f.txt"), "--images", "1"], "is a file, not"),
+    ):
+        if "f.txt" in args[2]:
+            (tmp_path / "f.txt").write_text("x")
+        res = _duet(*args)
+        assert res.returncode == 2 and says in res.stderr, (args, res.stderr)
+        assert "Traceback" not in res.stderr
+    assert not (tmp_path / "i").exists()  # demo-index made no folder for nothing
+
+
+def test_demo_index_keeps_a_finished_corpus_of_its_size_and_seed(tmp_path: Path) -> None:
+    """An interrupted first `duet demo-index` run's finished corpus is built as it is (its
+    files rendered again would key new shards, and the build would start over)."""
+    from duet.commands.demo import _same_demo_corpus
+
+    corpus = tmp_path / "demo-corpus"
+    write_corpus(corpus, 4, seed=7, progress=False)
+    assert _same_demo_corpus(corpus, 4, 7)
+    assert not _same_demo_corpus(corpus, 5, 7) and not _same_demo_corpus(corpus, 4, 8)
+    (corpus / "manifest.jsonl").rename(corpus / "manifest.jsonl.partial")  # cut short
+    assert not _same_demo_corpus(corpus, 4, 7)
+
+
+def test_progress_in_a_log_file_is_lines_not_carriage_returns(tmp_path: Path) -> None:
+    """stderr a pipe (a log, CI, `docker logs`): each progress line on a line of its own; tqdm's
+    redraws-in-place made one ever longer line of frames."""
+    res = _duet("demo-corpus", "--out", str(tmp_path / "c"), "--images", "50")
+    assert res.returncode == 0, res.stderr
+    assert "\r" not in res.stderr, repr(res.stderr)
+    lines = res.stderr.splitlines()
+    assert lines[-1].startswith("rendering: 100%") and "50/50" in lines[-1], lines
