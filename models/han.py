@@ -27,11 +27,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from models.late import kmeans_regions
 from models.protocols import TokenEncoder
+from models.shipped import save_weights
 from models.tokenizer import unique_texts
 
 NEG = -1e9  # added to masked attention logits
@@ -197,5 +198,5 @@ class HANReranker:
 def save_han(head: HAN, out: Path) -> None:
     """Write the head beside the model's weights: han.safetensors + han.json."""
     state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
-    save_file(state, str(out / HAN_WEIGHTS), metadata={"format": "pt"})
+    save_weights(state, out / HAN_WEIGHTS)
     (out / HAN_CONFIG).write_text(json.dumps(asdict(head.cfg), indent=1) + "\n")

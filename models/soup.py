@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from models.builtin import WEIGHTS_FILE, BuiltinModel, ModelLoadError
 from models.errors import UserError
 from models.han import HAN_CONFIG, HAN_WEIGHTS
 from models.joint import CROSS_ENCODER
+from models.shipped import save_weights
 from models.trainconfig import VAL_IMAGES
 
 SHARED_FILES = ("config.json", "vocab.json")
@@ -104,7 +105,7 @@ def soup(out: Path, sources: Sequence[Path], val_images: int = VAL_IMAGES) -> di
             shutil.copyfile(sources[0] / name, out / name)
         else:  # no stale head of whatever `out` held before beside the new weights
             (out / name).unlink(missing_ok=True)
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_weights(state, out / WEIGHTS_FILE)
     try:
         runtime = BuiltinModel.load(out)
     except ModelLoadError as exc:  # pragma: no cover - the sources loaded, so does the mean

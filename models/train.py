@@ -182,7 +182,7 @@ def _check(cfg: TrainConfig, init_from: Path | None) -> None:
 
 
 def _render(cfg: TrainConfig, progress: bool) -> list[world.Sample]:
-    from tqdm import tqdm
+    from models.bars import tqdm
 
     return list(
         tqdm(
@@ -223,17 +223,19 @@ def _save(
     init_from: Path | None,
 ) -> None:
     save_model(model, tok, out)
+    # the HAN head reads the towers' features, which --from keeps bit for bit (not --tune)
+    kept = init_from is not None and not cfg.tune and (init_from / HAN_WEIGHTS).is_file()
     if han is not None:
         save_han(han, out)
-    elif (
-        init_from is not None
-        and not cfg.tune
-        and (init_from / HAN_WEIGHTS).is_file()
-        and init_from != out
-    ):
-        # the HAN head reads the towers' features, which --from keeps bit for bit
+    elif kept and init_from != out:
+        assert init_from is not None
         for name in (HAN_WEIGHTS, HAN_CONFIG):
             shutil.copyfile(init_from / name, out / name)
+    elif not kept:
+        # a head an earlier run left in `out` read other towers' features: `--reranker han`
+        # would load it beside these weights and score with it, wrongly, without a word
+        for name in (HAN_WEIGHTS, HAN_CONFIG):
+            (out / name).unlink(missing_ok=True)
 
 
 def validate_model(

@@ -64,6 +64,26 @@ def test_train_from_scratch_writes_a_loadable_model(
     assert "--ce-steps 3" in recorded["command"] and "--from" not in recorded["command"]
     assert recorded["cross_encoder_seconds"] > 0
     assert set(recorded["validation"]) == {"dot", "ce_only", "rerank"}
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for name in ("model.safetensors", "han.safetensors", "config.json"):  # as umask says,
+        # not safetensors' own 0600: the service's user must read what the trainer wrote
+        assert (out / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+
+
+def test_a_model_trained_over_another_leaves_no_head_of_the_other(
+    scratch: tuple[Path, dict[str, object]], tmp_path: Path
+) -> None:
+    """A new model (no HAN stage) written where a model with a head was: the old head read
+    the old towers' features, so it goes rather than load beside the new weights."""
+    src, _ = scratch
+    out = tmp_path / "over"
+    out.mkdir()
+    for name in ("han.safetensors", "han.json"):
+        (out / name).write_bytes((src / name).read_bytes())
+    train(replace(TINY, han_steps=0, seed=3), out, progress=False)
+    assert (out / "model.safetensors").is_file()
+    assert not (out / "han.safetensors").exists() and not (out / "han.json").exists()
 
 
 def test_from_keeps_the_encoders_and_retrains_the_cross_encoder(
