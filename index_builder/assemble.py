@@ -12,10 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from index_builder.corpus import CorpusItem
+from index_builder.errors import BuildError
 from index_builder.plan import ShardPlan
 from index_builder.sources import _Base, _kept_items
 from index_builder.write import _concat
 from store import indexio
+from store.errors import IndexLoadError
+from store.integrity import MAX_NORM, check_array
 
 
 @dataclass
@@ -71,6 +74,15 @@ def assemble(
     )
     if len(ivecs) != len(image_rows) or len(tvecs) != len(text_rows):
         raise RuntimeError("encoded vectors do not match the item rows (stale shards?)")
+    for name, vecs in (("image", ivecs), ("text", tvecs)):  # as the service will check them
+        try:
+            check_array(f"the {name} vectors", vecs, MAX_NORM)
+        except IndexLoadError as exc:
+            raise BuildError(
+                f"{str(exc).split('; rebuild')[0]}: a shard in {shards.directory} is damaged "
+                f"(or the model gave that vector). Delete that folder (rm -r "
+                f"{shards.directory}) and build again; nothing was published"
+            ) from exc
     token_chunks = itertools.chain(
         _base_rows(base, "image_tokens", img_rows), shards.arrays("image_tokens")
     )

@@ -15,6 +15,7 @@ import numpy as np
 
 from index_builder.corpus import CorpusItem, CorpusSelection
 from index_builder.encode import PlanItem, read_shard, shard_path
+from index_builder.shard import shard_whole
 from index_builder.sources import _Base, _shard_key
 from models.builtin import BuiltinModel
 from models.loading import Models
@@ -86,7 +87,7 @@ def plan_shards(
     n = len(plan)
     ranges = [(k, a, min(a + shard_size, n)) for k, a in enumerate(range(0, n, shard_size))]
     directory.mkdir(parents=True, exist_ok=True)
-    done = {k for k, _, _ in ranges if shard_path(directory, k).is_file()}
+    done = {k for k, _, _ in ranges if _kept(shard_path(directory, k))}
     missing = [r for r in ranges if r[0] not in done]
     if done:
         log.info(
@@ -94,6 +95,21 @@ def plan_shards(
         )
     _tell_others(directory)
     return ShardPlan(plan, directory, ranges, done, missing)
+
+
+def _kept(path: Path) -> bool:
+    """Whether shard `path` is there to resume from: a file that is not whole (cut short by a
+    full disk, damaged) is removed and encoded again, with a warning, rather than failing
+    every later run's assembly."""
+    if not path.is_file():
+        return False
+    if shard_whole(path):
+        return True
+    log.warning(
+        "shard %s is damaged (cut short, or its headers overwritten): encoding it again", path
+    )
+    path.unlink(missing_ok=True)
+    return False
 
 
 def _tell_others(directory: Path) -> None:

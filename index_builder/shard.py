@@ -4,6 +4,7 @@ the arrays as consecutive .npy records, read back field by field."""
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -214,6 +215,33 @@ def write_shard(
     with stages("shards"):
         indexio.write_atomic(shard_path(shard_dir, k), shard_bytes(arrays))
         on_shard(k, arrays)
+
+
+def shard_whole(path: Path) -> bool:
+    """Whether the shard file at `path` holds its every record whole: each .npy header
+    readable and its data all there, nothing after the last (headers read, data skipped: a
+    resumed build checks every shard it keeps, so a file cut short or overwritten in its
+    headers is encoded again rather than failing every later run's assembly)."""
+    fmt = np.lib.format
+    try:
+        with path.open("rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            for _ in SHARD_FIELDS:
+                version = fmt.read_magic(fh)
+                if version not in ((1, 0), (2, 0)):
+                    return False
+                header = (
+                    fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+                )
+                shape, _, dtype = header(fh)
+                if dtype.hasobject:
+                    return False
+                fh.seek(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, os.SEEK_CUR)
+                if fh.tell() > size:
+                    return False
+            return fh.tell() == size
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def read_shard(path: Path, fields: Sequence[str] = SHARD_FIELDS) -> dict[str, np.ndarray]:

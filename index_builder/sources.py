@@ -146,6 +146,20 @@ def _load_base(out: Path) -> _Base:
         manifest = Manifest.read(path)
     except indexio.IndexLoadError as exc:
         raise BuildError(f"--append/--delete need a current version: {exc}") from exc
+    # proved whole as the service proves a version before it serves (each file's sha256,
+    # the item store, finite unit vectors): a damaged base would otherwise end the build in a
+    # traceback, or pass its damage on to a new version the service then refuses
+    try:
+        version = indexio.IndexVersion.open(path)
+        try:
+            version.verify()
+        finally:
+            version.close()
+    except indexio.IndexLoadError as exc:
+        raise BuildError(
+            f"--append/--delete start from {path}, which is damaged: {exc}. Restore it, or "
+            "point current at a sound older version, or build the corpus anew"
+        ) from exc
     con = sqlite3.connect(f"file:{path / indexio.ITEMS}?mode=ro", uri=True)
     try:
         images = [

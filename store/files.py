@@ -16,13 +16,18 @@ def file_sha256(path: Path) -> str:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp name, fsync, rename, fsync the directory: a file is whole or absent."""
+    """Write to a temp name, fsync, rename, fsync the directory: a file is whole or absent
+    (its temp file too: removed when the write fails, on a full disk say)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)
 
 

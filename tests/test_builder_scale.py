@@ -181,6 +181,38 @@ def test_failed_build_resumes_but_a_changed_corpus_does_not(
     assert fixed.resumed_shards == 0 and fixed.encoded == 4 and fixed.images == 4
 
 
+def test_a_damaged_shard_is_encoded_again_or_stops_the_build_before_it_publishes(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
+    """A shard cut short (a full disk) is encoded again when the build resumes, where every
+    rerun used to fail in its assembly; one whose vectors were overwritten (NaN) stops the
+    build with what to delete, where it used to publish a version the service refuses."""
+    from index_builder.shard import read_shard, shard_bytes, shard_whole
+
+    manifest = _corpus(corpus, tmp_path / "c", _lines(corpus)[:4])
+    img = tmp_path / "c" / json.loads(_lines(corpus)[3])["image"]
+    img.write_bytes(b"\x89PNG\r\n\x1a\n truncated")  # the first run fails: its shards stay
+    kw: dict[str, Any] = {"progress": False, "shard_size": 2, "workers": 0}
+    for name in ("cut", "nan"):
+        with pytest.raises(CorpusError):
+            build(manifest, tmp_path / name, model, **kw)
+    cut = sorted((tmp_path / "cut").glob(".shards/*/shard-*.npy"))[0]
+    assert shard_whole(cut)
+    cut.write_bytes(cut.read_bytes()[:-100])
+    assert not shard_whole(cut)
+    again = build(manifest, tmp_path / "cut", model, skip_bad=True, **kw)
+    assert again.resumed_shards == 1 and again.encoded == 2 and again.images == 3
+
+    nan = sorted((tmp_path / "nan").glob(".shards/*/shard-*.npy"))[0]
+    arrays = read_shard(nan)
+    arrays["image_vectors"][0, 0] = np.nan
+    nan.write_bytes(shard_bytes(arrays))
+    assert shard_whole(nan)  # its headers are sound: only its values are not
+    with pytest.raises(BuildError, match=r"NaN or infinite values at row 0.*damaged.*rm -r"):
+        build(manifest, tmp_path / "nan", model, skip_bad=True, **kw)
+    assert not (tmp_path / "nan" / "current").exists()
+
+
 # -- incremental builds ---------------------------------------------------------------------
 
 
@@ -259,6 +291,34 @@ def test_append_with_duplicate_ids_exits_2_and_writes_nothing(
     (tmp_path / "unknown.txt").write_text("no-such-id\n")
     with pytest.raises(BuildError, match="no-such-id"):
         build(None, out, model, progress=False, delete=tmp_path / "unknown.txt")
+
+
+def test_an_append_or_delete_on_a_damaged_version_is_refused_naming_the_damage(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
+    """The base is proved whole first, as the service proves a version: a changed vector
+    file used to pass into a new version the service then refused, a damaged item store to
+    end the build in a traceback."""
+    lines = _lines(corpus)
+    base = _corpus(corpus, tmp_path / "c", lines[:4], "base.jsonl")
+    more = _corpus(corpus, tmp_path / "c", lines[4:6], "more.jsonl")
+    (tmp_path / "gone.txt").write_text(json.loads(lines[0])["id"] + "\n")
+    for damage in ("vectors", "items"):
+        out = tmp_path / damage
+        first = build(base, out, model, progress=False, workers=0)
+        if damage == "vectors":
+            vecs = np.load(first.path / indexio.IMAGE_VECTORS)
+            vecs[2] *= 2
+            np.save(first.path / indexio.IMAGE_VECTORS, vecs)
+        else:
+            with (first.path / indexio.ITEMS).open("r+b") as fh:
+                fh.seek(4096)
+                fh.write(b"\xff" * 512)
+        for asked in ({"append": True}, {"delete": tmp_path / "gone.txt"}):
+            corpus_arg = more if "append" in asked else None
+            with pytest.raises(BuildError, match="which is damaged"):
+                build(corpus_arg, out, model, progress=False, workers=0, **asked)
+        assert indexio.resolve_current(out) == first.path  # nothing was published
 
 
 # -- Ray --------------------------------------------------------------------------------------

@@ -298,3 +298,26 @@ def test_a_version_tiled_for_the_start_up_benchmark_is_whole(
     )
     text = table([row], "cpu")
     assert "| 6,000 (tiled) |" in text and f"x3 of {source.name}" in text
+
+
+def test_a_write_that_fails_leaves_neither_the_file_nor_its_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk fails the write (here its fsync, as a full disk would): no temp file is
+    left behind to pile up with every retry, and the file it would replace stays as it was."""
+    import errno
+    import os
+
+    from store.files import write_atomic
+
+    target = tmp_path / "shard-000000.npy"
+    target.write_bytes(b"old")
+
+    def full(_fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_atomic(target, b"new bytes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-000000.npy"]
+    assert target.read_bytes() == b"old"
