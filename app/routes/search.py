@@ -251,6 +251,8 @@ async def _text_request(request: Request) -> TextSearchRequest:
 def _no_url_parameters(request: Request, fields: list[str]) -> None:
     """422 for parameters in the URL (`?top_k=1`): a search reads its options from the body
     only, and an option given where it is not read would change nothing, unseen."""
+    if not request.scope.get("query_string"):
+        return  # (the hot path: no parsing)
     names = list(dict.fromkeys(request.query_params))
     if names:
         raise ValidationFailed(
