@@ -80,7 +80,17 @@ def load_pool(
         )
     if distractors is None:
         return version.version, pool
-    _, extra = _load_part(distractors, fingerprint)
+    other, extra = _load_part(distractors, fingerprint)
+    same = other.path.resolve() == version.path.resolve() or (
+        other.manifest.content_hash is not None
+        and other.manifest.content_hash == version.manifest.content_hash
+    )  # (not the ids: demo corpora all name theirs img-0000 on)
+    if same:
+        raise EvalError(
+            f"--distractors {distractors} holds the evaluated index's own corpus "
+            f"({other.version}): each image would be in the pool twice, a twin of a right "
+            "answer; give another corpus's index"
+        )
     shifted = np.where(extra.owner >= 0, extra.owner + pool.n_images, -1)
     return version.version, Pool(
         np.concatenate([pool.image_vecs, extra.image_vecs]),

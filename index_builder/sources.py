@@ -211,6 +211,8 @@ def _apply_delete(
     if base is None:
         return [], [], set()
     ids = set(_read_ids(delete)) if delete is not None else set()
+    if delete is not None and not ids:  # would publish a copy of the version as a new one
+        raise BuildError(f"--delete {delete} lists no ids (one per line): nothing to delete")
     known = {r.id for r in base.images} | {_item_of_text(t) for t in base.texts}
     unknown = sorted(ids - known)
     if unknown:

@@ -291,6 +291,10 @@ def test_append_with_duplicate_ids_exits_2_and_writes_nothing(
     (tmp_path / "unknown.txt").write_text("no-such-id\n")
     with pytest.raises(BuildError, match="no-such-id"):
         build(None, out, model, progress=False, delete=tmp_path / "unknown.txt")
+    (tmp_path / "none.txt").write_text("\n")
+    with pytest.raises(BuildError, match="lists no ids"):
+        build(None, out, model, progress=False, delete=tmp_path / "none.txt")
+    assert sorted(p.name for p in out.iterdir()) == sorted([first.version, "current"])
 
 
 def test_an_append_or_delete_on_a_damaged_version_is_refused_naming_the_damage(

@@ -79,6 +79,7 @@ def test_options_are_checked_before_any_work(tmp_path: Path) -> None:
     for args, says in (
         (["eval", "--index", str(tmp_path), "--candidates", "0"], "--candidates must be at"),
         (["eval", "--index", str(tmp_path), "--theta", "5"], "--theta must be 0 to 1"),
+        (["eval", "--index", str(tmp_path), "--modes", " , "], "--modes names no mode"),
         (["demo-index", "--out", str(tmp_path / "i"), "--images", "0"], "--images must be"),
         (["healthcheck", "--url", "notaurl"], "give an http:// or https:// URL"),
         (["healthcheck", "--timeout", "-1"], "--timeout must be more than 0"),

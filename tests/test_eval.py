@@ -67,6 +67,8 @@ def test_sweeps_and_distractors(
     _, plain = load_pool(index_dir, model.fingerprint)
     _, mixed = load_pool(index_dir, model.fingerprint, distractors=tmp_path / "d")
     assert mixed.sizes == {"images": 70, "texts": 350} and mixed.n_texts == 200
+    with pytest.raises(EvalError, match="holds the evaluated index's own corpus"):
+        load_pool(index_dir, model.fingerprint, distractors=index_dir)
     a = evaluate_index(plain, model, modes=("dot", "coop"), m_sweep=(10, 20), fusion_sweep=True)
     b = evaluate_index(mixed, model, modes=("dot", "coop"))
     for d in ("t2i", "i2t"):  # distractors can only push the right answer down

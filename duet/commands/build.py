@@ -164,9 +164,12 @@ def cmd_build(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # the DataLoader's workers saw the same Ctrl-C and end; the exception (and with it the
         # loader, which shuts them down) is let go before this returns
+        kept = any(Path(args.out).glob(".shards/*/shard-*.npy"))
         print(
             f"duet: interrupted; the shards written so far are kept in {Path(args.out)}: "
-            "run the same command again to resume",
+            "run the same command again to resume"
+            if kept
+            else "duet: interrupted before any shard was written; run the same command again",
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
@@ -244,18 +247,22 @@ def _build(args: argparse.Namespace) -> int:
         f"{m.index_type}) in {report.seconds:.1f}s; "
         f"{Path(args.out) / 'current'} -> {report.version}"
     )
-    print(
-        f"encoded {report.encoded} items in {report.encode_seconds:.1f}s: "
-        f"{report.items_per_s:.1f} items/s ({b.engine} engine, "
-        f"{b.device}); {report.resumed_shards} of {report.shards} shards resumed"
-    )
+    resumed = f"{report.resumed_shards} of {report.shards} shards resumed"
+    if report.encoded:
+        print(
+            f"encoded {report.encoded} items in {report.encode_seconds:.1f}s: "
+            f"{report.items_per_s:.1f} items/s ({b.engine} engine, {b.device}); {resumed}"
+        )
+    else:  # every shard resumed, or a --delete: no rate to tell
+        print(f"encoded nothing new ({resumed})")
     for name, info in m.indexes.items():
         print(
             f"  {name}: {info.factory}, recall@10 {info.recall_at_10:.4f} vs exact, "
             f"{info.bytes_per_vector:.1f} bytes/vector"
         )
     if report.skipped:
-        print(f"skipped {len(report.skipped)} bad entries:")
+        n = len(report.skipped)
+        print(f"skipped {n} bad {'entry' if n == 1 else 'entries'}:")
         for line in report.skipped:
             print(f"  {line}")
     return 0

@@ -218,6 +218,8 @@ def _modes(args: argparse.Namespace, reranker: str, label: str) -> list[str]:
             f"--partial-seed must be at least {HELD_OUT_SEED_BASE}: seeds below are training's"
         )
     known = eval_modes()
+    if args.modes is not None and not args.modes.strip(", "):
+        raise UserError(f"--modes names no mode; choose from {', '.join(known)} (or leave it out)")
     modes = [m.strip() for m in (args.modes or ",".join(known)).split(",") if m.strip()]
     if unknown := set(modes) - set(known):
         raise UserError(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(known)}")
