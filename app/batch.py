@@ -153,20 +153,31 @@ class BatchWorker(DeviceStepping):
     def run_batch(self, tickets: Sequence[Ticket[Query, Answer]]) -> None:
         """Run the batch: its text queries the device step can serve as one step per chunk
         (GPU layout), the rest on the host path (`run_host`)."""
+        # when the batch was taken, and whether it is one query: the host path's queries
+        # wait for the device steps as batch-mates, not in the queue
+        start, alone = time.monotonic(), len(tickets) == 1
         if self.step is not None:
             stepped = [t for t in tickets if self.steppable(t.payload)]
             if stepped:
-                self._run_steps(stepped)
+                self._run_steps(stepped, start, alone)
                 tickets = [t for t in tickets if not self.steppable(t.payload)]
         if tickets:
-            self.run_host(tickets)
+            self.run_host(tickets, start, alone)
 
-    def run_host(self, tickets: Sequence[Ticket[Query, Answer]]) -> None:
+    def run_host(
+        self,
+        tickets: Sequence[Ticket[Query, Answer]],
+        start: float | None = None,
+        alone: bool | None = None,
+    ) -> None:
         """Encode and search every query of the batch together, then re-rank and answer
-        each; one query's failure fails that query alone."""
-        start = time.monotonic()
-        alone = len(tickets) == 1
-        work = [Work(t, {"queue": ms(start - t.enqueued)}, alone=alone) for t in tickets]
+        each; one query's failure fails that query alone. `start`, `alone`: when the batch
+        was taken and whether it is one query (default: now, and these tickets alone)."""
+        start = time.monotonic() if start is None else start
+        alone = len(tickets) == 1 if alone is None else alone
+        work = [
+            Work(t, {"queue": ms(start - t.enqueued)}, taken=start, alone=alone) for t in tickets
+        ]
         try:
             with clock(work, "encode"):
                 vecs = self._encode(work)

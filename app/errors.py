@@ -257,6 +257,11 @@ def _no_route(request: Request) -> str:
     )
 
 
+def faults(errors: Sequence[Any]) -> list[dict[str, Any]]:
+    """A 422's `details`: each of pydantic's errors as its `loc`, `msg` and `type`."""
+    return [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
+
+
 def install_handlers(app: FastAPI) -> None:
     """Every error leaves as {"error": {"code", "message"}}; no bad input becomes a 500."""
 
@@ -270,7 +275,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
+        errors = faults(exc.errors())
         return JSONResponse(
             error_body("validation_error", describe_errors(errors), details=errors), status_code=422
         )
@@ -279,8 +284,13 @@ def install_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             # FastAPI's word for a body that is not UTF-8: the same 422 as malformed JSON
+            said = "body is not valid JSON (it must be UTF-8 encoded)"
             return JSONResponse(
-                error_body("validation_error", "body is not valid JSON (it must be UTF-8 encoded)"),
+                error_body(
+                    "validation_error",
+                    said,
+                    details=faults([{"loc": ["body"], "msg": said, "type": "value_error"}]),
+                ),
                 status_code=422,
             )
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")

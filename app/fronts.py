@@ -257,7 +257,10 @@ def create_front_app(settings: Any, socket_path: str, owner_url: str) -> FastAPI
             raise NotReady(
                 "the process that owns the model is not answering; retry in a moment"
             ) from exc
-        drop = {"content-length", "transfer-encoding", "connection"}
+        # the body's length is the body's own, set anew, but for HEAD, which has none: the
+        # owner's says what a GET would send (a link checker reads it)
+        drop = {"transfer-encoding", "connection"}
+        drop |= set() if request.method == "HEAD" else {"content-length"}
         return Response(
             r.content,
             r.status_code,

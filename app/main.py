@@ -187,7 +187,7 @@ def _lifespan(
         frozen = freeze_startup_heap(settings.gc_freeze)
         with pipeline.indexes.lease() as index:
             if why := ui.images_unserved(index, settings):
-                log.warning("GET /images/{id} will answer 404 for every hit: %s", why)
+                log.warning("GET /images/{id} cannot serve this version's images: %s", why)
         log.info(
             "duet ready (cache: %s, index poll: %s)",
             cache.backend.name,

@@ -62,7 +62,12 @@ class DeviceStepping:
     def _ranked(self, w: Work, scores: np.ndarray | None) -> Answer:
         raise NotImplementedError
 
-    def run_host(self, tickets: Sequence[Ticket[Query, Answer]]) -> None:
+    def run_host(
+        self,
+        tickets: Sequence[Ticket[Query, Answer]],
+        start: float | None = None,
+        alone: bool | None = None,
+    ) -> None:
         raise NotImplementedError
 
     def prepare(self, index: IndexVersion) -> None:
@@ -238,16 +243,23 @@ class DeviceStepping:
             return False
         return q.plan.reranker == "none" or (q.plan.reranker == "ce" and self.step.reranks)
 
-    def step_chunks(self, tickets: Sequence[Ticket[Query, Answer]]) -> list[list[Work]]:
+    def step_chunks(
+        self,
+        tickets: Sequence[Ticket[Query, Answer]],
+        start: float | None = None,
+        alone: bool | None = None,
+    ) -> list[list[Work]]:
         """The tickets grouped by (index version, re-ranked or not), each group cut into
-        chunks whose padded pairs fit `rerank_max_batch` (a lone query always fits)."""
+        chunks whose padded pairs fit `rerank_max_batch` (a lone query always fits); `start`
+        and `alone` as `run_host` takes them."""
         assert self.step is not None
         groups: dict[tuple[int, bool, str], list[Work]] = {}
-        start = time.monotonic()
+        start = time.monotonic() if start is None else start
+        alone = len(tickets) == 1 if alone is None else alone
         for t in tickets:
             q = t.payload
             groups.setdefault((id(q.index), q.plan.reranks, q.kind), []).append(
-                Work(t, {"queue": ms(start - t.enqueued)}, alone=len(tickets) == 1)
+                Work(t, {"queue": ms(start - t.enqueued)}, taken=start, alone=alone)
             )
         chunks: list[list[Work]] = []
         for (_, reranks, _), members in groups.items():
@@ -262,8 +274,10 @@ class DeviceStepping:
             chunks.append(chunk)
         return chunks
 
-    def _run_steps(self, tickets: Sequence[Ticket[Query, Answer]]) -> None:
-        for chunk in self.step_chunks(tickets):
+    def _run_steps(
+        self, tickets: Sequence[Ticket[Query, Answer]], start: float, alone: bool
+    ) -> None:
+        for chunk in self.step_chunks(tickets, start, alone):
             try:
                 self._step_chunk(chunk)
             except Exception:

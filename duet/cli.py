@@ -7,6 +7,7 @@ module assembles the parser and catches, once, every failure a user can fix.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from duet.commands import build, evaluate, serve, train
@@ -39,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+TRACEBACK_ENV = "DUET_TRACEBACK"  # set: a file-system error's traceback, not one line
+
 # what Ctrl-C leaves, by command (`duet build` says it itself; `serve` shuts down cleanly)
 AFTER_CTRL_C = {
     "demo-corpus": "the corpus in --out is incomplete (it has no manifest.jsonl yet): run "
@@ -46,8 +49,9 @@ AFTER_CTRL_C = {
     "demo-index": "run the same command again: it keeps a finished corpus and resumes the "
     "build from the shards written so far",
     "eval": "nothing was written",
-    "train": "--out is as it was (a model is written only when training ends); training "
-    "does not resume: run it again",
+    "train": "a model is written to --out only once training ends (stopped in the final "
+    "validation, it is there without its train.json); training does not resume: run it "
+    "again",
     "soup": "--out may hold a part of the averaged model: run the same command again",
 }
 
@@ -70,9 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"duet: interrupted{f'; {left}' if left else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as exc:
+        if os.environ.get(TRACEBACK_ENV):  # a failure that is duet's own, for its report
+            raise
         where = f": {exc.filename}" if exc.filename else ""
         why = exc.strerror or str(exc) or type(exc).__name__
-        print(f"duet: error: {why}{where} (duet {args.command} stopped)", file=sys.stderr)
+        print(
+            f"duet: error: {why}{where} (duet {args.command} stopped; {TRACEBACK_ENV}=1 shows "
+            "where)",
+            file=sys.stderr,
+        )
         return 1
 
 

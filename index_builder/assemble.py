@@ -74,19 +74,29 @@ def assemble(
     )
     if len(ivecs) != len(image_rows) or len(tvecs) != len(text_rows):
         raise RuntimeError("encoded vectors do not match the item rows (stale shards?)")
-    for name, vecs in (("image", ivecs), ("text", tvecs)):  # as the service will check them
-        try:
-            check_array(f"the {name} vectors", vecs, MAX_NORM)
-        except IndexLoadError as exc:
-            raise BuildError(
-                f"{str(exc).split('; rebuild')[0]}: a shard in {shards.directory} is damaged "
-                f"(or the model gave that vector). Delete that folder (rm -r "
-                f"{shards.directory}) and build again; nothing was published"
-            ) from exc
+    # checked as the service will check them (finite; vectors of unit norm), so a damaged
+    # shard stops the build before `current` moves, not the service after it
+    _sound("the image vectors", ivecs, MAX_NORM, shards)
+    _sound("the text vectors", tvecs, MAX_NORM, shards)
     token_chunks = itertools.chain(
         _base_rows(base, "image_tokens", img_rows), shards.arrays("image_tokens")
     )
-    return Assembled(kept, digest, image_rows, text_rows, ivecs, tvecs, token_chunks)
+    checked = (_sound("the image tokens", c, None, shards) for c in token_chunks)
+    return Assembled(kept, digest, image_rows, text_rows, ivecs, tvecs, checked)
+
+
+def _sound(what: str, arr: np.ndarray, limit: float | None, shards: ShardPlan) -> np.ndarray:
+    """`arr`, or a BuildError naming the shards to delete when it holds values the service
+    would refuse (`store.integrity.check_array`)."""
+    try:
+        check_array(what, arr, limit)
+    except IndexLoadError as exc:
+        raise BuildError(
+            f"{str(exc).split('; rebuild')[0]}: a shard in {shards.directory} is damaged (or "
+            f"the model gave that value). Delete that folder (rm -r {shards.directory}) and "
+            "build again; nothing was published"
+        ) from exc
+    return arr
 
 
 def _base_rows(base: _Base | None, name: str, rows: list[int]) -> Iterator[np.ndarray]:

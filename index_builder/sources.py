@@ -3,6 +3,7 @@ vectors and tokens), the rows it keeps, and the key that names a build's shards.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -23,7 +24,7 @@ from index_builder.errors import BuildError
 from models.builtin import BuiltinModel
 from models.images import DECODE
 from models.loading import Models
-from store import indexio
+from store import indexio, integrity
 from store.manifest import Manifest
 
 log = logging.getLogger("duet.build")
@@ -60,8 +61,9 @@ def _shard_key(
             {
                 # 2: captions encoded in batches sorted by length; 3: images decoded by
                 # models.images.open_rgb (upright by EXIF, JPEGs at a DCT scale); 4: every
-                # caption encoded, a failed image's captions dropped after
-                "shard_format": 4,
+                # caption encoded, a failed image's captions dropped after; 5: a caption's
+                # words in other scripts read whole (`models.shipped.caption_words`)
+                "shard_format": 5,
                 "model": model.fingerprint,
                 "device": dev.type,
                 "autocast": str(autocast_dtype(dev)),
@@ -146,15 +148,17 @@ def _load_base(out: Path) -> _Base:
         manifest = Manifest.read(path)
     except indexio.IndexLoadError as exc:
         raise BuildError(f"--append/--delete need a current version: {exc}") from exc
-    # proved whole as the service proves a version before it serves (each file's sha256,
-    # the item store, finite unit vectors): a damaged base would otherwise end the build in a
-    # traceback, or pass its damage on to a new version the service then refuses
+    # proved as it was published, which checked it as the service does: every file it reads
+    # listed, each with its sha256 (hashed on threads; no FAISS index loaded). A damaged base
+    # would otherwise end the build in a traceback, or pass its damage on to a new version
+    # the service then refuses
     try:
-        version = indexio.IndexVersion.open(path)
-        try:
-            version.verify()
-        finally:
-            version.close()
+        files = manifest.files
+        kept = [n for n in indexio.VECTOR_FILES if (path / n).exists()]
+        integrity.check_listing(path, files, [*indexio.SERVED_FILES, *kept])
+        integrity.run_checks(
+            [functools.partial(integrity.check_digest, path, n, files[n]) for n in files]
+        )
     except indexio.IndexLoadError as exc:
         raise BuildError(
             f"--append/--delete start from {path}, which is damaged: {exc}. Restore it, or "

@@ -4,7 +4,6 @@ CLI all import it (training and the world generator from here, never the other w
 
 from __future__ import annotations
 
-import os
 import re
 import unicodedata
 from pathlib import Path
@@ -14,7 +13,6 @@ DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights"
 
 _WORD = re.compile(r"[a-z]+|\d+")
 _PLAIN = re.compile(r"[a-z ]*")  # a text whose words are its space-separated runs
-_RUN = re.compile(r"[^\W_]+")  # a run of letters or digits, in any script
 
 # Words people type that the world's grammar never writes, each read as the word the grammar
 # uses for the same thing: captions join two things with "with" ("a red circle with a blue
@@ -41,18 +39,31 @@ def caption_words(text: str) -> list[str]:
     if lower.isascii():
         return _WORD.findall(lower)
     words: list[str] = []
-    for run in _RUN.findall(unicodedata.normalize("NFKC", text).lower()):
+    for run in _runs(unicodedata.normalize("NFKC", text).lower()):
         words += _WORD.findall(run) if run.isascii() else [run]
     return words
 
 
-def save_weights(state: dict[str, Any], path: Path) -> None:
-    """Write tensors as safetensors with the permissions any file this process makes gets
-    (0644 under the usual umask 022): safetensors' own writer makes its file 0600, so a
-    model trained by one user could not be read by the service's (uid 10001 in the image)."""
-    from safetensors.torch import save_file  # torch's: only where weights are written
+def _runs(text: str) -> list[str]:
+    """The runs of letters and digits of `text`, in any script, with their combining marks
+    (a Devanagari word's vowel signs, the dot of a lowered "İ"): a run is one word as typed."""
+    runs: list[str] = []
+    start = None
+    for i, ch in enumerate(text):
+        if ch.isalnum() or unicodedata.category(ch).startswith("M"):
+            start = i if start is None else start
+        elif start is not None:
+            runs.append(text[start:i])
+            start = None
+    if start is not None:
+        runs.append(text[start:])
+    return runs
 
-    save_file(state, str(path), metadata={"format": "pt"})
-    mask = os.umask(0o022)  # read the umask (it can only be read by setting it)
-    os.umask(mask)
-    path.chmod(0o666 & ~mask)
+
+def save_weights(state: dict[str, Any], path: Path) -> None:
+    """Write tensors as safetensors with the permissions any file this process writes gets
+    (0644 under the usual umask 022): safetensors' own file writer makes its file 0600, so a
+    model trained by one user could not be read by the service's (uid 10001 in the image)."""
+    from safetensors.torch import save  # torch's: only where weights are written
+
+    path.write_bytes(save(state, metadata={"format": "pt"}))

@@ -51,7 +51,7 @@ def test_readyz_and_the_log_say_when_hits_images_cannot_be_served(
         hit = c.post("/search/text", json={"query": "a red circle", "top_k": 1}).json()
         assert c.get(hit["hits"][0]["image_url"]).status_code == 404
     assert f"set DUET_IMAGES_DIR={corpus.parent}" in said, said
-    assert "GET /images/{id} will answer 404 for every hit" in service.log.read_text()
+    assert "GET /images/{id} cannot serve this version's images" in service.log.read_text()
 
 
 def _scenes(corpus: Path) -> list[Scene]:
@@ -151,6 +151,7 @@ def test_caption_words_read_other_scripts_whole_and_full_width_letters_as_ascii(
     ]
     assert caption_words("ﬁre red\u00a0circle") == ["fire", "red", "circle"]
     assert caption_words("x_y 3d") == ["x", "y", "3", "d"]  # ASCII as the pattern reads it
+    assert caption_words("नमस्ते दुनिया, İstanbul red") == ["नमस्ते", "दुनिया", "i̇stanbul", "red"]
     assert unknown_words("a café red circle") == ["café"]
     assert unknown_words("ｒｅｄ circle") == []
     assert unknown_words("naïve 日本の猫 🙂 red") == ["naïve", "日本の猫"]

@@ -385,7 +385,7 @@ def test_the_docs_serve_example_serves_images_of_a_corpus_kept_elsewhere(
         assert r.status_code == 200, r.text[:200]
         assert r.content == (manifest.parent / item["image"]).read_bytes()
         assert httpx.get(f"{svc.url}/readyz").json()["images"] == "served"
-        assert "will answer 404" not in (tmp_path / "serve.log").read_text()
+        assert "cannot serve this version's images" not in (tmp_path / "serve.log").read_text()
         # HEAD as GET, without the body: a link checker can test an image_url, a probe /readyz
         for path in (f"/images/{item['id']}", "/readyz"):
             got, head = httpx.get(svc.url + path), httpx.head(svc.url + path)

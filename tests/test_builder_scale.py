@@ -211,6 +211,12 @@ def test_a_damaged_shard_is_encoded_again_or_stops_the_build_before_it_publishes
     with pytest.raises(BuildError, match=r"NaN or infinite values at row 0.*damaged.*rm -r"):
         build(manifest, tmp_path / "nan", model, skip_bad=True, **kw)
     assert not (tmp_path / "nan" / "current").exists()
+    arrays["image_vectors"][0, 0] = 0.0  # a sound norm below 1.01 again; the tokens not
+    arrays["image_tokens"][0, 0, 0] = np.inf
+    nan.write_bytes(shard_bytes(arrays))
+    with pytest.raises(BuildError, match=r"image tokens holds NaN or infinite.*rm -r"):
+        build(manifest, tmp_path / "nan", model, skip_bad=True, **kw)
+    assert not (tmp_path / "nan" / "current").exists()
 
 
 # -- incremental builds ---------------------------------------------------------------------

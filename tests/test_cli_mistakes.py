@@ -4,6 +4,7 @@ failing disk told in one line (no traceback), and options checked before any wor
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -46,6 +47,17 @@ def test_a_demo_corpus_written_again_smaller_leaves_none_of_its_old_images(
     assert again.returncode == 0, again.stderr
     assert sorted(p.name for p in (out / "images").iterdir()) == ["0000.png", "0001.png"]
     assert (out / "notes.txt").read_text() == "kept"
+    # lines naming other files (outside the folder, or not as the corpus names its images)
+    # added to its manifest: never removed with the corpus's own images
+    (tmp_path / "my_photo.jpg").write_text("mine")
+    (out / "mine").mkdir()
+    (out / "mine" / "cat.jpg").write_text("mine")
+    with (out / "manifest.jsonl").open("a") as fh:
+        for rel in ("../my_photo.jpg", "mine/cat.jpg", str(tmp_path / "my_photo.jpg")):
+            fh.write(json.dumps({"id": rel, "image": rel, "captions": ["x"]}) + "\n")
+    assert _duet("demo-corpus", "--out", str(out), "--images", "1").returncode == 0
+    assert (tmp_path / "my_photo.jpg").is_file() and (out / "mine" / "cat.jpg").is_file()
+    assert sorted(p.name for p in (out / "images").iterdir()) == ["0000.png"]
 
 
 def test_ctrl_c_ends_a_command_with_one_line_saying_what_it_left(tmp_path: Path) -> None:

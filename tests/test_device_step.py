@@ -349,3 +349,36 @@ def _worker(model: BuiltinModel, step: DeviceStep) -> BatchWorker:
         worker_nice=0,
         step=step,
     )
+
+
+def test_a_query_stepped_after_its_batch_mates_chunk_names_that_wait(
+    index_dir: Path, model: BuiltinModel
+) -> None:
+    """Two re-ranked text queries whose pairs need a device step each (a pair budget of
+    20): the second waits in the worker for the first's step, which its `batch` stage says;
+    a query alone in its batch has none."""
+    from app.work import Answer, Query, RerankPlan
+    from store.indexio import IndexVersion, resolve_current
+
+    version = IndexVersion.open(resolve_current(index_dir))
+    worker = _worker(model, DeviceStep(model.model, torch.device("cpu"), "fp32"))
+    worker.prepare(version)
+    worker.rerank_max_batch = 20
+    got: dict[str, Answer] = {}
+
+    def ticket(text: str) -> Ticket[Query, Answer]:
+        plan = RerankPlan("ce", "add", 0.1, None)
+        q = Query("text", text, None, version, plan, 20, 5, model.text_ids(text), True)
+
+        def done(answer: Answer | None, exc: BaseException | None) -> None:
+            assert answer is not None, exc
+            got[text] = answer
+
+        return Ticket(q, 0.01, 1e12, None, None, done)
+
+    worker.run_batch([ticket("a red circle"), ticket("two blue squares")])
+    first, second = got["a red circle"].timings, got["two blue squares"].timings
+    assert second["batch"] >= 0.5 * first["device"], (first, second)
+    worker.run_batch([ticket("a green cross")])
+    assert "batch" not in got["a green cross"].timings
+    version.close()

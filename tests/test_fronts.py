@@ -86,22 +86,7 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
                 assert _hits(a.json()) == _hits(b.json()), name
                 assert set(schemas["SearchResponse"]["required"]) <= set(a.json())
                 assert all(set(schemas["Hit"]["required"]) <= set(h) for h in a.json()["hits"])
-            # nothing the model reads, or more than it reads: refused alike
-            for q in ("crimson box", "zzz qqq", "a " * 31 + "red circle"):
-                a, b = (
-                    f.post("/search/text", json={"query": q}),
-                    s.post("/search/text", json={"query": q}),
-                )
-                assert a.status_code == b.status_code == 422 and a.json() == b.json()
-            cafe = f.post("/search/text", json={"query": "a red café circle"}).json()
-            assert cafe["unknown_words"] == ["café"]
-            bad = f.post("/search/text", json={"query": ""})
-            assert bad.status_code == 422 and bad.json()["error"]["code"] == "validation_error"
-            broken = f.post("/search/image", files={"image": ("x.png", b"not an image")})
-            assert broken.status_code == 400, broken.text
-            assert f.get("/readyz").status_code == 200
-            assert f.get("/healthz").status_code == 200
-            assert f.get("/").status_code == 200  # the page, from the owner
+            _refusals_and_the_rest_alike(f, s)
             deadline = time.monotonic() + 5  # each front sends its counts a few times a second
             while time.monotonic() < deadline:
                 metrics = f.get("/metrics").text
@@ -126,6 +111,29 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
     finally:
         stop_service(fronts)
         stop_service(single)
+
+
+def _refusals_and_the_rest_alike(f: httpx.Client, s: httpx.Client) -> None:
+    """A front (`f`) refuses as one process (`s`) does, and passes the rest to its owner."""
+    # nothing the model reads, or more than it reads: refused alike
+    for q in ("crimson box", "zzz qqq", "a " * 31 + "red circle"):
+        a, b = f.post("/search/text", json={"query": q}), s.post("/search/text", json={"query": q})
+        assert a.status_code == b.status_code == 422 and a.json() == b.json()
+    cafe = f.post("/search/text", json={"query": "a red café circle"}).json()
+    assert cafe["unknown_words"] == ["café"]
+    bad = f.post("/search/text", json={"query": ""})
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "validation_error"
+    broken = f.post("/search/image", files={"image": ("x.png", b"not an image")})
+    assert broken.status_code == 400, broken.text
+    assert f.get("/readyz").status_code == 200
+    assert f.get("/healthz").status_code == 200
+    assert f.get("/").status_code == 200  # the page, from the owner
+    for path in ("/readyz", "/"):  # HEAD as GET without the body, through the front
+        got, head = f.get(path), f.head(path)
+        assert head.status_code == 200 and head.content == b"", path
+        assert head.headers["content-length"] == str(len(got.content)), path
+    got = f.post("/search/text?top_k=1", json={"query": "a red circle"})
+    assert got.status_code == 422 and got.json()["error"]["details"], got.text
 
 
 def test_fronts_pass_on_overload_and_swaps(index_dir: Path, corpus: Path, tmp_path: Path) -> None:

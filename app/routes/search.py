@@ -27,6 +27,7 @@ from app.errors import (
     ValidationFailed,
     describe_errors,
     documented,
+    faults,
 )
 from app.imaging import b64_image
 from app.limits import GONE
@@ -338,11 +339,8 @@ def _options(fields: dict[str, Any], model: type[SearchOptions], takes: list[str
     try:
         return model.model_validate(fields)
     except ValidationError as exc:
-        faults = explained(exc, takes, IMAGE_EXAMPLE)
-        details: list[dict[str, Any]] = [
-            {k: e[k] for k in ("loc", "msg", "type") if k in e} for e in faults
-        ]
-        raise ValidationFailed(describe_errors(faults), details=details) from exc
+        said = explained(exc, takes, IMAGE_EXAMPLE)
+        raise ValidationFailed(describe_errors(said), details=faults(said)) from exc
 
 
 @router.post(

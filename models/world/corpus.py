@@ -8,6 +8,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -134,9 +135,14 @@ def write_corpus(
     return manifest
 
 
+# the image files `write_corpus` names, the only ones a demo corpus written again removes
+_OWN_IMAGE = re.compile(r"images/\d{4,}\.(png|jpg)")
+
+
 def demo_images(out: Path) -> set[str] | None:
     """The image files a demo corpus (`write_corpus`) in `out` lists: its manifest's, or an
-    interrupted one's `manifest.jsonl.partial` (empty when cut before its first line); None
+    interrupted one's `manifest.jsonl.partial` (empty when cut before its first line), only
+    those named as it names them (`images/0042.png`: never a path out of its folder); None
     when `out` holds no demo corpus (a manifest whose first line is no scene of the world)."""
     for name in ("manifest.jsonl", "manifest.jsonl.partial"):
         path = out / name
@@ -144,15 +150,16 @@ def demo_images(out: Path) -> set[str] | None:
             continue
         try:
             with path.open(encoding="utf-8") as fh:
-                lines = [json.loads(line) for line in fh if line.strip()]
+                first = next((json.loads(line) for line in fh if line.strip()), None)
+                if first is None:
+                    return set() if name.endswith(".partial") else None
+                if not (isinstance(first, dict) and "scene" in (first.get("meta") or {})):
+                    return None
+                lines = [first, *(json.loads(line) for line in fh if line.strip())]
         except (ValueError, UnicodeDecodeError):
             return None
-        if not lines:
-            return set() if name.endswith(".partial") else None
-        first = lines[0]
-        if not (isinstance(first, dict) and "scene" in (first.get("meta") or {})):
-            return None
-        return {str(line["image"]) for line in lines if isinstance(line, dict) and "image" in line}
+        listed = (line.get("image") for line in lines if isinstance(line, dict))
+        return {rel for rel in listed if isinstance(rel, str) and _OWN_IMAGE.fullmatch(rel)}
     return None
 
 
