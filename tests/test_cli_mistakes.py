@@ -92,6 +92,9 @@ def test_options_are_checked_before_any_work(tmp_path: Path) -> None:
         (["eval", "--index", str(tmp_path), "--candidates", "0"], "--candidates must be at"),
         (["eval", "--index", str(tmp_path), "--theta", "5"], "--theta must be 0 to 1"),
         (["eval", "--index", str(tmp_path), "--modes", " , "], "--modes names no mode"),
+        (["train", "--out", str(tmp_path / "t"), "--batch", "0"], "--batch must be at least 2"),
+        (["train", "--out", str(tmp_path / "t"), "--lr", "-1"], "--lr must be more than 0"),
+        (["train", "--out", str(tmp_path / "t"), "--ce-hard", "2"], "--ce-hard is a share"),
         (["demo-index", "--out", str(tmp_path / "i"), "--images", "0"], "--images must be"),
         (["healthcheck", "--url", "notaurl"], "give an http:// or https:// URL"),
         (["healthcheck", "--timeout", "-1"], "--timeout must be more than 0"),
@@ -104,6 +107,7 @@ def test_options_are_checked_before_any_work(tmp_path: Path) -> None:
         assert res.returncode == 2 and says in res.stderr, (args, res.stderr)
         assert "Traceback" not in res.stderr
     assert not (tmp_path / "i").exists()  # demo-index made no folder for nothing
+    assert not (tmp_path / "t").exists()  # nor train
 
 
 def test_demo_index_keeps_a_finished_corpus_of_its_size_and_seed(tmp_path: Path) -> None:

@@ -260,14 +260,33 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+def _out_of_range(args: argparse.Namespace) -> str | None:
+    """Why an option of `duet train` is out of its range, or None."""
+    at_least = {"images": 2, "batch": 2, "val_images": 1}  # a batch needs a negative
+    at_least |= dict.fromkeys(("steps", "tower_steps", "ce_steps", "han_steps", "warmup"), 0)
+    at_least |= dict.fromkeys(("easy_steps", "ce_mine", "ce_mine_index"), 0)
+    for name, low in at_least.items():
+        if getattr(args, name) < low:
+            return f"--{name.replace('_', '-')} must be at least {low}"
+    for name in ("lr", "ce_lr"):
+        if not getattr(args, name) > 0:
+            return f"--{name.replace('_', '-')} must be more than 0"
+    if not args.aux_weight >= 0:
+        return "--aux-weight must be 0 or more"
+    for name in ("ce_count", "ce_typed", "ce_hard", "ce_move"):
+        if not 0 <= getattr(args, name) <= 1:
+            return f"--{name.replace('_', '-')} is a share: 0 to 1"
+    return None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from models.evaluate import format_table
     from models.train import train
 
+    if why := _out_of_range(args):  # before any work: torch's or numpy's words otherwise
+        return fail(why)
     setup_logging()
     cfg = config_of(args)
-    if args.val_images < 1:
-        return fail("--val-images must be at least 1")
     if args.tune and not args.init_from:
         return fail("--tune continues the model of --from DIR: give --from")
     init_from = Path(args.init_from) if args.init_from else None
