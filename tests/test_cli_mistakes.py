@@ -88,11 +88,16 @@ def test_a_failing_file_system_is_one_line_naming_the_path_not_a_traceback() -> 
 
 
 def test_options_are_checked_before_any_work(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", 2, seed=3, progress=False)
+    build = ["build", "--corpus", str(corpus), "--out", str(tmp_path / "b")]
     for args, says in (
         (["eval", "--index", str(tmp_path), "--candidates", "0"], "--candidates must be at"),
         (["eval", "--index", str(tmp_path), "--theta", "5"], "--theta must be 0 to 1"),
         (["eval", "--index", str(tmp_path), "--modes", " , "], "--modes names no mode"),
         (["train", "--out", str(tmp_path / "t"), "--batch", "0"], "--batch must be at least 2"),
+        ([*build, "--ray-actors", "3"], "--ray-actors applies to --engine ray"),
+        ([*build, "--decode-jpeg", "gpu", "--device", "cpu"], "this build runs on the CPU"),
+        ([*build, "--workers", "-1"], "--workers must be 0 or more"),
         (["train", "--out", str(tmp_path / "t"), "--lr", "-1"], "--lr must be more than 0"),
         (["train", "--out", str(tmp_path / "t"), "--ce-hard", "2"], "--ce-hard is a share"),
         (["demo-index", "--out", str(tmp_path / "i"), "--images", "0"], "--images must be"),
@@ -107,7 +112,7 @@ def test_options_are_checked_before_any_work(tmp_path: Path) -> None:
         assert res.returncode == 2 and says in res.stderr, (args, res.stderr)
         assert "Traceback" not in res.stderr
     assert not (tmp_path / "i").exists()  # demo-index made no folder for nothing
-    assert not (tmp_path / "t").exists()  # nor train
+    assert not (tmp_path / "t").exists() and not (tmp_path / "b").exists()  # nor train, build
 
 
 def test_demo_index_keeps_a_finished_corpus_of_its_size_and_seed(tmp_path: Path) -> None:

@@ -175,6 +175,17 @@ def cmd_build(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
 
 
+def _option_problem(args: argparse.Namespace) -> str | None:
+    """Why the sizes or the engine's options cannot be used, told before the model loads."""
+    if (args.batch_size is not None and args.batch_size < 1) or args.shard_size < 1:
+        return "--batch-size and --shard-size must be at least 1"
+    if args.workers is not None and args.workers < 0:
+        return "--workers must be 0 or more"
+    if args.ray_actors is not None and args.engine != "ray":
+        return "--ray-actors applies to --engine ray: leave it out, or add --engine ray"
+    return None
+
+
 def _corpus_problem(corpus: str) -> str | None:
     """Why a --corpus / --append path is not a corpus file, or None."""
     path = Path(corpus)
@@ -209,9 +220,16 @@ def _build(args: argparse.Namespace) -> int:
         return fail(problem)
     if corpus is None and (args.split is not None or args.images_root is not None):
         return fail("--split and --images-root select from a --corpus or --append file")
+    if problem := _option_problem(args):
+        return fail(problem)
     settings = load_settings(
         model_dir=args.model_dir, device=args.device, index_factory=args.factory
     )
+    if args.decode_jpeg != "cpu" and settings.device == "cpu":
+        return fail(
+            f"--decode-jpeg {args.decode_jpeg} leaves JPEGs to a CUDA build's GPU, and this "
+            "build runs on the CPU (--device cpu or DUET_DEVICE=cpu): leave it out"
+        )
     encoder, reranker, labels = model_choices(args, settings)
     model = load_models(encoder, reranker, settings.model_dir, settings.device, labels=labels)
     log.info(

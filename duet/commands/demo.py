@@ -89,8 +89,8 @@ def _photo_style(args: argparse.Namespace) -> Any:
     from models.world import PhotoStyle
 
     if args.format == "png":
-        if args.image_size is not None or args.quality != 90:
-            return "--image-size and --quality apply to --format jpeg"
+        if args.image_size is not None or args.quality != 90 or args.workers is not None:
+            return "--image-size, --quality and --workers apply to --format jpeg"
         return None
     size = PhotoStyle().size
     if args.image_size is not None:
