@@ -36,6 +36,14 @@ def _add_build(sub: Any) -> None:
         "build",
         formatter_class=HelpFormatter,
         help="encode a corpus into a new index version",
+        epilog="examples:\n\n"
+        "  duet build --corpus data/demo/manifest.jsonl --out indexes\n"
+        "  duet build --append more.jsonl --out indexes     # a new version with them added\n"
+        "  duet build --delete gone-ids.txt --out indexes   # one id a line\n"
+        "  duet build --corpus dataset_flickr30k.json --split test \\\n"
+        "      --images-root flickr30k-images --out idx-f30k-test\n\n"
+        "The corpus format, resuming and updating a served index: docs/corpus-and-indexes.md "
+        "in duet's repository.",
         description="Encode images and captions of a corpus into "
         "OUT/<version>/ (FAISS indexes, vectors, item store, manifest.json) and "
         "atomically point OUT/current at it. A corpus is a JSONL manifest "
@@ -175,8 +183,13 @@ def cmd_build(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
 
 
-def _option_problem(args: argparse.Namespace) -> str | None:
+def _option_problem(args: argparse.Namespace, device: str) -> str | None:
     """Why the sizes or the engine's options cannot be used, told before the model loads."""
+    if args.decode_jpeg != "cpu" and device == "cpu":
+        return (
+            f"--decode-jpeg {args.decode_jpeg} leaves JPEGs to a CUDA build's GPU, and this "
+            "build runs on the CPU (--device cpu or DUET_DEVICE=cpu): leave it out"
+        )
     if (args.batch_size is not None and args.batch_size < 1) or args.shard_size < 1:
         return "--batch-size and --shard-size must be at least 1"
     if args.workers is not None and args.workers < 0:
@@ -220,16 +233,11 @@ def _build(args: argparse.Namespace) -> int:
         return fail(problem)
     if corpus is None and (args.split is not None or args.images_root is not None):
         return fail("--split and --images-root select from a --corpus or --append file")
-    if problem := _option_problem(args):
-        return fail(problem)
     settings = load_settings(
         model_dir=args.model_dir, device=args.device, index_factory=args.factory
     )
-    if args.decode_jpeg != "cpu" and settings.device == "cpu":
-        return fail(
-            f"--decode-jpeg {args.decode_jpeg} leaves JPEGs to a CUDA build's GPU, and this "
-            "build runs on the CPU (--device cpu or DUET_DEVICE=cpu): leave it out"
-        )
+    if problem := _option_problem(args, settings.device):
+        return fail(problem)
     encoder, reranker, labels = model_choices(args, settings)
     model = load_models(encoder, reranker, settings.model_dir, settings.device, labels=labels)
     log.info(

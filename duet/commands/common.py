@@ -19,7 +19,16 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stop
 
 class HelpFormatter(argparse.HelpFormatter):
     """--help shows every option's default: appended as "(default: X)" unless the option's
-    own help already says what its default is, or there is none to show."""
+    own help already says what its default is, or there is none to show. A description's or
+    epilog's paragraph whose lines are indented (an example's commands) is kept as written;
+    the others are wrapped to the terminal."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = text.split("\n\n")
+        return "\n\n".join(
+            p if p.startswith("  ") else super(HelpFormatter, self)._fill_text(p, width, indent)
+            for p in paragraphs
+        )
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

@@ -17,6 +17,9 @@ def add(sub: Any) -> None:
         "demo-corpus",
         formatter_class=HelpFormatter,
         help="generate a synthetic image-caption corpus",
+        epilog="examples:\n\n"
+        "  duet demo-corpus --out data/demo2 --images 500\n"
+        "  duet demo-corpus --out /tmp/photos --images 20000 --format jpeg   # photo-sized\n",
         description="Render scenes of coloured shapes with several captions "
         "each; the same seed gives the same bytes.",
     )

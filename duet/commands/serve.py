@@ -15,11 +15,10 @@ from duet.commands.common import HelpFormatter, fail, load_settings, log, setup_
 # oneDNN (torch's CPU kernels) caches a primitive per input shape, up to 1,024 of them, each
 # with its scratch memory; a search's shapes follow its candidates and caption lengths, so a
 # mix of requests grew a replica from 0.8 to 3.4 GB (issue 36 row 4). It reads this variable
-# once, before its first primitive: `duet serve` sets it before torch is imported (and the
-# Dockerfile sets it too); an operator's own value wins. 8, not 0: with no cache every call
-# rebuilds its primitives: a one-sentence encode took 2.24-2.29 ms against 1.88 with 8 and
-# 1.86-1.88 with oneDNN's default 1,024 (1,000 encodes on one thread, runs interleaved);
-# with 8 a mix of 160 image searches of mixed sizes levelled off at 530-640 MB after 40.
+# once, before its first primitive: `duet serve` sets it before torch is imported (the
+# Dockerfile too); an operator's own value wins. 8, not 0: with no cache a one-sentence encode
+# took 2.24-2.29 ms against 1.88 with 8 and 1.86-1.88 with oneDNN's default 1,024 (1,000
+# encodes on one thread); with 8, 160 image searches of mixed sizes levelled off at 530-640 MB.
 ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 ONEDNN_CACHE_DEFAULT = "8"
 
@@ -30,9 +29,12 @@ def add(sub: Any) -> None:
         "serve",
         formatter_class=HelpFormatter,
         help="run the HTTP service on INDEX_DIR/current",
+        epilog="examples:\n\n  duet serve                        # ./indexes/current, :8000\n"
+        "  DUET_IMAGES_DIR=data/demo duet serve --port 8080  # hits' images from data/demo",
         description="Run the HTTP service. Settings come from DUET_* environment "
         "variables (DUET_INDEX_DIR, DUET_HOST, DUET_PORT, DUET_ENCODER, "
-        "DUET_RERANKER, DUET_REDIS_URL, ...); the flags below override them.",
+        "DUET_RERANKER, DUET_REDIS_URL, ...; docs/configuration.md); the flags below "
+        "override them. The HTTP API: docs/api.md, or GET /docs on the service.",
     )
     s.add_argument("--host", help="bind address (DUET_HOST, default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (DUET_PORT, default 8000)")
@@ -124,12 +126,10 @@ def _serve(settings: Any) -> int:
 
 
 def check_port(host: str, port: int) -> None:
-    """UserError, before the model and index load, when another process listens on `port`:
-    a socket bound there as uvicorn binds its own (address reuse on, IPv6 only for an IPv6
-    address) is refused only then. The probe is closed at once: the port opens when the
-    service is ready, as before; so is a host this machine has no address for, or no name.
-    A port taken during the load still fails as uvicorn fails (exit 3); any other error is
-    left for uvicorn to report."""
+    """UserError, before the model and index load, when `port` is in use or `host` is no
+    address of this machine: a probe bound as uvicorn binds (address reuse on, IPv6 only for
+    an IPv6 address), closed at once (the port opens when the service is ready). A port taken
+    during the load fails as uvicorn fails (exit 3); any other error is uvicorn's to report."""
     import errno
     import socket
 

@@ -16,6 +16,15 @@ if TYPE_CHECKING:
     from models.trainconfig import TrainConfig
 
 
+TRAIN_EXAMPLES = """examples:
+
+  duet train --out my-model                 # from scratch (about 45 min on 2 cores)
+  duet train --out my-ce --from models/weights --ce-warm --ce-steps 400
+  DUET_MODEL_DIR=my-model duet serve        # serve it (build its index first)
+
+What each stage and option does: docs/models.md."""
+
+
 def add(sub: Any) -> None:
     """train"""
     from models.trainconfig import DEFAULT_WEIGHTS, TrainConfig
@@ -25,6 +34,7 @@ def add(sub: Any) -> None:
         "train",
         formatter_class=HelpFormatter,
         help="train duet's own model on the synthetic world",
+        epilog=TRAIN_EXAMPLES,
         description="Train duet's model from scratch in four stages "
         "and save safetensors weights, config and vocabulary: (0) the image tower "
         "on the scenes' patch labels, (1) the joint "
@@ -40,12 +50,8 @@ def add(sub: Any) -> None:
         help=f"output directory (required: the shipped weights live in {DEFAULT_WEIGHTS}; "
         "name it only to replace them on purpose)",
     )
-    t.add_argument(
-        "--seed",
-        type=int,
-        default=defaults.seed,
-        help="draws the training scenes and initial weights",
-    )
+    seed_help = "draws the training scenes and initial weights"
+    t.add_argument("--seed", type=int, default=defaults.seed, help=seed_help)
     t.add_argument("--images", type=int, default=defaults.images, help="training scenes")
     t.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     t.add_argument("--batch", type=int, default=defaults.batch, help="pairs per batch")
