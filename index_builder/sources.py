@@ -196,7 +196,7 @@ def _load_base(out: Path) -> _Base:
     return _Base(path, manifest, images, texts, vectors[0], vectors[1], tokens)
 
 
-def _read_ids(path: Path) -> list[str]:
+def read_ids(path: Path) -> list[str]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
@@ -214,9 +214,7 @@ def _apply_delete(
     """The base rows (with their row numbers) left after deleting the ids in `delete`."""
     if base is None:
         return [], [], set()
-    ids = set(_read_ids(delete)) if delete is not None else set()
-    if delete is not None and not ids:  # would publish a copy of the version as a new one
-        raise BuildError(f"--delete {delete} lists no ids (one per line): nothing to delete")
+    ids = set(read_ids(delete)) if delete is not None else set()
     known = {r.id for r in base.images} | {_item_of_text(t) for t in base.texts}
     unknown = sorted(ids - known)
     if unknown:

@@ -234,7 +234,10 @@ def test_healthcheck_command(service: Service) -> None:
 
 
 def _prom_query(base: str, query: str) -> list[dict[str, Any]]:
-    body = httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=5).json()
+    r = httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=5)
+    if r.status_code == 503:  # Prometheus still starting ("Service Unavailable", not JSON)
+        return []
+    body = r.json()
     assert body["status"] == "success", body
     result: list[dict[str, Any]] = body["data"]["result"]
     return result
