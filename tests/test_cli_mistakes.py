@@ -136,3 +136,13 @@ def test_progress_in_a_log_file_is_lines_not_carriage_returns(tmp_path: Path) ->
     assert "\r" not in res.stderr, repr(res.stderr)
     lines = res.stderr.splitlines()
     assert lines[-1].startswith("rendering: 100%") and "50/50" in lines[-1], lines
+
+
+def test_demo_index_over_a_damaged_current_version_says_how_to_mend_it(tmp_path: Path) -> None:
+    out = tmp_path / "indexes"
+    first = _duet("demo-index", "--out", str(out), "--images", "12", "--no-progress")
+    assert first.returncode == 0, first.stderr
+    (out / "current" / "manifest.json").write_text("{bad")
+    again = _duet("demo-index", "--out", str(out), "--images", "12", "--no-progress")
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    assert f"{out / 'current'} is damaged: point it at a sound version" in again.stderr

@@ -229,11 +229,19 @@ def _same_demo_corpus(corpus: Path, images: int, seed: int) -> bool:
 def _stale_demo_index(out: Path, corpus: Path, fingerprint: str) -> bool:
     """Whether `out`'s current version is a demo index (built from `corpus`) that other
     models built, so it must be built again; says what it found either way."""
+    from models.errors import UserError
+    from store.errors import IndexLoadError
     from store.indexio import resolve_current
     from store.manifest import Manifest
 
     version = resolve_current(out)
-    manifest = Manifest.read(version)
+    try:
+        manifest = Manifest.read(version)
+    except IndexLoadError as exc:
+        raise UserError(
+            f"{exc}; {out / 'current'} is damaged: point it at a sound version (`ln -sfn "
+            f"VERSION {out / 'current'}`), or delete {out} to build the demo index anew"
+        ) from exc
     built_by = manifest.model.fingerprint
     if built_by == fingerprint:
         print(f"{out / 'current'} exists, built by these models; nothing to do")
