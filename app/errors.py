@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -159,6 +160,14 @@ class PayloadTooLarge(DuetError):
 
 def error_body(code: str, message: str, **extra: object) -> dict[str, object]:
     return {"error": {"code": code, "message": message, **extra}}
+
+
+def error_bytes(code: str, message: str) -> bytes:
+    """`error_body` as the bytes a `JSONResponse` sends (compact, UTF-8), for the errors
+    written below the app (a 413, 431 or 400 from the HTTP protocol, a paced 429): every
+    error body reads the same, whichever layer wrote it."""
+    body = error_body(code, message)
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def describe_errors(errors: Sequence[Mapping[str, object]]) -> str:

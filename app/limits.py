@@ -16,7 +16,6 @@ size; a 300 MB chunked body was buffered before any handler could refuse it. Her
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any, ClassVar
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.errors import BODY_TIMED_OUT, PayloadTooLarge, error_body
+from app.errors import BODY_TIMED_OUT, PayloadTooLarge, error_bytes
 from app.pace import Counted, Pace, busy, json_response
 
 # answered even when the in-flight cap is reached: probes and scrapes must see a busy server
@@ -153,7 +152,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _refuse(self, status: int, code: str, message: str) -> None:
-        body = json.dumps(error_body(code, message)).encode()
+        body = error_bytes(code, message)
         reason = {
             400: b"Bad Request",
             408: b"Request Timeout",

@@ -4,16 +4,14 @@ cap that follows the answer rate (`Pace`), the count of admitted requests it is 
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import error_body
+from app.errors import error_bytes
 
 
 def json_response(status: int, code: str, message: str) -> tuple[Message, Message]:
     """A JSON error body as the two ASGI messages that send it, on a connection to close."""
-    body = json.dumps(error_body(code, message)).encode()
+    body = error_bytes(code, message)
     start: Message = {
         "type": "http.response.start",
         "status": status,

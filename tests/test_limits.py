@@ -192,6 +192,9 @@ def test_huge_header_gets_431(service: Service) -> None:
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n")
     reply = _read_all(s)
     assert reply.startswith(b"HTTP/1.1 431"), reply[:100]
+    # its JSON written as the app's JSONResponse writes every other error body: compact
+    body = reply.split(b"\r\n\r\n", 1)[1]
+    assert body.startswith(b'{"error":{"code":"') and b'", "' not in body, body
 
 
 def test_inflight_cap_answers_429_and_health_passes(service: Service) -> None:
