@@ -173,11 +173,8 @@ class BatchWorker(DeviceStepping):
         """Encode and search every query of the batch together, then re-rank and answer
         each; one query's failure fails that query alone. `start`, `alone`: when the batch
         was taken and whether it is one query (default: now, and these tickets alone)."""
-        start = time.monotonic() if start is None else start
-        alone = len(tickets) == 1 if alone is None else alone
-        work = [
-            Work(t, {"queue": ms(start - t.enqueued)}, taken=start, alone=alone) for t in tickets
-        ]
+        work = Work.taken_as_batch(tickets, start, alone)
+        t0 = time.monotonic()  # this path's own encode and search, for the cost model
         try:
             with clock(work, "encode"):
                 vecs = self._encode(work)
@@ -195,7 +192,7 @@ class BatchWorker(DeviceStepping):
                     log.exception("a query failed")
                     t.fail(exc)
             return
-        self.throughput.observe("query", len(work), time.monotonic() - start)
+        self.throughput.observe("query", len(work), time.monotonic() - t0)
         # a batched re-ranker (the cross-encoder) scores several queries' pairs per call, in
         # chunks of up to rerank_max_batch pairs of one re-ranker and one query kind
         chunk: list[Work] = []

@@ -254,13 +254,9 @@ class DeviceStepping:
         and `alone` as `run_host` takes them."""
         assert self.step is not None
         groups: dict[tuple[int, bool, str], list[Work]] = {}
-        start = time.monotonic() if start is None else start
-        alone = len(tickets) == 1 if alone is None else alone
-        for t in tickets:
-            q = t.payload
-            groups.setdefault((id(q.index), q.plan.reranks, q.kind), []).append(
-                Work(t, {"queue": ms(start - t.enqueued)}, taken=start, alone=alone)
-            )
+        for w in Work.taken_as_batch(tickets, start, alone):
+            q = w.query
+            groups.setdefault((id(q.index), q.plan.reranks, q.kind), []).append(w)
         chunks: list[list[Work]] = []
         for (_, reranks, _), members in groups.items():
             chunk: list[Work] = []

@@ -135,6 +135,22 @@ class Work:
         if waited >= 0.1:
             self.timings["batch"] = round(waited, 3)
 
+    @classmethod
+    def taken_as_batch(
+        cls,
+        tickets: Sequence[Ticket[Query, Answer]],
+        start: float | None = None,
+        alone: bool | None = None,
+    ) -> list[Work]:
+        """Each ticket as a worker takes it: queued until `start` (default: now), in a batch of
+        one when `alone` (default: when the tickets are one). A batch split between the device
+        step and the host path passes its own `start` and `alone` to both halves."""
+        start = time.monotonic() if start is None else start
+        alone = len(tickets) == 1 if alone is None else alone
+        return [
+            cls(t, {"queue": ms(start - t.enqueued)}, taken=start, alone=alone) for t in tickets
+        ]
+
     @property
     def query(self) -> Query:
         return self.ticket.payload
