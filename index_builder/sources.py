@@ -3,7 +3,6 @@ vectors and tokens), the rows it keeps, and the key that names a build's shards.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -153,12 +152,7 @@ def _load_base(out: Path) -> _Base:
     # would otherwise end the build in a traceback, or pass its damage on to a new version
     # the service then refuses
     try:
-        files = manifest.files
-        kept = [n for n in indexio.VECTOR_FILES if (path / n).exists()]
-        integrity.check_listing(path, files, [*indexio.SERVED_FILES, *kept])
-        integrity.run_checks(
-            [functools.partial(integrity.check_digest, path, n, files[n]) for n in files]
-        )
+        integrity.run_checks(indexio.file_checks(path, manifest.files)[0])
     except indexio.IndexLoadError as exc:
         raise BuildError(
             f"--append/--delete start from {path}, which is damaged: {exc}. Restore it, or "

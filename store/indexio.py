@@ -81,6 +81,18 @@ def point_current(index_dir: Path, version: str) -> None:
     os.replace(tmp, Path(index_dir) / CURRENT)
 
 
+def file_checks(path: Path, files: Any) -> tuple[list[functools.partial[None]], list[str]]:
+    """The version at `path` as its manifest's `files` lists it: IndexLoadError now unless it
+    lists every file the version reads (`integrity.check_listing`); then each file's sha256
+    check, the largest first (its hash is the longest single check), and the vector files it
+    keeps. `IndexVersion.verify` runs them with its other checks; an append's base, alone."""
+    vectors = [name for name in VECTOR_FILES if (path / name).exists()]
+    integrity.check_listing(path, files, [*SERVED_FILES, *vectors])
+    names = sorted(files, key=lambda name: -(path / name).stat().st_size)
+    digests = [functools.partial(integrity.check_digest, path, n, files[n]) for n in names]
+    return digests, vectors
+
+
 @dataclass
 class IndexVersion:
     """One loaded, immutable index version."""
@@ -146,9 +158,7 @@ class IndexVersion:
         sound with one row per FAISS row and every row readable, and the stored vectors finite
         and of unit norm (tokens finite). The checks after the listing run at once, on
         threads (`integrity.run_checks`); the first failure in the order written is raised."""
-        vectors = [name for name in VECTOR_FILES if (self.path / name).exists()]
-        files = self.manifest.files
-        integrity.check_listing(self.path, files, [*SERVED_FILES, *vectors])
+        digests, vectors = file_checks(self.path, self.manifest.files)
         where = f"index {self.path}:"
 
         def store() -> None:
@@ -166,9 +176,6 @@ class IndexVersion:
             partial(integrity.check_index_vectors, f"{where} {IMAGE_INDEX}", self.image_index),
             partial(integrity.check_index_vectors, f"{where} {TEXT_INDEX}", self.text_index),
         ]
-        # the largest file first: its hash is the longest single check
-        names = sorted(files, key=lambda name: -(self.path / name).stat().st_size)
-        digests = [partial(integrity.check_digest, self.path, n, files[n]) for n in names]
         integrity.run_checks([*digests, store, *arrays])
 
     @classmethod
