@@ -97,14 +97,17 @@ def _lock(out: Path, lock: Path) -> int:
 @contextlib.contextmanager
 def claimed(out: Path, create: bool = True) -> Iterator[None]:
     """Hold `out` for one build: made first when `create` (a fresh build; an append or delete
-    needs it to exist), locked until the block ends, the lock file removed then. Raises
-    BuildError, never OSError, when `out` cannot be used or another build holds it."""
+    needs it to exist), locked until the block ends, the lock file removed then, and a folder
+    this build made removed too when nothing was written in it (a build that failed at once
+    leaves no empty --out behind). Raises BuildError, never OSError, when `out` cannot be
+    used or another build holds it."""
     if not create and not out.is_dir():
         raise BuildError(
             f"--append/--delete need a current version: {out} is not a directory "
             "(build one with --corpus first)"
         )
     lock = out / LOCK
+    made = not out.exists()  # a build that leaves nothing removes the folder it made
     fd = _lock(out, lock)
     try:
         with contextlib.suppress(OSError):  # the pid only names the holder to a second build
@@ -115,3 +118,6 @@ def claimed(out: Path, create: bool = True) -> Iterator[None]:
         with contextlib.suppress(OSError):
             lock.unlink()  # while still held: the next build makes a fresh one
         os.close(fd)
+        if made:
+            with contextlib.suppress(OSError):  # only when empty: shards or a version stay
+                out.rmdir()

@@ -10,6 +10,9 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
+from index_builder import outdir
 from models.world import write_corpus
 from tests.conftest import DUET
 
@@ -146,3 +149,48 @@ def test_demo_index_over_a_damaged_current_version_says_how_to_mend_it(tmp_path:
     again = _duet("demo-index", "--out", str(out), "--images", "12", "--no-progress")
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
     assert f"{out / 'current'} is damaged: point it at a sound version" in again.stderr
+
+
+def test_a_build_that_writes_nothing_leaves_no_out_folder_it_made(tmp_path: Path) -> None:
+    """A build that fails before writing (a bad model, a corpus it cannot read) removes the
+    --out it made; a folder the user made, or one holding a shard, stays."""
+    made = tmp_path / "new" / "idx"
+    with pytest.raises(RuntimeError), outdir.claimed(made):
+        raise RuntimeError("the build failed")
+    assert not made.exists() and made.parent.is_dir()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    with outdir.claimed(theirs):
+        pass
+    assert theirs.is_dir() and not list(theirs.iterdir())
+    kept = tmp_path / "kept"
+    with pytest.raises(RuntimeError), outdir.claimed(kept):
+        (kept / "shard").write_text("work to resume from")
+        raise RuntimeError("interrupted")
+    assert (kept / "shard").read_text() == "work to resume from"
+
+
+def test_ctrl_c_after_the_version_is_published_says_the_build_is_done(
+    tmp_path: Path,
+    corpus: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A Ctrl-C while the build cleans up its shards comes after `current` moved: the line
+    says the version is published, not that shards are kept for a rerun."""
+    from duet import cli
+    from index_builder.plan import ShardPlan
+
+    def ctrl_c(self: ShardPlan) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ShardPlan, "remove", ctrl_c)
+    out = tmp_path / "idx"
+    argv = ["build", "--corpus", str(corpus), "--out", str(out), "--device", "cpu"]
+    assert cli.main([*argv, "--no-progress", "--workers", "0"]) == 130
+    version = (out / "current").readlink()
+    said = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("duet:")]
+    assert said == [
+        f"duet: interrupted after publishing version {version}, which is current: the build "
+        "is done, nothing to run again"
+    ]

@@ -4,6 +4,7 @@ registered with it, live in `duet.commands.demo`)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -166,21 +167,38 @@ def _add_build_options(b: argparse.ArgumentParser, weights: Path) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    """`duet build`; Ctrl-C ends it with one line (the shards stay, for the rerun to resume)."""
+    """`duet build`; Ctrl-C ends it with one line (the shards stay, for the rerun to resume),
+    which says so when the version was already published (a Ctrl-C during the clean-up)."""
+    before = _current(Path(args.out))
     try:
         return _build(args)
     except KeyboardInterrupt:
         # the DataLoader's workers saw the same Ctrl-C and end; the exception (and with it the
         # loader, which shuts them down) is let go before this returns
-        kept = any(Path(args.out).glob(".shards/*/shard-*.npy"))
-        print(
-            f"duet: interrupted; the shards written so far are kept in {Path(args.out)}: "
-            "run the same command again to resume"
-            if kept
-            else "duet: interrupted before any shard was written; run the same command again",
-            file=sys.stderr,
-        )
+        after = _current(Path(args.out))
+        if after is not None and after != before:
+            done = f"duet: interrupted after publishing version {after}, which is current: "
+            print(done + "the build is done, nothing to run again", file=sys.stderr)
+        elif any(Path(args.out).glob(".shards/*/shard-*.npy")):
+            print(
+                f"duet: interrupted; the shards written so far are kept in {Path(args.out)}: "
+                "run the same command again to resume",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                "duet: interrupted before any shard was written; run the same command again",
+                file=sys.stderr,
+            )
         return EXIT_INTERRUPTED
+
+
+def _current(out: Path) -> str | None:
+    """The version `OUT/current` points at, or None."""
+    try:
+        return os.readlink(out / "current")
+    except OSError:
+        return None
 
 
 def _option_problem(args: argparse.Namespace, device: str) -> str | None:

@@ -100,10 +100,10 @@ def _serve(settings: Any) -> int:
     app.state.heartbeat = heartbeat
     fronts = front_count(settings, resources.model)
     log.info(
-        "serving on http://%s:%d (index %s, model on %s, %d front process(es), paced "
+        "serving on http://%s:%s (index %s, model on %s, %d front process(es), paced "
         "in-flight cap: %s, %s=%s)",
         settings.host,
-        settings.port,
+        settings.port or "<a free port, logged when it opens>",
         resources.index.version,
         getattr(resources.model, "device", "cpu"),
         fronts,
@@ -246,7 +246,7 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
     fronts.start(public, count)
     app.state.engine_socket = path
     app.state.stop_fronts = fronts.stop
-    log.info("process layout: %d fronts on the public port, the model here", count)
+    log.info("process layout: %d fronts on http://%s:%d, the model here", count, host, port)
     config = uvicorn.Config(
         app,
         log_level=settings.log_level,
