@@ -1,7 +1,9 @@
 """Result cache: Redis when DUET_REDIS_URL is set, an in-process LRU otherwise.
 
 Values are JSON text (never pickle). A cache failure never fails a request:
-`ResilientCache` turns errors and time-outs into a miss, a log line and a metric.
+`ResilientCache` turns errors and time-outs into a miss, a log line and a metric, and after
+a time-out skips the backend for RETRY_S (a hung Redis costs one time-out a second, not two
+a request); an entry that cannot be read is a miss, and the answer then replaces it.
 """
 
 from __future__ import annotations
@@ -13,15 +15,20 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.metrics import Metrics
 
 log = logging.getLogger("duet.cache")
+
+RETRY_S = 1.0  # after a call timed out, the backend is left alone this long
+T = TypeVar("T")
 
 
 class CacheBackend(Protocol):
@@ -85,13 +92,19 @@ class RedisCache:
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry_on_timeout=False,
-            decode_responses=True,
         )
         self._ttl = ttl_s
+        kwargs = self._client.connection_pool.connection_kwargs
+        where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
+        self.name = f"redis at {where}"
 
     async def get(self, key: str) -> str | None:
         value = await self._client.get(key)
-        return None if value is None else str(value)
+        # bytes that are no UTF-8 (another program's value under duet's key) read as text
+        # that is no JSON: an unreadable entry, a miss, then overwritten
+        if value is None or isinstance(value, str):
+            return value
+        return bytes(value).decode("utf-8", "replace")
 
     async def set(self, key: str, value: str) -> None:
         await self._client.set(key, value, ex=self._ttl)
@@ -104,7 +117,12 @@ _UNBOUNDED = contextlib.nullcontext()  # reusable, also as an async context mana
 
 
 class ResilientCache:
-    """Wraps a backend: bounded time per call; errors become misses, a metric and a log line."""
+    """Wraps a backend: bounded time per call; errors become misses, a metric and a log line.
+    After a time-out (a hung or far Redis: the costly failure) the backend is skipped for
+    RETRY_S, its look-ups counted as errors (the cache did not answer them); a refused
+    connection fails at once and is tried again on the next request, which also reopens a
+    pool's stale connections after a Redis restart. `duet_cache_requests_total` counts
+    look-ups only (hit, miss, error); a failed write, `duet_cache_write_errors_total`."""
 
     def __init__(self, backend: CacheBackend, metrics: Metrics, timeout_s: float) -> None:
         self.backend = backend
@@ -114,40 +132,74 @@ class ResilientCache:
         # each on the 2-core CPU) would bound nothing
         self._bounded = not isinstance(backend, LRUCache)
         self._last_warning = 0.0
+        self._skip_until = 0.0  # monotonic time the backend is next tried, after a time-out
+        self._down = False  # failing since the last answer: its return is logged
 
     def _bound(self) -> AbstractAsyncContextManager[object]:
         """What a call runs in: `asyncio.timeout` (not wait_for: no task of its own for each
         call), or nothing for the in-process LRU."""
         return asyncio.timeout(self._timeout) if self._bounded else _UNBOUNDED
 
+    def _skipped(self) -> bool:
+        return self._down and time.monotonic() < self._skip_until
+
     def _failed(self, op: str, exc: BaseException) -> None:
-        self._metrics.cache_requests.labels(result="error").inc()
         now = time.monotonic()
+        timed_out = isinstance(exc, (TimeoutError, RedisTimeoutError))
+        if timed_out:
+            self._skip_until = now + RETRY_S
+        self._down = self._down or not isinstance(exc, ResponseError)  # a full Redis answers
         if now - self._last_warning > 10.0:  # one line per 10 s, not one per request
             self._last_warning = now
             log.warning(
-                "cache %s %s failed (%s: %s); serving without the cache",
+                "cache %s: %s failed (%s: %s); serving without the cache%s (check "
+                "DUET_REDIS_URL and the server)",
                 self.backend.name,
                 op,
                 type(exc).__name__,
-                exc,
+                str(exc) or "no answer within DUET_REDIS_TIMEOUT_MS",
+                f", left alone {RETRY_S:g}s after each time-out" if timed_out else "",
             )
 
-    async def get(self, key: str) -> str | None:
+    def _answered(self) -> None:
+        if self._down:
+            self._down = False
+            log.warning("cache %s answers again; serving with the cache", self.backend.name)
+
+    async def get(self, key: str, read: Callable[[str], T]) -> T | None:
+        """`read(value)` of the entry at `key`, or None: a miss, a failure, or an entry
+        `read` cannot read (it raises ValueError, KeyError or TypeError), counted a miss."""
+        if self._skipped():
+            self._metrics.cache_requests.labels(result="error").inc()
+            return None
         try:
             async with self._bound():
                 value = await self.backend.get(key)
         except (RedisError, OSError, TimeoutError) as exc:
+            self._metrics.cache_requests.labels(result="error").inc()
             self._failed("get", exc)
             return None
-        self._metrics.cache_requests.labels(result="miss" if value is None else "hit").inc()
-        return value
+        self._answered()
+        if value is None:
+            self._metrics.cache_requests.labels(result="miss").inc()
+            return None
+        try:
+            got = read(value)
+        except (ValueError, KeyError, TypeError):
+            self._metrics.cache_requests.labels(result="miss").inc()
+            log.warning("ignoring an unreadable cache entry %s (the answer replaces it)", key)
+            return None
+        self._metrics.cache_requests.labels(result="hit").inc()
+        return got
 
     async def set(self, key: str, value: str) -> None:
+        if self._skipped():
+            return
         try:
             async with self._bound():
                 await self.backend.set(key, value)
         except (RedisError, OSError, TimeoutError) as exc:
+            self._metrics.cache_write_errors.inc()
             self._failed("set", exc)
 
     async def close(self) -> None:

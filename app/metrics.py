@@ -39,6 +39,9 @@ class Metrics:
         self.cache_requests = Counter(
             "duet_cache_requests", "Cache look-ups by result", ["result"], registry=r
         )
+        self.cache_write_errors = Counter(
+            "duet_cache_write_errors", "Cache writes that failed (answers not cached)", registry=r
+        )
         self._engine_metrics(r)
         self.shed = Counter(
             "duet_shed_requests",

@@ -48,6 +48,21 @@ class Served(NamedTuple):
     json: str
 
 
+def _cached_response(raw: str) -> SearchResponse:
+    """A cache entry as the answer it was (its timings, the look-up's time, filled in by
+    the reader); raises ValueError, KeyError or TypeError for an entry that is not one."""
+    body = json.loads(raw)
+    return SearchResponse(
+        hits=body["hits"],
+        timings_ms={},
+        index_version=body["index_version"],
+        cached=True,
+        degraded=False,
+        reranked=body.get("reranked"),
+        unknown_words=body.get("unknown_words", []),
+    )
+
+
 # JSON as pydantic writes a model's: a NaN or infinity (in an item's meta, say) as null, which
 # every JSON parser reads, not as NaN, which browsers' JSON.parse refuses
 _JSON = TypeAdapter(dict[str, Any], config=ConfigDict(ser_json_inf_nan="null"))
@@ -283,24 +298,10 @@ class SearchPipeline:
 
     async def _cached(self, key: str, timings: dict[str, float]) -> Served | None:
         with self._stage("cache", timings):
-            raw = await self.cache.get(key)
-        if raw is None:
+            resp = await self.cache.get(key, _cached_response)
+        if resp is None:
             return None
-        try:
-            body = json.loads(raw)
-            resp = SearchResponse(
-                hits=body["hits"],
-                # the time it took: the cache's look-up
-                timings_ms={**timings, "total": round(sum(timings.values()), 3)},
-                index_version=body["index_version"],
-                cached=True,
-                degraded=False,
-                reranked=body.get("reranked"),
-                unknown_words=body.get("unknown_words", []),
-            )
-        except (ValueError, KeyError, TypeError):
-            log.warning("ignoring an unreadable cache entry %s", key)
-            return None
+        resp.timings_ms = {**timings, "total": round(sum(timings.values()), 3)}
         return Served(resp.model_dump_json())
 
     # -- endpoints (event loop) -------------------------------------------------------
