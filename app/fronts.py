@@ -10,7 +10,7 @@ HTTP parsing, validation, JSON and cache look-ups, while a GPU running the devic
   model work;
 * **N fronts** (`duet serve-front`) on the public port, each on a listening socket of its
   own (SO_REUSEPORT: the kernel spreads new connections evenly among them; one shared
-  socket where the platform has none, `duet.commands.serve.public_sockets`). A front
+  socket where the platform has none, `duet.commands.front_processes.public_sockets`). A front
   validates each search, decodes and checks an uploaded image (the owner gets the decoded
   picture, at the side its models read, not the upload), tokenises, reads and writes
   the cache, looks the hits' items up in the index version's item store and writes the

@@ -1,6 +1,6 @@
-"""The fronts' listening sockets on the public port (`duet.commands.serve.public_sockets`): one
-per front (SO_REUSEPORT), so the kernel spreads connections among them, and never on a port
-something else listens on."""
+"""The fronts' listening sockets on the public port (`front_processes.public_sockets`): one per
+front (SO_REUSEPORT), so the kernel spreads connections among them, and never on a port
+something else listens on; and the owner's care of the fronts (`FrontProcesses`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from duet.commands.serve import public_sockets
+from duet.commands.front_processes import public_sockets
 from tests.conftest import child_pids, process_alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,28 +111,32 @@ def test_a_front_whose_owner_died_while_loading_lets_go_of_the_port(tmp_path: Pa
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT: a socket each")
-def test_a_front_that_dies_is_replaced_on_a_socket_of_its_own(
-    index_dir: Path, tmp_path: Path
-) -> None:
-    """A front killed while the service runs: the owner starts another on a new socket of the
-    public port, says so in its log, and every new connection is answered meanwhile and after
-    (the dead front's socket closed with it, so none waits on a socket nobody accepts from)."""
+@pytest.mark.parametrize("count", ["2", "1"])
+def test_a_front_that_dies_is_replaced(index_dir: Path, tmp_path: Path, count: str) -> None:
+    """A front killed while the service runs: the owner starts another, says so in its log,
+    and every new connection is answered meanwhile and after. With two, on a new socket of
+    the public port (the dead front's socket closed with it, so none waits on a socket nobody
+    accepts from); a lone front's replacement on the socket the owner kept, where connections
+    waited meanwhile (before, a lone front was never replaced: the port refused every
+    connection while the health port still said ok)."""
     import signal
 
     import httpx
 
-    from duet.commands.serve import FRONT_SETTLE_S
+    from duet.commands.front_processes import FRONT_SETTLE_S
     from tests.conftest import start_service, stop_service
     from tests.test_fronts import _listening
 
     log = tmp_path / "svc.log"
-    svc = start_service(index_dir, log, DUET_FRONTENDS="2")
+    svc = start_service(index_dir, log, DUET_FRONTENDS=count)
     try:
         port = int(svc.url.rsplit(":", 1)[1])
         fronts = child_pids(svc.proc.pid)
-        assert len(fronts) == 2
+        assert len(fronts) == int(count)
         time.sleep(FRONT_SETTLE_S + 1)  # past its start, which came before they were seen
         os.kill(fronts[0], signal.SIGKILL)
+        while process_alive(fronts[0]):  # gone, its socket closed: no connection lands there
+            time.sleep(0.01)
         body = {"query": "two blue squares", "top_k": 3, "rerank": False}
         codes = []
         deadline = time.monotonic() + 30
@@ -152,3 +156,21 @@ def test_a_front_that_dies_is_replaced_on_a_socket_of_its_own(
         assert f"front {fronts[0]} exited" in log.read_text()
     finally:
         stop_service(svc)
+
+
+def test_the_owner_stops_when_no_front_is_left_to_serve(tmp_path: Path) -> None:
+    """Fronts that crash at their start are not started again; with none left, the owner is
+    told (`duet serve` then stops with status 1, for its supervisor to start it again)."""
+    import threading
+
+    from duet.commands.front_processes import FrontProcesses
+
+    sockets = public_sockets("127.0.0.1", 0, 16, 2)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # no owner to reach: each front fails
+    emptied = threading.Event()
+    fronts = FrontProcesses(env, lambda: pytest.fail("not replaced"), emptied.set)
+    fronts.start(sockets, 2)
+    try:
+        assert emptied.wait(60) and fronts.alive() == 0
+    finally:
+        fronts.stop()

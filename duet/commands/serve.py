@@ -6,11 +6,11 @@ import argparse
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from duet.commands.common import HelpFormatter, fail, load_settings, log, setup_logging
+from duet.commands.front_processes import FrontProcesses, listen_on, public_sockets
 
 # oneDNN (torch's CPU kernels) caches a primitive per input shape, up to 1,024 of them, each
 # with its scratch memory; a search's shapes follow its candidates and caption lengths, so a
@@ -112,8 +112,7 @@ def _serve(settings: Any) -> int:
         os.environ[ONEDNN_CACHE_ENV],
     )
     if fronts:
-        _serve_with_fronts(settings, app, fronts)
-        return 0
+        return _serve_with_fronts(settings, app, fronts)
     uvicorn.run(
         app,
         host=settings.host,
@@ -160,52 +159,11 @@ def check_port(host: str, port: int) -> None:
                 ) from exc
 
 
-def _bound(host: str, port: int, reuse_port: bool = False) -> Any:
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> Any:
-    sock = _bound(host, port, reuse_port)
-    sock.listen(backlog)
-    return sock
-
-
-def public_sockets(host: str, port: int, backlog: int, count: int) -> list[Any]:
-    """The fronts' listening sockets on the public port: on Linux one per front
-    (SO_REUSEPORT), among which the kernel spreads new connections evenly; elsewhere one that
-    every front accepts from. A shared socket goes to whichever front accepts first: with six
-    fronts, 512 keep-alive connections opened at once landed 155 on one front and 7 on
-    another (the busiest front then caps the service at about half what six can answer)."""
-    import socket
-
-    if count < 2 or not sys.platform.startswith("linux") or not hasattr(socket, "SO_REUSEPORT"):
-        return [_listen(host, port, backlog)]
-    # A port is shared with any socket of this user that also asks to: a second duet (or
-    # an old one still stopping) would silently take part of the traffic. A plain bind
-    # first fails on a port anything listens on, as one shared socket would. (Between the
-    # probe and the binds below the port could be taken: a start that fails, not a share.)
-    probe = _bound(host, port)
-    port = probe.getsockname()[1]  # the port itself when DUET_PORT=0 chose one
-    probe.close()
-    return [_listen(host, port, backlog, reuse_port=True) for _ in range(count)]
-
-
-def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
+def _serve_with_fronts(settings: Any, app: Any, count: int) -> int:
     """The process layout: this process owns the model and serves on a loopback port of its
     own; `count` front processes (DUET_FRONTENDS) serve the public port, each on a socket
-    of its own where the platform allows (`public_sockets`, `app.fronts`)."""
+    of its own where the platform allows (`public_sockets`, `app.fronts`). Exit status 1
+    when it stopped because no front was left to serve."""
     import os
     import shutil
     import tempfile
@@ -224,7 +182,7 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
             f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}; stop "
             "what listens there (another duet?) or set DUET_PORT / DUET_HOST"
         ) from exc
-    owner = _listen("127.0.0.1", 0, settings.http_backlog)
+    owner = listen_on("127.0.0.1", 0, settings.http_backlog)
     run_dir = tempfile.mkdtemp(prefix="duet-")  # private (0700): the engine socket lives here
     path = os.path.join(run_dir, "engine.sock")
     env = {
@@ -236,120 +194,35 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> None:
         "DUET_HTTP_QUEUE_TARGET_MS": str(settings.http_queue_target_ms),
     }
     host, port = settings.host, public[0].getsockname()[1]
-    fronts = FrontProcesses(
-        env,
-        # a replacement's own socket where each front has one (SO_REUSEPORT)
-        (lambda: _listen(host, port, settings.http_backlog, reuse_port=True))
-        if len(public) == count > 1
-        else None,
-    )
-    fronts.start(public, count)
-    app.state.engine_socket = path
-    app.state.stop_fronts = fronts.stop
-    log.info("process layout: %d fronts on http://%s:%d, the model here", count, host, port)
     config = uvicorn.Config(
         app,
         log_level=settings.log_level,
         access_log=settings.access_log,
         **uvicorn_options(settings),
     )
+    server = uvicorn.Server(config)
+    emptied = threading.Event()
+
+    def on_empty() -> None:
+        emptied.set()
+        server.should_exit = True
+
+    fronts = FrontProcesses(
+        env,
+        # a replacement's own socket where each front has one (SO_REUSEPORT)
+        lambda: listen_on(host, port, settings.http_backlog, reuse_port=True),
+        on_empty,
+    )
+    fronts.start(public, count)
+    app.state.engine_socket = path
+    app.state.stop_fronts = fronts.stop
+    log.info("process layout: %d fronts on http://%s:%d, the model here", count, host, port)
     try:
-        uvicorn.Server(config).run(sockets=[owner])
+        server.run(sockets=[owner])
     finally:
         fronts.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
-
-
-FRONT_WATCH_S = 1.0  # how often the owner looks for a front that died
-FRONT_SETTLE_S = 10.0  # a front that dies sooner after its start is not replaced again
-
-
-class FrontProcesses:
-    """The process layout's front processes, which the owner starts and stops. One that dies
-    while the service runs is replaced by a new front on a new listening socket of its own
-    (`listen`; where each front has one, SO_REUSEPORT). The dead front's socket closed with
-    it, so meanwhile the kernel spread new connections among the others. A front that dies
-    within FRONT_SETTLE_S of its start is not replaced again: a crash at start would repeat."""
-
-    def __init__(self, env: dict[str, str], listen: Any) -> None:
-        self.env = env
-        self._listen = listen  # () -> a new listening socket; None where fronts share one
-        self.fronts: list[tuple[Any, float]] = []  # each front's process and start time
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-
-    def start(self, sockets: list[Any], count: int) -> None:
-        with self._lock:
-            for i in range(count):  # its own socket, or the one they share
-                self.fronts.append(self._spawn(sockets[i % len(sockets)]))
-        for sock in sockets:
-            sock.close()  # the fronts hold them now: a front's socket ends with the front
-        if self._listen is not None:
-            threading.Thread(target=self._watch, name="duet-fronts-watch", daemon=True).start()
-
-    def _spawn(self, sock: Any) -> tuple[Any, float]:
-        import subprocess
-
-        from app.fronts import FD_ENV
-
-        sock.set_inheritable(True)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "duet.cli", "serve-front"],
-            env={**self.env, FD_ENV: str(sock.fileno())},
-            pass_fds=(sock.fileno(),),
-        )
-        return proc, time.monotonic()
-
-    def _watch(self) -> None:
-        given_up: set[int] = set()
-        while not self._stopping.wait(FRONT_WATCH_S):
-            with self._lock:
-                for i, (proc, started) in enumerate(self.fronts):
-                    if self._stopping.is_set() or i in given_up or proc.poll() is None:
-                        continue
-                    if time.monotonic() - started < FRONT_SETTLE_S:
-                        given_up.add(i)
-                        log.error(
-                            "front %d exited (status %s) within %gs of its start; not replaced "
-                            "(see its log above); %d fronts serve",
-                            proc.pid,
-                            proc.returncode,
-                            FRONT_SETTLE_S,
-                            self.alive(),
-                        )
-                        continue
-                    log.error(
-                        "front %d exited (status %s); starting another", proc.pid, proc.returncode
-                    )
-                    try:
-                        sock = self._listen()
-                    except OSError as exc:
-                        given_up.add(i)
-                        log.error("cannot listen for a new front (%s); not replaced", exc)
-                        continue
-                    try:
-                        self.fronts[i] = self._spawn(sock)
-                    finally:
-                        sock.close()  # the new front holds it
-
-    def alive(self) -> int:
-        return sum(p.poll() is None for p, _ in self.fronts)
-
-    def stop(self) -> None:
-        """SIGTERM to every front (they drain their requests), SIGKILL after 15 s."""
-        import subprocess
-
-        self._stopping.set()
-        with self._lock:  # no front is being replaced now, and none will be
-            procs = [p for p, _ in self.fronts]
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    return 1 if emptied.is_set() else 0
 
 
 def cmd_serve_front(args: argparse.Namespace) -> int:
