@@ -41,6 +41,7 @@ from index_builder.options import DEFAULT_SHARD_SIZE, BuildOptions, BuildReport
 from index_builder.outdir import claimed
 from index_builder.plan import SHARDS_DIR, plan_shards
 from index_builder.publish import publish
+from index_builder.roots import rooted
 from index_builder.sources import _apply_delete, _check_duplicates, _load_base, decode_after
 from index_builder.stages import Stages
 from index_builder.write import IDENTICAL_FILES, _bytes_per_item, _factories
@@ -51,7 +52,6 @@ from store import ann, indexio
 from store.manifest import (
     BaseRecord,
     BuildSettings,
-    CorpusRecord,
     Counts,
     ImageTokens,
     IndexStats,
@@ -224,7 +224,10 @@ class _Build:
                     self._bad(entry)
                 else:
                     self.items.append(entry)
-        self.kept_images, self.kept_texts, self.deleted = _apply_delete(base, opts.delete)
+        kept_images, self.kept_texts, self.deleted = _apply_delete(base, opts.delete)
+        corpus = Path(self.corpus) if self.corpus is not None else None
+        self.roots = rooted(base.manifest if base else None, corpus, self.selection)
+        self.kept_images = self.roots.kept(kept_images)
         if base is not None:
             _check_duplicates(self.items, self.kept_images, self.kept_texts)
         if self.factory is None and base is not None and base.manifest.build is not None:
@@ -330,6 +333,7 @@ class _Build:
             self.model.dim,
             lambda line, err: self._bad(self.item_error(line, err)),
         )
+        self.roots.place_new(self.assembled.image_rows, len(self.kept_images))
         kept = {it.id for it in self.assembled.kept}  # what this run encoded and keeps
         items = self.shards.items
         self.encoded = sum(1 for _, a, b in self.shards.missing for p in items[a:b] if p.id in kept)
@@ -362,10 +366,8 @@ class _Build:
             counts=Counts(len(contents.image_rows), len(contents.text_rows)),
             image_tokens=ImageTokens(list(model.token_shape), "float16"),
             content_hash=contents.digest,
-            corpus=str(Path(self.corpus).resolve()) if self.corpus is not None else None,
-            corpus_selection=(
-                CorpusRecord(**self.selection.as_json()) if self.corpus is not None else None
-            ),
+            corpus=self.roots.corpus,
+            corpus_selection=self.roots.record,
             built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             build_seconds=round(seconds, 2),
             skipped=len(self.skipped),

@@ -72,6 +72,16 @@ def version_dir(path: Path) -> Path:
     return path if (path / MANIFEST).is_file() else resolve_current(path)
 
 
+def images_root_of(manifest: Manifest) -> Path | None:
+    """The folder a version's image paths are relative to: its corpus's images root (a
+    Karpathy file's --images-root; after an append from another folder, the two folders'
+    common one, `index_builder.roots`) or the corpus file's folder; None if unrecorded."""
+    selection = manifest.corpus_selection
+    if selection is not None and selection.images_root:
+        return Path(selection.images_root)
+    return Path(manifest.corpus).parent if manifest.corpus else None
+
+
 def point_current(index_dir: Path, version: str) -> None:
     """Atomically make `DIR/current` point at `DIR/<version>` (rename over the old link)."""
     tmp = Path(index_dir) / f".{CURRENT}.{os.getpid()}.tmp"
@@ -143,13 +153,8 @@ class IndexVersion:
 
     @property
     def images_root(self) -> Path | None:
-        """The folder the item store's image paths are relative to: the corpus's images root
-        (a Karpathy file's --images-root) or the corpus file's folder; None if unrecorded."""
-        selection = self.manifest.corpus_selection
-        if selection is not None and selection.images_root:
-            return Path(selection.images_root)
-        corpus = self.manifest.corpus
-        return Path(corpus).parent if corpus else None
+        """The folder the item store's image paths are relative to (`images_root_of`)."""
+        return images_root_of(self.manifest)
 
     def verify(self) -> None:
         """Prove the version whole before it serves, or raise IndexLoadError saying what is

@@ -119,8 +119,11 @@ class CorpusRecord:
     images_root: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        if self.format != "karpathy":
-            return {"format": self.format}
+        if self.format != "karpathy":  # a root of its own only after an append from elsewhere
+            return {
+                "format": self.format,
+                **({"images_root": self.images_root} if self.images_root else {}),
+            }
         return asdict(self)
 
 

@@ -1,0 +1,78 @@
+"""Where a version's image paths are relative to (its images root), across appends and deletes.
+
+A fresh build's image paths are relative to its corpus's images root: the manifest's folder,
+or a Karpathy file's --images-root. A --delete keeps its base's record, and with it the root
+its paths are relative to (it recorded no corpus before: the service then served none of the
+version's images). An --append from the base's own folder keeps that root too; from another
+folder, the version's root is the two folders' deepest common folder, recorded in
+`corpus_selection.images_root`, and every path is rewritten relative to it, the base's and the
+new items' alike. Before, the base's paths were read against the appended corpus's folder: a
+wrong picture for an id, or a 404. No path leaves the root, so `GET /images/{id}`'s rule (a
+file inside the version's root, under DUET_IMAGES_DIR) holds for both folders."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from index_builder.corpus import CorpusSelection
+from store import indexio
+from store.manifest import CorpusRecord, Manifest
+
+Rewrite = Callable[[str], str]
+
+
+@dataclass(frozen=True)
+class Roots:
+    """What the version records of its corpus, and how paths are rewritten (None: as read)."""
+
+    corpus: str | None
+    record: CorpusRecord | None
+    base_path: Rewrite | None = None
+    new_path: Rewrite | None = None
+
+    def kept(
+        self, rows: Sequence[tuple[int, indexio.ImageRow]]
+    ) -> list[tuple[int, indexio.ImageRow]]:
+        """The base's kept image rows, their paths relative to the version's root."""
+        return [(n, _moved(row, self.base_path)) for n, row in rows]
+
+    def place_new(self, rows: list[indexio.ImageRow], first: int) -> None:
+        """The new items' rows (from `first` on) rewritten in place, relative to the root."""
+        rows[first:] = [_moved(row, self.new_path) for row in rows[first:]]
+
+
+def _moved(row: indexio.ImageRow, rewrite: Rewrite | None) -> indexio.ImageRow:
+    if rewrite is None or row.path is None:
+        return row
+    return dataclasses.replace(row, path=rewrite(row.path))
+
+
+def rooted(base: Manifest | None, corpus: Path | None, selection: CorpusSelection) -> Roots:
+    """The version's corpus record and path rewrites, for a build of `corpus` (None: a
+    delete) on `base` (None: a fresh build)."""
+    if corpus is None:
+        return Roots(base.corpus, base.corpus_selection) if base else Roots(None, None)
+    record = CorpusRecord(**selection.as_json())
+    written = str(Path(corpus).resolve())
+    new_root = Path(selection.images_root or Path(corpus).resolve().parent).resolve()
+    old_root = indexio.images_root_of(base) if base is not None else None
+    if old_root is None or old_root.resolve() == new_root:
+        return Roots(written, record)
+    common = Path(os.path.commonpath([old_root.resolve(), new_root]))
+    return Roots(
+        written,
+        dataclasses.replace(record, images_root=str(common)),
+        _relative(old_root.resolve(), common),
+        _relative(new_root, common),
+    )
+
+
+def _relative(root: Path, common: Path) -> Rewrite:
+    def rewrite(path: str) -> str:
+        return os.path.relpath(os.path.normpath(root / path), common)
+
+    return rewrite
