@@ -32,7 +32,8 @@ T = TypeVar("T")
 
 
 class CacheBackend(Protocol):
-    name: str
+    name: str  # as /readyz names it: memory, redis
+    where: str  # as the log names it
 
     async def get(self, key: str) -> str | None: ...
 
@@ -53,7 +54,7 @@ def cache_key(**parts: object) -> str:
 class LRUCache:
     """Bounded in-process cache with a TTL; the embedded default."""
 
-    name = "memory"
+    name = where = "memory"
 
     def __init__(self, max_entries: int, ttl_s: float) -> None:
         self._data: OrderedDict[str, tuple[float, str]] = OrderedDict()
@@ -96,7 +97,7 @@ class RedisCache:
         self._ttl = ttl_s
         kwargs = self._client.connection_pool.connection_kwargs
         where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
-        self.name = f"redis at {where}"
+        self.where = f"redis at {where}"
 
     async def get(self, key: str) -> str | None:
         value = await self._client.get(key)
@@ -154,7 +155,7 @@ class ResilientCache:
             log.warning(
                 "cache %s: %s failed (%s: %s); serving without the cache%s (check "
                 "DUET_REDIS_URL and the server)",
-                self.backend.name,
+                self.backend.where,
                 op,
                 type(exc).__name__,
                 str(exc) or "no answer within DUET_REDIS_TIMEOUT_MS",
@@ -164,7 +165,7 @@ class ResilientCache:
     def _answered(self) -> None:
         if self._down:
             self._down = False
-            log.warning("cache %s answers again; serving with the cache", self.backend.name)
+            log.warning("cache %s answers again; serving with the cache", self.backend.where)
 
     async def get(self, key: str, read: Callable[[str], T]) -> T | None:
         """`read(value)` of the entry at `key`, or None: a miss, a failure, or an entry
@@ -201,6 +202,19 @@ class ResilientCache:
         except (RedisError, OSError, TimeoutError) as exc:
             self._metrics.cache_write_errors.inc()
             self._failed("set", exc)
+
+    async def check(self) -> None:
+        """One look-up at start-up: a Redis that does not answer, or refuses duet (a wrong
+        password or database), is logged now rather than at the first request."""
+        if not self._bounded:
+            return
+        try:
+            async with self._bound():
+                await self.backend.get("duet:start-up-check")
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("a first look-up", exc)
+        else:
+            log.info("cache %s answers", self.backend.where)
 
     async def close(self) -> None:
         try:

@@ -5,12 +5,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import AfterValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.fusion import DEFAULT_FUSION_LAMBDA
 from models.late import DEFAULT_THETA
 from store import ann
+
+
+def _redis_url(url: str) -> str:
+    """An empty URL (the in-process cache) or one redis-py reads; its own words otherwise,
+    with the forms it takes (a typo failed the start-up with a traceback, after the load)."""
+    if url:
+        from redis.connection import parse_url
+
+        try:
+            parse_url(url)
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc}: give redis://[:password@]host:port/db, rediss://... (TLS) or "
+                "unix:///path/to/redis.sock, or leave it empty for the in-process cache"
+            ) from exc
+    return url
 
 
 class Settings(BaseSettings):
@@ -82,7 +98,9 @@ class Settings(BaseSettings):
         description="one log line per HTTP request (method, path, status) from uvicorn",
     )
 
-    redis_url: str = Field("", description="empty = in-process LRU cache")
+    redis_url: Annotated[str, AfterValidator(_redis_url)] = Field(
+        "", description="empty = in-process LRU cache"
+    )
     redis_timeout_ms: int = Field(100, ge=1, description="per Redis call; slower = cache skipped")
     cache_ttl_s: int = Field(3600, ge=1)
     cache_max_entries: int = Field(10_000, ge=1, description="in-process LRU size")

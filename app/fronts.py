@@ -66,6 +66,13 @@ FD_ENV = "DUET_FRONT_FD"  # the front's listening socket on the public port, inh
 
 
 # -- the front's side -----------------------------------------------------------------------
+class _PassedThrough:
+    path = "passed-through"  # no /search/ route: a front's metrics leave it to the owner
+
+
+_PASSED_THROUGH = _PassedThrough()
+
+
 class _Forward:
     """Stands in for a front's metric family: what is observed goes to the owner."""
 
@@ -247,6 +254,9 @@ def create_front_app(settings: Any, socket_path: str, owner_url: str) -> FastAPI
     client = httpx.AsyncClient(base_url=owner_url, timeout=None)
 
     async def passthrough(request: Request) -> Response:
+        # counted by the owner that answers it, not also here as the route it was sent to
+        # (a GET /search/text, 405, was counted twice)
+        request.scope["route"] = _PASSED_THROUGH
         url = httpx.URL(path=request.url.path, query=request.url.query.encode())
         headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"host"]
         try:

@@ -164,6 +164,7 @@ def _lifespan(
         cache = ResilientCache(
             _cache_backend(settings), metrics, timeout_s=settings.redis_timeout_ms / 1000
         )
+        await cache.check()
         pipeline = _pipeline(settings, res, cache, metrics)
         # uploads decoded as the builder decoded the corpus for these models
         app.state.decoder.side = side_of(res.model)
@@ -190,7 +191,7 @@ def _lifespan(
                 log.warning("GET /images/{id} cannot serve this version's images: %s", why)
         log.info(
             "duet ready (cache: %s, index poll: %s)",
-            cache.backend.name,
+            cache.backend.where,
             f"every {settings.index_poll_s:g}s" if poller else "off",
         )
         try:

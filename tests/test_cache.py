@@ -225,3 +225,27 @@ async def test_a_full_redis_refusing_writes_still_answers_look_ups(
     direct.config_set("maxmemory", 0)
     direct.close()
     await cache.close()
+
+
+async def test_the_start_up_check_tells_of_a_redis_that_does_not_answer(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Logged at start, with the address and the setting to check, not at the first request;
+    and no look-up is counted for it."""
+    caplog.set_level("INFO", "duet.cache")
+    m = Metrics()
+    down = ResilientCache(RedisCache(f"redis://127.0.0.1:{free_port()}/0", 60, 0.2), m, 0.2)
+    await down.check()
+    assert "cache redis at 127.0.0.1:" in caplog.text and "a first look-up failed" in caplog.text
+    assert "DUET_REDIS_URL" in caplog.text
+    wrong_db = ResilientCache(
+        RedisCache(redis_server.url.rsplit("/", 1)[0] + "/99", 60, 0.2), m, 0.2
+    )
+    await wrong_db.check()
+    assert "DB index is out of range" in caplog.text
+    up = ResilientCache(RedisCache(redis_server.url, 60, 0.5), m, 0.5)
+    await up.check()
+    assert f"cache redis at 127.0.0.1:{redis_server.port} answers" in caplog.text
+    assert sum(_count(m, r) for r in ("hit", "miss", "error")) == 0
+    for cache in (down, wrong_db, up):
+        await cache.close()

@@ -129,6 +129,9 @@ def test_precision_setting_reaches_the_cross_encoder(
         ({"DUET_RERANK_MAX_BATCH": "lots"}, "DUET_RERANK_MAX_BATCH"),
         ({"DUET_DEVICE": "tpu"}, "DUET_DEVICE"),
         ({"DUET_PRECISION": "fp8"}, "DUET_PRECISION"),
+        # a traceback after "serving on", exit 3, before the URL was checked with the others
+        ({"DUET_REDIS_URL": "http://127.0.0.1:6379"}, "DUET_REDIS_URL: Redis URL must specify"),
+        ({"DUET_REDIS_URL": "redis://h:notaport/0"}, "give redis://[:password@]host:port/db"),
     ],
 )
 def test_bad_setting_is_a_clear_error(index_dir: Path, env: dict[str, str], says: str) -> None:

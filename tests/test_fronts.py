@@ -98,6 +98,8 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
             # each of the bodies, and the café's once more
             assert _count(metrics, 'endpoint="/search/text",status="200"') == len(bodies) + 1
             assert _count(metrics, 'endpoint="/search/image",status="200"') == 2  # PNG, JPEG
+            # passed through, counted once: by the owner (the front counted it too)
+            assert _count(metrics, 'endpoint="/search/text",status="405"') == 1
             assert 'duet_stage_seconds_count{stage="rerank"}' in metrics
         # each process froze its start-up heap (app.heap), unless told not to
         assert _logged(fronts.log, "start-up heap frozen") == 3  # the owner, two fronts
@@ -134,6 +136,7 @@ def _refusals_and_the_rest_alike(f: httpx.Client, s: httpx.Client) -> None:
         assert head.headers["content-length"] == str(len(got.content)), path
     got = f.post("/search/text?top_k=1", json={"query": "a red circle"})
     assert got.status_code == 422 and got.json()["error"]["details"], got.text
+    assert f.get("/search/text").status_code == s.get("/search/text").status_code == 405
 
 
 def test_fronts_pass_on_overload_and_swaps(index_dir: Path, corpus: Path, tmp_path: Path) -> None:

@@ -64,7 +64,9 @@ def load_settings(**overrides: Any) -> Settings:
     except ValidationError as exc:
         said: dict[str, list[str]] = {}  # a union's members each explain themselves
         for e in exc.errors():
-            said.setdefault(f"DUET_{str(e['loc'][0]).upper()}", []).append(e["msg"])
+            said.setdefault(f"DUET_{str(e['loc'][0]).upper()}", []).append(
+                e["msg"].removeprefix("Value error, ")
+            )
         bad = "; ".join(f"{name}: {' or '.join(msgs)}" for name, msgs in said.items())
         raise UserError(f"invalid setting(s): {bad} (see .env.example for every setting)") from exc
 
