@@ -96,7 +96,7 @@ def _add_build_options(b: argparse.ArgumentParser, weights: Path) -> None:
         default=None,
         help="FAISS index-factory string, inner product: Flat, IVF1024,Flat, "
         "IVF4096_HNSW32,SQ8, IVF1024,PQ16, HNSW32, ... (DUET_INDEX_FACTORY; default: "
-        "by size, Flat up to 200k vectors, IVF above)",
+        "by size, Flat up to 200k vectors, IVF{n},Flat below 1M, IVF{n}_HNSW32,SQ8 from 1M)",
     )
     b.add_argument(
         "--batch-size",

@@ -22,7 +22,7 @@ TRAIN_EXAMPLES = """examples:
   duet train --out my-ce --from models/weights --ce-warm --ce-steps 400
   DUET_MODEL_DIR=my-model duet serve        # serve it (build its index first)
 
-What each stage and option does: docs/models.md."""
+What each stage and option does: docs/design.md ("The model (JOINT+COOP)")."""
 
 
 def add(sub: Any) -> None:
