@@ -2,8 +2,9 @@
 
 Values are JSON text (never pickle). A cache failure never fails a request:
 `ResilientCache` turns errors and time-outs into a miss, a log line and a metric, and after
-a time-out skips the backend for RETRY_S (a hung Redis costs one time-out a second, not two
-a request); an entry that cannot be read is a miss, and the answer then replaces it.
+TRIP_AFTER time-outs in a row tries the backend with one call every RETRY_S (a hung Redis
+costs a time-out a second, not two a request); an entry that cannot be read is a miss, and
+the answer then replaces it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol, TypeVar
 
@@ -27,8 +28,10 @@ from app.metrics import Metrics
 
 log = logging.getLogger("duet.cache")
 
-RETRY_S = 1.0  # after a call timed out, the backend is left alone this long
+TRIP_AFTER = 3  # time-outs in a row after which the backend is left alone
+RETRY_S = 1.0  # then tried by one call this often
 T = TypeVar("T")
+V = TypeVar("V")
 
 
 class CacheBackend(Protocol):
@@ -119,11 +122,12 @@ _UNBOUNDED = contextlib.nullcontext()  # reusable, also as an async context mana
 
 class ResilientCache:
     """Wraps a backend: bounded time per call; errors become misses, a metric and a log line.
-    After a time-out (a hung or far Redis: the costly failure) the backend is skipped for
-    RETRY_S, its look-ups counted as errors (the cache did not answer them); a refused
-    connection fails at once and is tried again on the next request, which also reopens a
-    pool's stale connections after a Redis restart. `duet_cache_requests_total` counts
-    look-ups only (hit, miss, error); a failed write, `duet_cache_write_errors_total`."""
+    After TRIP_AFTER time-outs in a row (a hung or far Redis: the costly failure) the backend
+    is left alone RETRY_S at a time: one call then tries it while the others skip it, their
+    look-ups counted as errors (the cache did not answer them). A refused connection fails at
+    once and is tried again on the next request, which also reopens a pool's stale
+    connections after a Redis restart. `duet_cache_requests_total` counts look-ups only (hit,
+    miss, error); a failed write, `duet_cache_write_errors_total`."""
 
     def __init__(self, backend: CacheBackend, metrics: Metrics, timeout_s: float) -> None:
         self.backend = backend
@@ -133,8 +137,11 @@ class ResilientCache:
         # each on the 2-core CPU) would bound nothing
         self._bounded = not isinstance(backend, LRUCache)
         self._last_warning = 0.0
-        self._skip_until = 0.0  # monotonic time the backend is next tried, after a time-out
-        self._down = False  # failing since the last answer: its return is logged
+        self._failures = 0  # calls failed so far: a success of a call begun earlier is old news
+        self._timeouts = 0  # time-outs since the last answer
+        self._skip_until = 0.0  # monotonic time the backend is next tried, once tripped
+        self._down = False  # failing since the last answer
+        self._told = False  # a failure was logged since: the return is logged too
 
     def _bound(self) -> AbstractAsyncContextManager[object]:
         """What a call runs in: `asyncio.timeout` (not wait_for: no task of its own for each
@@ -142,16 +149,38 @@ class ResilientCache:
         return asyncio.timeout(self._timeout) if self._bounded else _UNBOUNDED
 
     def _skipped(self) -> bool:
-        return self._down and time.monotonic() < self._skip_until
+        if self._timeouts < TRIP_AFTER:
+            return False
+        now = time.monotonic()
+        if now < self._skip_until:
+            return True
+        self._skip_until = now + RETRY_S  # this call tries it; the others skip meanwhile
+        return False
+
+    async def _call(self, op: str, call: Callable[[], Awaitable[V]]) -> tuple[bool, V | None]:
+        """(True, what `call` returned), or (False, None) when it failed, told and counted."""
+        failures = self._failures
+        try:
+            async with self._bound():
+                value = await call()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed(op, exc)
+            return False, None
+        if failures == self._failures:  # nothing failed since it began: the backend answers
+            self._answered()
+        return True, value
 
     def _failed(self, op: str, exc: BaseException) -> None:
         now = time.monotonic()
-        timed_out = isinstance(exc, (TimeoutError, RedisTimeoutError))
-        if timed_out:
-            self._skip_until = now + RETRY_S
+        self._failures += 1
+        if isinstance(exc, (TimeoutError, RedisTimeoutError)):
+            self._timeouts += 1
+            if self._timeouts >= TRIP_AFTER:
+                self._skip_until = now + RETRY_S
         self._down = self._down or not isinstance(exc, ResponseError)  # a full Redis answers
         if now - self._last_warning > 10.0:  # one line per 10 s, not one per request
             self._last_warning = now
+            self._told = self._down
             log.warning(
                 "cache %s: %s failed (%s: %s); serving without the cache%s (check "
                 "DUET_REDIS_URL and the server)",
@@ -159,28 +188,29 @@ class ResilientCache:
                 op,
                 type(exc).__name__,
                 str(exc) or "no answer within DUET_REDIS_TIMEOUT_MS",
-                f", left alone {RETRY_S:g}s after each time-out" if timed_out else "",
+                f", trying it every {RETRY_S:g}s" if self._timeouts >= TRIP_AFTER else "",
             )
 
     def _answered(self) -> None:
+        self._timeouts = 0
+        self._skip_until = 0.0
         if self._down:
             self._down = False
-            log.warning("cache %s answers again; serving with the cache", self.backend.where)
+            if self._told:
+                self._told = False
+                log.warning("cache %s answers again; serving with the cache", self.backend.where)
 
     async def get(self, key: str, read: Callable[[str], T]) -> T | None:
         """`read(value)` of the entry at `key`, or None: a miss, a failure, or an entry
         `read` cannot read (it raises ValueError, KeyError or TypeError), counted a miss."""
-        if self._skipped():
+        ok, value = (
+            (False, None)
+            if self._skipped()
+            else await self._call("get", lambda: self.backend.get(key))
+        )
+        if not ok:
             self._metrics.cache_requests.labels(result="error").inc()
             return None
-        try:
-            async with self._bound():
-                value = await self.backend.get(key)
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._metrics.cache_requests.labels(result="error").inc()
-            self._failed("get", exc)
-            return None
-        self._answered()
         if value is None:
             self._metrics.cache_requests.labels(result="miss").inc()
             return None
@@ -196,25 +226,17 @@ class ResilientCache:
     async def set(self, key: str, value: str) -> None:
         if self._skipped():
             return
-        try:
-            async with self._bound():
-                await self.backend.set(key, value)
-        except (RedisError, OSError, TimeoutError) as exc:
+        ok, _ = await self._call("set", lambda: self.backend.set(key, value))
+        if not ok:
             self._metrics.cache_write_errors.inc()
-            self._failed("set", exc)
 
     async def check(self) -> None:
         """One look-up at start-up: a Redis that does not answer, or refuses duet (a wrong
         password or database), is logged now rather than at the first request."""
-        if not self._bounded:
-            return
-        try:
-            async with self._bound():
-                await self.backend.get("duet:start-up-check")
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("a first look-up", exc)
-        else:
-            log.info("cache %s answers", self.backend.where)
+        if self._bounded:
+            ok, _ = await self._call("a first look-up", lambda: self.backend.get("duet:start"))
+            if ok:
+                log.info("cache %s answers", self.backend.where)
 
     async def close(self) -> None:
         try:

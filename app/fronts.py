@@ -21,9 +21,10 @@ HTTP parsing, validation, JSON and cache look-ups, while a GPU running the devic
   service.
 
 A front's own request metrics (`duet_request_seconds`, `duet_cache_requests`,
-`duet_stage_seconds`, `duet_degraded_requests`) are sent to the owner a few times a second and
-counted there. The owner tells every front the new index version as it swaps one in, and
-each answer carries the version it ran on, so cache keys follow swaps within one message.
+`duet_cache_write_errors`, `duet_stage_seconds`, `duet_degraded_requests`,
+`duet_shed_requests`) are sent to the owner a few times a second and counted there. The
+owner tells every front the new index version as it swaps one in, and each answer carries
+the version it ran on, so cache keys follow swaps within one message.
 The peers are the service's own processes on one host (the socket lives in a private
 directory), which is why pickle is an acceptable wire format here.
 """

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -204,6 +206,9 @@ def _lifespan(
                 await asyncio.to_thread(stop_fronts)
             if engine_server is not None:
                 await engine_server.stop()
+                # its private folder, here: after a SIGTERM uvicorn ends the process by the
+                # signal, and `duet serve`'s own clean-up never runs
+                shutil.rmtree(os.path.dirname(engine_server.path), ignore_errors=True)
             app.state.pipeline = None
             app.state.reloader = None
             metrics.ready.set(0)

@@ -29,7 +29,14 @@ from store.indexio import IndexVersion
 log = logging.getLogger("duet.fronts")
 
 # the front's metrics the owner counts (its /metrics is the service's)
-FORWARDED = ("request_seconds", "cache_requests", "stage_seconds", "degraded", "shed")
+FORWARDED = (
+    "request_seconds",
+    "cache_requests",
+    "cache_write_errors",
+    "stage_seconds",
+    "degraded",
+    "shed",
+)
 ACCEPT_POLL_S = 0.25  # how soon the accepting thread notices that the socket closed
 
 

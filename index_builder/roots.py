@@ -7,20 +7,27 @@ version's images). An --append from the base's own folder keeps that root too; f
 folder, the version's root is the two folders' deepest common folder, recorded in
 `corpus_selection.images_root`, and every path is rewritten relative to it, the base's and the
 new items' alike. Before, the base's paths were read against the appended corpus's folder: a
-wrong picture for an id, or a 404. No path leaves the root, so `GET /images/{id}`'s rule (a
-file inside the version's root, under DUET_IMAGES_DIR) holds for both folders."""
+wrong picture for an id, or a 404. A path inside either folder stays inside the root, so
+`GET /images/{id}`'s rule (a file inside the version's root, under DUET_IMAGES_DIR) holds for
+both folders. Two folders that share only the file system's root are refused (serving them
+would take DUET_IMAGES_DIR=/), and a base whose folder is not on this host keeps its paths as
+they are, read against the new folder, as before (right for a corpus moved there)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from index_builder.corpus import CorpusSelection
+from index_builder.errors import BuildError
 from store import indexio
 from store.manifest import CorpusRecord, Manifest
+
+log = logging.getLogger("duet.build")
 
 Rewrite = Callable[[str], str]
 
@@ -53,20 +60,39 @@ def _moved(row: indexio.ImageRow, rewrite: Rewrite | None) -> indexio.ImageRow:
 
 def rooted(base: Manifest | None, corpus: Path | None, selection: CorpusSelection) -> Roots:
     """The version's corpus record and path rewrites, for a build of `corpus` (None: a
-    delete) on `base` (None: a fresh build)."""
+    delete) on `base` (None: a fresh build). BuildError for an append whose folder shares
+    no folder but the file system's root with the base's."""
     if corpus is None:
         return Roots(base.corpus, base.corpus_selection) if base else Roots(None, None)
     record = CorpusRecord(**selection.as_json())
     written = str(Path(corpus).resolve())
     new_root = Path(selection.images_root or Path(corpus).resolve().parent).resolve()
-    old_root = indexio.images_root_of(base) if base is not None else None
-    if old_root is None or old_root.resolve() == new_root:
+    if base is None:
         return Roots(written, record)
-    common = Path(os.path.commonpath([old_root.resolve(), new_root]))
+    old_root = indexio.images_root_of(base)
+    if old_root is None or not old_root.is_dir():
+        log.warning(
+            "the base version's corpus folder (%s) is not on this host: its images' paths are "
+            "kept as they are, now relative to %s (right where that folder holds them)",
+            old_root or "unrecorded",
+            new_root,
+        )
+        return Roots(written, record)
+    old_root = old_root.resolve()
+    if old_root == new_root:
+        return Roots(written, record)
+    common = Path(os.path.commonpath([old_root, new_root]))
+    if common == Path(common.anchor):
+        raise BuildError(
+            f"the base's images are under {old_root} and this corpus's under {new_root}: "
+            f"they share no folder but {common}, and serving the images of both would take "
+            f"DUET_IMAGES_DIR={common}; put the new corpus (its manifest and images) in a "
+            f"folder beside {old_root}, e.g. {old_root.parent / 'more'}, and append from there"
+        )
     return Roots(
         written,
         dataclasses.replace(record, images_root=str(common)),
-        _relative(old_root.resolve(), common),
+        _relative(old_root, common),
         _relative(new_root, common),
     )
 

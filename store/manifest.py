@@ -181,7 +181,7 @@ class Manifest:
     counts: Counts = field(default_factory=Counts)
     image_tokens: ImageTokens | None = None
     content_hash: str | None = None
-    corpus: str | None = None  # the corpus file, resolved; None for a --delete-only version
+    corpus: str | None = None  # the corpus file, resolved (a --delete keeps its base's)
     corpus_selection: CorpusRecord | None = None
     built_at: str | None = None
     build_seconds: float = 0.0

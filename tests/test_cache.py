@@ -126,11 +126,12 @@ def test_replicas_of_other_precision_do_not_share_entries(
         stop_service(bf16)
 
 
-async def test_a_hung_redis_costs_one_timeout_a_retry_period_not_two_a_request(
+async def test_a_hung_redis_is_tried_by_one_call_a_retry_period_not_two_a_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """After a time-out the cache is skipped for RETRY_S: twenty requests' look-ups and
-    writes wait one time-out in all, each counted as an error; then it is tried again."""
+    """After TRIP_AFTER time-outs in a row the cache is skipped: twenty requests' look-ups
+    and writes wait three time-outs in all, each counted as an error; then, RETRY_S later,
+    one call of ten at once tries it again (one new connection), the others skip it."""
     import app.cache
 
     monkeypatch.setattr(app.cache, "RETRY_S", 0.5)
@@ -148,15 +149,37 @@ async def test_a_hung_redis_costs_one_timeout_a_retry_period_not_two_a_request(
     for _ in range(20):
         assert await cache.get("k", str) is None
         await cache.set("k", "v")
-    assert clock() - t0 < 0.3 and _count(m, "error") == 20
+    assert clock() - t0 < 0.6 and _count(m, "error") == 20
     await asyncio.sleep(0.5)
+    opened = len(silent)
     t1 = clock()
-    assert await cache.get("k", str) is None
+    assert await asyncio.gather(*(cache.get("k", str) for _ in range(10))) == [None] * 10
     assert clock() - t1 >= 0.09  # tried again, and timed out again
+    await asyncio.sleep(0.05)
+    assert len(silent) - opened <= 1 and _count(m, "error") == 30
     for w in silent:
         w.close()
     server.close()
     await server.wait_closed()
+    await cache.close()
+
+
+async def test_a_redis_slow_now_and_then_is_not_left_alone(redis_server: RedisServer) -> None:
+    """One time-out among answers (Redis busy 0.3 s: DEBUG SLEEP) is one error, and the
+    cache is not skipped for it: the look-ups after it are hits."""
+    import redis.asyncio as aioredis
+
+    direct = aioredis.Redis.from_url(redis_server.url)
+    m = Metrics()
+    cache = ResilientCache(RedisCache(redis_server.url, 60, 0.1), m, 0.1)
+    await cache.set("k", "v")
+    busy = asyncio.create_task(direct.execute_command("DEBUG", "SLEEP", "0.3"))
+    await asyncio.sleep(0.05)
+    assert await cache.get("k", str) is None  # timed out
+    await busy
+    assert [await cache.get("k", str) for _ in range(5)] == ["v"] * 5
+    assert (_count(m, "hit"), _count(m, "error")) == (5, 1)
+    await direct.aclose()
     await cache.close()
 
 

@@ -142,7 +142,8 @@ def test_a_front_that_dies_is_replaced(index_dir: Path, tmp_path: Path, count: s
         deadline = time.monotonic() + 30
         new: list[int] = []
         while time.monotonic() < deadline:
-            with httpx.Client(base_url=svc.url, timeout=10) as c:  # a new connection each
+            # a new connection each; a lone front's first waits for its replacement's start
+            with httpx.Client(base_url=svc.url, timeout=30) as c:
                 codes.append(c.post("/search/text", json=body).status_code)
             new = [p for p in child_pids(svc.proc.pid) if p not in fronts and process_alive(p)]
             if new and _listening(new[0], port) and "starting another" in log.read_text():
@@ -168,9 +169,14 @@ def test_the_owner_stops_when_no_front_is_left_to_serve(tmp_path: Path) -> None:
     sockets = public_sockets("127.0.0.1", 0, 16, 2)
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # no owner to reach: each front fails
     emptied = threading.Event()
-    fronts = FrontProcesses(env, lambda: pytest.fail("not replaced"), emptied.set)
+
+    def listen() -> socket.socket:  # a front slower than FRONT_SETTLE_S to fail: none either
+        raise OSError("no socket for a replacement")
+
+    fronts = FrontProcesses(env, listen, emptied.set)
     fronts.start(sockets, 2)
     try:
-        assert emptied.wait(60) and fronts.alive() == 0
+        assert emptied.wait(120), "never told that no front was left"
+        assert fronts.alive() == 0
     finally:
         fronts.stop()

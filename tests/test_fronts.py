@@ -18,7 +18,15 @@ import pytest
 
 from index_builder.build import build
 from models.builtin import BuiltinModel
-from tests.conftest import REPO, Placed, child_pids, process_alive, start_service, stop_service
+from tests.conftest import (
+    REPO,
+    Placed,
+    RedisServer,
+    child_pids,
+    process_alive,
+    start_service,
+    stop_service,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -356,3 +364,33 @@ def test_a_fronts_429s_at_the_in_flight_cap_count_on_the_owners_metrics(
         for s in held:
             s.close()
         stop_service(svc)
+
+
+def test_a_fronts_failed_cache_writes_count_on_the_owners_metrics(
+    index_dir: Path, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The fronts read and write the cache: a Redis that refuses writes (full, no eviction)
+    shows on the service's /metrics as duet_cache_write_errors_total, forwarded as the
+    fronts' other counts are."""
+    import redis
+
+    direct = redis.Redis.from_url(redis_server.url)
+    direct.config_set("maxmemory", 1)
+    svc = start_service(
+        index_dir, tmp_path / "svc.log", DUET_FRONTENDS="2", DUET_REDIS_URL=redis_server.url
+    )
+    try:
+        with svc.client() as c:
+            for k in range(4):
+                body = {"query": "a red circle", "top_k": 1 + k, "rerank": False}
+                assert c.post("/search/text", json=body).status_code == 200
+            deadline = time.monotonic() + 5  # each front sends its counts a few times a second
+            while time.monotonic() < deadline:
+                text = c.get("/metrics").text
+                if "duet_cache_write_errors_total 4.0" in text:
+                    break
+                time.sleep(0.2)
+        assert "duet_cache_write_errors_total 4.0" in text
+    finally:
+        stop_service(svc)
+        direct.close()

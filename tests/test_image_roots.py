@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 
 from index_builder.build import build
 from models.builtin import BuiltinModel
@@ -72,3 +73,40 @@ def test_an_append_from_another_folder_and_a_delete_keep_every_image_served(
             assert r.status_code == 200 and r.content == data, item_id
     finally:
         stop_service(svc)
+
+
+def test_an_append_keeps_paths_when_the_bases_folder_is_elsewhere_and_refuses_folders_apart(
+    tmp_path: Path, corpus: Path, model: BuiltinModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A base whose corpus folder is not on this host (built on another, or moved) keeps its
+    paths, read against the new folder as before, with a warning; folders that share only
+    the file system's root are refused, since serving both would take DUET_IMAGES_DIR=/."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from index_builder.corpus import CorpusSelection
+    from index_builder.errors import BuildError
+    from index_builder.roots import rooted
+    from store.manifest import Manifest
+
+    lines = corpus.read_text().splitlines()
+    first = _corpus(corpus, tmp_path / "data" / "first", lines[:2], "a")
+    build(first, tmp_path / "idx", model, progress=False, workers=0)
+    base = Manifest.read((tmp_path / "idx" / "current").resolve())
+    second = _corpus(corpus, tmp_path / "data" / "second", lines[2:3], "b")
+    moved = dataclasses.replace(base, corpus="/nowhere/first/manifest.jsonl")
+    roots = rooted(moved, second, CorpusSelection("manifest"))
+    assert roots.base_path is None and roots.new_path is None
+    assert roots.record is not None and roots.record.images_root is None
+    assert "/nowhere/first) is not on this host" in caplog.text
+    apart = next((Path(d) for d in ("/dev/shm", "/var/tmp") if Path(d).is_dir()), None)
+    if apart is None or Path(tmp_path.parts[1]) == Path(apart.parts[1]):
+        pytest.skip("no folder here that shares only / with the test's")
+    far = Path(tempfile.mkdtemp(dir=apart))
+    try:
+        elsewhere = _corpus(corpus, far / "c", lines[2:3], "c")
+        with pytest.raises(BuildError, match="share no folder but /"):
+            rooted(base, elsewhere, CorpusSelection("manifest"))
+    finally:
+        shutil.rmtree(far)

@@ -69,11 +69,16 @@ class FrontProcesses:
     start would repeat); when no front is left, `on_empty` is called (the owner stops)."""
 
     def __init__(
-        self, env: dict[str, str], listen: Callable[[], Any], on_empty: Callable[[], None]
+        self,
+        env: dict[str, str],
+        listen: Callable[[], Any],
+        on_empty: Callable[[], None],
+        ending: Callable[[], bool] = lambda: False,
     ) -> None:
         self.env = env
         self._listen = listen  # () -> a new listening socket of its own for a front
         self._on_empty = on_empty
+        self._ending = ending  # the service is shutting down (a Ctrl-C reaches the fronts too)
         self._shared: Any = None  # the socket every front accepts from, where they share one
         self.fronts: list[tuple[Any, float]] = []  # each front's process and start time
         self._lock = threading.Lock()
@@ -106,6 +111,8 @@ class FrontProcesses:
     def _watch(self) -> None:
         given_up: set[int] = set()
         while not self._stopping.wait(FRONT_WATCH_S):
+            if self._ending():
+                return
             with self._lock:
                 for i, (proc, started) in enumerate(self.fronts):
                     if self._stopping.is_set() or i in given_up or proc.poll() is None:
@@ -162,6 +169,9 @@ class FrontProcesses:
         self._stopping.set()
         with self._lock:  # no front is being replaced now, and none will be
             procs = [p for p, _ in self.fronts]
+            if self._shared is not None:  # new connections refused now, not held while
+                self._shared.close()  # the fronts drain
+                self._shared = None
         for p in procs:
             if p.poll() is None:
                 p.terminate()
@@ -170,5 +180,3 @@ class FrontProcesses:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
-        if self._shared is not None:
-            self._shared.close()

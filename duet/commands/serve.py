@@ -212,6 +212,7 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> int:
         # a replacement's own socket where each front has one (SO_REUSEPORT)
         lambda: listen_on(host, port, settings.http_backlog, reuse_port=True),
         on_empty,
+        lambda: server.should_exit,
     )
     fronts.start(public, count)
     app.state.engine_socket = path
@@ -219,6 +220,8 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> int:
     log.info("process layout: %d fronts on http://%s:%d, the model here", count, host, port)
     try:
         server.run(sockets=[owner])
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down
+        pass  # a clean stop, as in one process
     finally:
         fronts.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
