@@ -226,7 +226,7 @@ class _Build:
                     self.items.append(entry)
         kept_images, self.kept_texts, self.deleted = _apply_delete(base, opts.delete)
         corpus = Path(self.corpus) if self.corpus is not None else None
-        self.roots = rooted(base.manifest if base else None, corpus, self.selection)
+        self.roots = rooted(base.manifest if base else None, corpus, self.selection, self.items)
         self.kept_images = self.roots.kept(kept_images)
         if base is not None:
             _check_duplicates(self.items, self.kept_images, self.kept_texts)

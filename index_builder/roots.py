@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from index_builder.corpus import CorpusSelection
+from index_builder.corpus import CorpusItem, CorpusSelection
 from index_builder.errors import BuildError
 from store import indexio
 from store.manifest import CorpusRecord, Manifest
@@ -58,15 +58,21 @@ def _moved(row: indexio.ImageRow, rewrite: Rewrite | None) -> indexio.ImageRow:
     return dataclasses.replace(row, path=rewrite(row.path))
 
 
-def rooted(base: Manifest | None, corpus: Path | None, selection: CorpusSelection) -> Roots:
-    """The version's corpus record and path rewrites, for a build of `corpus` (None: a
-    delete) on `base` (None: a fresh build). BuildError for an append whose folder shares
-    no folder but the file system's root with the base's."""
+def rooted(
+    base: Manifest | None,
+    corpus: Path | None,
+    selection: CorpusSelection,
+    items: Sequence[CorpusItem] = (),
+) -> Roots:
+    """The version's corpus record and path rewrites, for a build of `corpus`' `items`
+    (None: a delete) on `base` (None: a fresh build). BuildError for an append whose folder
+    shares no folder but the file system's root with the base's."""
     if corpus is None:
         return Roots(base.corpus, base.corpus_selection) if base else Roots(None, None)
     record = CorpusRecord(**selection.as_json())
     written = str(Path(corpus).resolve())
     new_root = Path(selection.images_root or Path(corpus).resolve().parent).resolve()
+    _warn_leaving(items, new_root)
     if base is None:
         return Roots(written, record)
     old_root = indexio.images_root_of(base)
@@ -89,12 +95,39 @@ def rooted(base: Manifest | None, corpus: Path | None, selection: CorpusSelectio
             f"DUET_IMAGES_DIR={common}; put the new corpus (its manifest and images) in a "
             f"folder beside {old_root}, e.g. {old_root.parent / 'more'}, and append from there"
         )
+    log.warning(
+        "the version's images now lie under %s (the base's under %s): serve them with "
+        "DUET_IMAGES_DIR at or above %s",
+        common,
+        old_root,
+        common,
+    )
     return Roots(
         written,
         dataclasses.replace(record, images_root=str(common)),
         _relative(old_root, common),
         _relative(new_root, common),
     )
+
+
+def _warn_leaving(items: Sequence[CorpusItem], root: Path) -> None:
+    """A warning for images whose path leads out of the corpus folder ("..", an absolute
+    path): indexed and searched, but never served by `GET /images/{id}`."""
+    out = [
+        it.image_rel
+        for it in items
+        if it.image_rel is not None
+        and not Path(os.path.normpath(root / it.image_rel)).is_relative_to(root)
+    ]
+    if out:
+        log.warning(
+            "%d image path(s) lead out of the corpus folder %s (e.g. %r): they are indexed and "
+            "searched, but GET /images/{id} serves only files inside it: move them in, or "
+            "the corpus file to a folder that holds them all",
+            len(out),
+            root,
+            out[0],
+        )
 
 
 def _relative(root: Path, common: Path) -> Rewrite:

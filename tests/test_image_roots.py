@@ -110,3 +110,51 @@ def test_an_append_keeps_paths_when_the_bases_folder_is_elsewhere_and_refuses_fo
             rooted(base, elsewhere, CorpusSelection("manifest"))
     finally:
         shutil.rmtree(far)
+
+
+def test_readyz_and_the_images_say_what_to_serve_from(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
+    """An append that widened the root past DUET_IMAGES_DIR, and an images folder linked in
+    from another disk: `images_unserved` (start-up log, /readyz) names the setting to give,
+    and with it every image is served."""
+    from app.config import Settings
+    from app.routes.ui import images_unserved
+
+    lines = corpus.read_text().splitlines()
+    first = _corpus(corpus, tmp_path / "data" / "first", lines[:2], "a")
+    second = _corpus(corpus, tmp_path / "data" / "second", lines[2:3], "b")
+    out = tmp_path / "idx"
+    build(first, out, model, progress=False, workers=0)
+    build(second, out, model, progress=False, workers=0, append=True)
+    version = IndexVersion.open(out / "current")
+    narrow = Settings(index_dir=out, images_dir=first.parent)
+    data = (tmp_path / "data").resolve()
+    assert f"set DUET_IMAGES_DIR={data}" in str(images_unserved(version, narrow))
+    assert images_unserved(version, Settings(index_dir=out, images_dir=data)) is None
+    # images kept on another disk, their folder linked into the corpus
+    disk = tmp_path / "disk"
+    (disk / "c").mkdir(parents=True)
+    linked = _corpus(corpus, disk / "c" / "real", lines[:2], "c")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "images").symlink_to(linked.parent / "images")
+    (tmp_path / "linked" / "manifest.jsonl").write_text(linked.read_text())
+    build(tmp_path / "linked" / "manifest.jsonl", tmp_path / "idx2", model, progress=False)
+    version = IndexVersion.open(tmp_path / "idx2" / "current")
+    said = images_unserved(version, Settings(index_dir=out, images_dir=tmp_path / "linked"))
+    assert said is not None and "is a link to" in said and "set DUET_IMAGES_DIR" in said
+    assert images_unserved(version, Settings(index_dir=out, images_dir=tmp_path)) is None
+
+
+def test_a_build_warns_of_images_outside_its_corpus_folder(
+    tmp_path: Path, corpus: Path, model: BuiltinModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    lines = corpus.read_text().splitlines()
+    manifest = _corpus(corpus, tmp_path / "c", lines[:2], "a")
+    item = json.loads(lines[2])
+    (tmp_path / "out.png").write_bytes((corpus.parent / item["image"]).read_bytes())
+    extra = json.dumps({**item, "id": "far", "image": "../out.png"})
+    manifest.write_text(manifest.read_text() + extra + "\n")
+    build(manifest, tmp_path / "idx", model, progress=False, workers=0)
+    assert "1 image path(s) lead out of the corpus folder" in caplog.text
+    assert "'../out.png'" in caplog.text

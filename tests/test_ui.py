@@ -13,7 +13,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from app.routes.ui import inside
+from app.routes.ui import allowed, inside
 from store.indexio import ITEMS, MANIFEST, file_sha256, point_current, resolve_current
 from tests.conftest import Service, start_service, stop_service
 
@@ -80,21 +80,27 @@ def test_unknown_images_are_404(service: Service, item_id: str) -> None:
 
 
 def test_no_path_leaves_the_corpus_folder(tmp_path: Path) -> None:
+    """A manifest's path never leads out of its corpus folder; a link in the corpus is
+    followed only to where the images are served from (DUET_IMAGES_DIR): an images folder
+    kept on another disk and linked in is served once that folder is, a link planted to a
+    secret never."""
     root = tmp_path / "corpus"
     (root / "images").mkdir(parents=True)
     (root / "images" / "a.png").write_bytes(b"x")
     (tmp_path / "secret").write_text("no")
     (root / "images" / "link.png").symlink_to(tmp_path / "secret")
-    assert inside(root, "images/a.png") == (root / "images" / "a.png").resolve()
-    for rel in (
-        "../secret",
-        "images/../../secret",
-        "/etc/hostname",
-        "images/link.png",
-        "images/missing.png",
-        "images",
-    ):
+    (tmp_path / "disk" / "imgs").mkdir(parents=True)
+    (tmp_path / "disk" / "imgs" / "b.png").write_bytes(b"y")
+    (root / "linked").symlink_to(tmp_path / "disk" / "imgs")
+    assert inside(root, "images/a.png") == root / "images" / "a.png"
+    for rel in ("../secret", "images/../../secret", "/etc/hostname", "images/missing.png"):
         assert inside(root, rel) is None, rel
+    assert inside(root, "images") is None  # a folder
+    link = inside(root, "images/link.png")
+    assert link is not None and not allowed(link, [root])
+    linked = inside(root, "linked/b.png")
+    assert linked is not None and not allowed(linked, [root])
+    assert allowed(linked, [tmp_path / "disk"]) and not allowed(link, [tmp_path / "disk"])
 
 
 def test_images_only_from_the_configured_folder(

@@ -26,11 +26,18 @@ PAGE = STATIC / "index.html"
 ICON = STATIC / "favicon.png"  # 32x32: a red circle and a blue square, the page's tab icon
 
 
+def _plain(path: Path) -> Path:
+    """`path` made absolute and normalised as written: `..` taken out, links not followed."""
+    return Path(os.path.normpath(os.path.abspath(path)))
+
+
 def inside(root: Path, rel: str) -> Path | None:
-    """`root / rel` if that is an existing file inside `root` (symlinks and `..` resolved),
-    else None: an index can only ever expose files under its corpus's folder."""
-    base = root.resolve()
-    path = (base / rel).resolve()
+    """`root / rel` as written (normalised, links not followed) if it stays inside `root` and
+    names an existing file, else None: a manifest's path never leads out of its corpus
+    folder ("..", an absolute path). The file may be a link, or lie in a linked folder (an
+    images folder kept on another disk): `allowed` then judges where it really is."""
+    base = _plain(root)
+    path = _plain(base / rel)
     return path if path.is_relative_to(base) and path.is_file() else None
 
 
@@ -139,8 +146,20 @@ async def redoc(request: Request) -> HTMLResponse:
 
 
 def allowed(path: Path, roots: list[Path]) -> bool:
-    """Whether `path` (resolved) lies under one of `roots`."""
-    return any(path.is_relative_to(root.resolve()) for root in roots)
+    """Whether `path`, where it really is (links followed), lies under one of `roots`."""
+    real = path.resolve()
+    return any(real.is_relative_to(root.resolve()) for root in roots)
+
+
+def _served_from(settings: Settings, index: IndexVersion) -> list[Path]:
+    return [settings.images_dir or settings.index_dir, index.path]
+
+
+def _linked_out(path: Path, root: Path) -> str:
+    return (
+        f"is a link to {path.resolve()}, outside the folder images are served from; set "
+        f"DUET_IMAGES_DIR to a folder that holds both {root} and {path.resolve().parent}"
+    )
 
 
 def images_unserved(index: IndexVersion, settings: Settings) -> str | None:
@@ -152,15 +171,17 @@ def images_unserved(index: IndexVersion, settings: Settings) -> str | None:
         return None if root else "the index does not record its corpus folder"
     if not root.is_dir():
         return f"its corpus folder {root} is not on this host (mount it, and set DUET_IMAGES_DIR)"
-    first = index.store.images([0])[0]  # as the route finds a hit's file
-    path = inside(root, first.path) if first.path else None
-    if path is None:
-        return f"its first image, {first.path!r}, is not in its corpus folder {root}"
-    if not allowed(path, [settings.images_dir or settings.index_dir, index.path]):
+    if not allowed(root, _served_from(settings, index)):
         return (
             f"its corpus folder {root} is outside the folder images are served from; set "
             f"DUET_IMAGES_DIR={root}"
         )
+    first = index.store.images([0])[0]  # as the route finds a hit's file
+    path = inside(root, first.path) if first.path else None
+    if path is None:
+        return f"its first image, {first.path!r}, is not in its corpus folder {root}"
+    if not allowed(path, _served_from(settings, index)):
+        return f"its first image, {first.path!r}, {_linked_out(path, root)}"
     return None
 
 
@@ -174,8 +195,9 @@ def images_unserved(index: IndexVersion, settings: Settings) -> str | None:
 )
 async def image(item_id: str, request: Request) -> Response:
     """An indexed image, by its item id: only files the served index names, under its
-    corpus's images folder (no path leaves it), and only under DUET_IMAGES_DIR or the
-    version's own folder: a manifest's corpus path is not trusted to point anywhere else."""
+    corpus's images folder (no path leaves it), and only where they really are (links
+    followed) under DUET_IMAGES_DIR or the version's own folder: a manifest's corpus path,
+    or a link in the corpus, is not trusted to point anywhere else."""
     pipeline = getattr(request.app.state, "pipeline", None)
     if pipeline is None:
         raise NotReady("model and index are loading")
@@ -187,13 +209,20 @@ async def image(item_id: str, request: Request) -> Response:
     settings = request.app.state.settings
     path = inside(root, row.path)
     if path is None:
+        if not _plain(root / row.path).is_relative_to(_plain(root)):
+            raise ImageNotFound(
+                f"image {item_id!r}: its path {row.path!r} leads out of its corpus folder "
+                f"{root}, and images are served only from inside it"
+            )
         raise ImageNotFound(
             f"image {item_id!r} is not readable here (its corpus folder {root.name}/ is not "
             "mounted on this host, or the file moved)"
         )
-    if not allowed(path, [settings.images_dir or settings.index_dir, index.path]):
+    if not allowed(path, _served_from(settings, index)):
         raise ImageNotFound(
-            f"image {item_id!r} is outside the folder images are served from; set "
+            f"image {item_id!r} {_linked_out(path, root)}"
+            if path.resolve() != path
+            else f"image {item_id!r} is outside the folder images are served from; set "
             "DUET_IMAGES_DIR to the folder that holds the corpus"
         )
     # the file's stat read now, so its ETag is known before answering: a browser that still
