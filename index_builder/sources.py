@@ -61,8 +61,9 @@ def _shard_key(
                 # 2: captions encoded in batches sorted by length; 3: images decoded by
                 # models.images.open_rgb (upright by EXIF, JPEGs at a DCT scale); 4: every
                 # caption encoded, a failed image's captions dropped after; 5: a caption's
-                # words in other scripts read whole (`models.shipped.caption_words`)
-                "shard_format": 5,
+                # words in other scripts read whole (`models.shipped.caption_words`); 6: grey
+                # levels wider than 8 bits scaled, not clipped (`models.images.eight_bit`)
+                "shard_format": 6,
                 "model": model.fingerprint,
                 "device": dev.type,
                 "autocast": str(autocast_dtype(dev)),

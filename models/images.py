@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from PIL import Image, ImageOps
 
@@ -52,6 +53,23 @@ def side_of(model: object) -> int:
     return side if isinstance(side, int) else KEEP_SIDE
 
 
+# grey levels wider than 8 bits (a 16-bit PNG or TIFF, a float TIFF), which Pillow's
+# convert("RGB") clips rather than scales: a 16-bit grey picture came out all white
+WIDE_MODES = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N", "F"})
+
+
+def eight_bit(img: Image.Image) -> Image.Image:
+    """A wide grey picture as 8-bit grey: integers read as 16-bit levels (65535 is white),
+    floats as 0..1 when none is above 1, else as 0..255."""
+    levels = np.asarray(img, dtype=np.float32)
+    if img.mode == "F":
+        scale = 255.0 if levels.size and float(np.nanmax(levels)) <= 1.0 else 1.0
+    else:
+        scale = 255.0 / 65535.0
+    grey = np.nan_to_num(levels * scale, nan=0.0).clip(0, 255).round().astype(np.uint8)
+    return Image.fromarray(grey, "L")
+
+
 def open_rgb(
     data: bytes, side: int = KEEP_SIDE, check: Callable[[int, int], None] | None = None
 ) -> Image.Image:
@@ -59,13 +77,15 @@ def open_rgb(
     `side` allows (see the module). `check(width, height)` sees the stored size before any
     pixel is decoded (to refuse one too large). Raises what Pillow raises for a file it cannot
     read (UnidentifiedImageError for a format outside FORMATS)."""
-    img = Image.open(io.BytesIO(data), formats=FORMATS)
+    img: Image.Image = Image.open(io.BytesIO(data), formats=FORMATS)
     if check is not None:
         check(*img.size)
     if img.format in ("JPEG", "MPO"):  # MPO: a phone's JPEG with more pictures after it
         img.draft("RGB", (min(side, KEEP_SIDE),) * 2)
     img.load()
     ImageOps.exif_transpose(img, in_place=True)  # a copy of every upright picture otherwise
+    if img.mode in WIDE_MODES:
+        img = eight_bit(img)
     rgb = img if img.mode == "RGB" else img.convert("RGB")  # convert copies an RGB one too
     del img
     factor = max(rgb.size) // KEEP_SIDE

@@ -66,3 +66,22 @@ def test_large_images_are_kept_reduced() -> None:
     """A 4,096 x 2,048 upload waits for the model as 1,024 x 512 (an integer box reduction)."""
     img = decode_image(_png((4096, 2048)), max_bytes=10**7, max_pixels=10**8)
     assert img.size == (1024, 512) and img.mode == "RGB"
+
+
+@pytest.mark.parametrize(("fmt", "mode"), [("PNG", "I;16"), ("TIFF", "I;16"), ("TIFF", "F")])
+def test_grey_wider_than_8_bits_keeps_its_levels(fmt: str, mode: str) -> None:
+    """A 16-bit grey PNG or TIFF and a float TIFF (0..1) read as their grey levels: Pillow's
+    convert("RGB") clipped them, so the builder indexed, and a search read, a white (or
+    black) picture."""
+    import numpy as np
+
+    ramp = np.linspace(0.0, 1.0, 48 * 64, dtype=np.float64).reshape(48, 64)
+    levels = ramp.astype(np.float32) if mode == "F" else (ramp * 65535).astype(np.uint16)
+    buf = io.BytesIO()
+    picture = Image.fromarray(levels)
+    assert picture.mode == mode
+    picture.save(buf, format=fmt)
+    img = decode_image(buf.getvalue(), max_bytes=1_000_000, max_pixels=10_000)
+    got = np.asarray(img, dtype=np.float64)
+    assert img.mode == "RGB" and np.abs(got[..., 0] - ramp * 255).max() <= 1.0
+    assert np.array_equal(got[..., 0], got[..., 2])
