@@ -5,10 +5,9 @@ Resumable: encoded shards are written (temp name, fsync, rename) under
 `OUT/.shards/<key>/` as they finish, where <key> hashes everything that decides their
 contents (model, device and autocast dtype, batch and shard size, the corpus file's bytes and
 how it was read (format, Karpathy split and images root), each image's path, size and mtime,
-the base version of an append). A build started again with
-the same arguments skips the shards already there. Encoding order, batch boundaries and the
-FAISS training seed are fixed, and no time goes into the data files, so a resumed build
-writes the same bytes as an uninterrupted one (see IDENTICAL_FILES).
+the base version of an append). A build started again with the same arguments skips the
+shards already there. Encoding order, batch boundaries and the FAISS training seed are fixed,
+and no time goes into the data files, so a resumed build writes the same bytes (IDENTICAL_FILES).
 
 Incremental: `append=True` adds a corpus's items to the current version, `delete` drops ids,
 reusing the stored vectors and tokens of everything kept.
@@ -175,9 +174,11 @@ class _Build:
         self.workers = workers
 
     def _refuse_empty(self, images: int, texts: int) -> None:
-        """A version with no image and no caption answers every search with no hits, and a
-        service would swap to it: never written, nor made `current`."""
-        if images or texts:
+        """A version with no image and no caption answers every search with no hits, and an
+        append of nothing publishes a copy a service swaps to: neither is written, nor made
+        `current`."""
+        nothing = "--append: nothing to append" if self.opts.append else "nothing to index"
+        if (images or texts) and (self.items or not self.opts.append):
             return
         keep = f"{self.out / 'current'} is left as it was"
         if self.base is not None and self.opts.delete is not None and not self.items:
@@ -189,11 +190,11 @@ class _Build:
         if self.skipped:
             shown = "; ".join(self.skipped[:3]) + (" ..." if len(self.skipped) > 3 else "")
             raise BuildError(
-                f"nothing to index: --skip-bad skipped every entry of {self.corpus} "
+                f"{nothing}: --skip-bad skipped every entry of {self.corpus} "
                 f"({len(self.skipped)} bad: {shown}); fix them and run again ({keep})"
             )
         raise BuildError(
-            f"nothing to index: {self.corpus} has no items ({keep}); a manifest holds one "
+            f"{nothing}: {self.corpus} has no items ({keep}); a manifest holds one "
             'JSON object per line: {"id": "img-1", "image": "images/1.png", "captions": [...]}'
         )
 
@@ -225,8 +226,9 @@ class _Build:
                 else:
                     self.items.append(entry)
         kept_images, self.kept_texts, self.deleted = _apply_delete(base, opts.delete)
-        corpus = Path(self.corpus) if self.corpus is not None else None
-        self.roots = rooted(base.manifest if base else None, corpus, self.selection, self.items)
+        self.roots = rooted(
+            base.manifest if base else None, self.corpus, self.selection, self.items
+        )
         self.kept_images = self.roots.kept(kept_images)
         if base is not None:
             _check_duplicates(self.items, self.kept_images, self.kept_texts)
@@ -323,16 +325,13 @@ class _Build:
 
     # -- stage 5: kept base rows, then the new items in corpus order ---------------------------
     def _assemble(self) -> None:
-        self.assembled = assemble(
-            self.items,
-            self.shards,
-            self.base,
-            self.kept_images,
-            self.kept_texts,
-            self.deleted,
-            self.model.dim,
-            lambda line, err: self._bad(self.item_error(line, err)),
-        )
+        def bad(line: int, err: str) -> None:
+            self._bad(self.item_error(line, err))
+
+        args = (self.base, self.kept_images, self.kept_texts, self.deleted, self.model.dim, bad)
+        self.assembled = assemble(self.items, self.shards, *args)
+        if self.opts.append and not self.assembled.kept:  # every new image failed to decode
+            self._refuse_empty(0, 0)
         self.roots.place_new(self.assembled.image_rows, len(self.kept_images))
         kept = {it.id for it in self.assembled.kept}  # what this run encoded and keeps
         items = self.shards.items

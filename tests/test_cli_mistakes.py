@@ -194,3 +194,21 @@ def test_ctrl_c_after_the_version_is_published_says_the_build_is_done(
         f"duet: interrupted after publishing version {version}, which is current: the build "
         "is done, nothing to run again"
     ]
+
+
+def test_an_append_of_nothing_publishes_nothing(tmp_path: Path, corpus: Path) -> None:
+    """An empty manifest, or one whose every line --skip-bad skips, appended: refused, and
+    `current` stays (it published a copy, which a running service swapped to)."""
+    out = tmp_path / "idx"
+    first = _duet("build", "--corpus", str(corpus), "--out", str(out), "--no-progress")
+    assert first.returncode == 0, first.stderr
+    before = (out / "current").readlink()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "new-1", "image": "missing.png", "captions": ["a red circle"]}\n')
+    for manifest, extra in ((empty, []), (bad, ["--skip-bad"])):
+        got = _duet("build", "--append", str(manifest), "--out", str(out), "--no-progress", *extra)
+        assert got.returncode == 2, got.stderr
+        assert "--append: nothing to append" in got.stderr and "Traceback" not in got.stderr
+        assert (out / "current").readlink() == before
