@@ -152,9 +152,18 @@ def _parse(obj: Any, line: int, base: Path) -> CorpusItem:
     item_id = obj.get("id")
     if not isinstance(item_id, str) or not item_id:
         raise ValueError('"id" must be a non-empty string')
+    if item_id in (".", "..") or any(c in item_id for c in "\n\r\0"):
+        # /images/.. is the page's own address to every client, and an id with a line
+        # break could never be listed in a --delete file
+        raise ValueError(
+            f'"id" {item_id!r} could be neither served nor deleted: not "." or "..", and no '
+            "line breaks"
+        )
     image = obj.get("image")
-    if image is not None and not isinstance(image, str):
-        raise ValueError('"image" must be a path string')
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        raise ValueError(
+            '"image" must be a path string (leave the key out for a captions-only line)'
+        )
     caps = obj.get("captions", [])
     if not isinstance(caps, list) or not all(isinstance(c, str) and c.strip() for c in caps):
         raise ValueError('"captions" must be a list of non-empty strings')

@@ -191,12 +191,22 @@ def _load_base(out: Path) -> _Base:
     return _Base(path, manifest, images, texts, vectors[0], vectors[1], tokens)
 
 
-def read_ids(path: Path) -> list[str]:
+def read_ids(path: Path, known: set[str] | None = None) -> list[str]:
+    """The ids a --delete file lists, one per line. A line is an id as written, or with
+    the spaces around it taken off when `known` lacks it as written (so " padded " and
+    "#tag" can be deleted); a blank line, and a "#" line that names no known id, says
+    nothing (a comment)."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise BuildError(f"cannot read ids file {path}: {exc}") from exc
-    return [s for s in (ln.strip() for ln in lines) if s and not s.startswith("#")]
+    ids = []
+    for line in lines:
+        if known is not None and line in known:
+            ids.append(line)
+        elif (s := line.strip()) and (s in (known or ()) or not s.startswith("#")):
+            ids.append(s)
+    return ids
 
 
 def _item_of_text(row: indexio.TextRow) -> str:
@@ -209,8 +219,8 @@ def _apply_delete(
     """The base rows (with their row numbers) left after deleting the ids in `delete`."""
     if base is None:
         return [], [], set()
-    ids = set(read_ids(delete)) if delete is not None else set()
     known = {r.id for r in base.images} | {_item_of_text(t) for t in base.texts}
+    ids = set(read_ids(delete, known)) if delete is not None else set()
     unknown = sorted(ids - known)
     if unknown:
         raise BuildError(

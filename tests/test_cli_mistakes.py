@@ -10,11 +10,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from app.schemas import image_url
 from index_builder import outdir
 from models.world import write_corpus
-from tests.conftest import DUET
+from tests.conftest import DUET, start_service, stop_service
 
 
 def _duet(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -212,3 +214,41 @@ def test_an_append_of_nothing_publishes_nothing(tmp_path: Path, corpus: Path) ->
         assert got.returncode == 2, got.stderr
         assert "--append: nothing to append" in got.stderr and "Traceback" not in got.stderr
         assert (out / "current").readlink() == before
+
+
+def test_a_delete_file_names_ids_as_written(tmp_path: Path, corpus: Path) -> None:
+    """Ids a manifest takes can be deleted: one starting with "#" (read as a comment before)
+    and one with spaces around it (taken off before); a "#" line naming no id is a comment.
+    Ids "." and ".." and ids with line breaks are refused when read (never servable or
+    deletable), and the route serves an id with a "/" in it."""
+    lines = corpus.read_text().splitlines()[:3]
+    items = [json.loads(ln) for ln in lines]
+    (tmp_path / "images").mkdir()
+    for item, new_id in zip(items, ["#tag", " padded ", "a/b"], strict=True):
+        item["id"] = new_id
+        (tmp_path / item["image"]).write_bytes((corpus.parent / item["image"]).read_bytes())
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(it) + "\n" for it in items))
+    out = tmp_path / "idx"
+    built = _duet("build", "--corpus", str(manifest), "--out", str(out), "--no-progress")
+    assert built.returncode == 0, built.stderr
+    gone = tmp_path / "gone.txt"
+    gone.write_text("# a comment\n#tag\n padded \n")
+    deleted = _duet("build", "--delete", str(gone), "--out", str(out), "--no-progress")
+    assert deleted.returncode == 0, deleted.stderr
+    from store.indexio import IndexVersion
+
+    version = IndexVersion.open(out / "current")
+    assert [r.id for r in version.store.images(range(version.image_index.ntotal))] == ["a/b"]
+    version.close()
+    svc = start_service(out, tmp_path / "serve.log", DUET_IMAGES_DIR=str(tmp_path))
+    try:
+        url = svc.url + str(image_url("a/b"))
+        r = httpx.get(url, timeout=10)
+        assert r.status_code == 200 and r.content == (tmp_path / items[2]["image"]).read_bytes()
+    finally:
+        stop_service(svc)
+    for bad in (".", "..", "two\nlines"):
+        manifest.write_text(json.dumps({**items[2], "id": bad}) + "\n")
+        refused = _duet("build", "--corpus", str(manifest), "--out", str(tmp_path / "x"))
+        assert refused.returncode == 2 and "could be neither served nor deleted" in refused.stderr

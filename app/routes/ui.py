@@ -186,7 +186,7 @@ def images_unserved(index: IndexVersion, settings: Settings) -> str | None:
 
 
 @router.get(
-    "/images/{item_id}",
+    "/images/{item_id:path}",  # an id with a "/" (sent as %2F) is one id
     response_class=FileResponse,
     responses={
         304: {"description": "the file the If-None-Match ETag names: unchanged, no body"},
@@ -237,4 +237,4 @@ async def image(item_id: str, request: Request) -> Response:
 
 
 # HEAD as GET (`FileResponse` sends no body for it): a link checker can test an image_url
-router.head("/images/{item_id}", include_in_schema=False)(image)
+router.head("/images/{item_id:path}", include_in_schema=False)(image)
