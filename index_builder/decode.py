@@ -90,6 +90,8 @@ def _decode(
     start = time.perf_counter()
     assert item.image is not None
     try:
+        if not Path(item.image).is_file():  # a named pipe would be read for ever
+            raise OSError(f"{item.image} is not a regular file (a folder, a pipe, a device)")
         data = Path(item.image).read_bytes()
     except OSError as exc:
         return Decoded(
@@ -111,6 +113,10 @@ def decode_bytes(
 ) -> Decoded:
     """Decode an image file's bytes on the CPU (`models.images.open_rgb`, keeping `side`
     pixels), `convert` the RGB image."""
+    if not data:
+        return Decoded(
+            item.pos, None, sha, f"cannot read image {item.image_rel!r} ({item.image}): empty file"
+        )
     try:
         with warnings.catch_warnings():  # Pillow warns past its limit: an image too large
             warnings.simplefilter("error", Image.DecompressionBombWarning)

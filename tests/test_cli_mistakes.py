@@ -252,3 +252,27 @@ def test_a_delete_file_names_ids_as_written(tmp_path: Path, corpus: Path) -> Non
         manifest.write_text(json.dumps({**items[2], "id": bad}) + "\n")
         refused = _duet("build", "--corpus", str(manifest), "--out", str(tmp_path / "x"))
         assert refused.returncode == 2 and "could be neither served nor deleted" in refused.stderr
+
+
+def test_a_pipe_or_an_empty_file_named_as_an_image_is_a_bad_entry(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """A named pipe is never read (the build waited on it for ever, --skip-bad or not), and
+    an empty file is called one (it was "not a PNG, JPEG, ... file")."""
+    import os
+
+    good = json.loads(corpus.read_text().splitlines()[0])
+    (tmp_path / "images").mkdir()
+    (tmp_path / good["image"]).write_bytes((corpus.parent / good["image"]).read_bytes())
+    os.mkfifo(tmp_path / "images" / "pipe.png")
+    (tmp_path / "images" / "empty.png").write_bytes(b"")
+    lines = [good] + [
+        {"id": name, "image": f"images/{name}.png", "captions": ["a red circle"]}
+        for name in ("pipe", "empty")
+    ]
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    args = ["build", "--corpus", str(manifest), "--out", str(tmp_path / "idx"), "--no-progress"]
+    got = _duet(*args, "--skip-bad", "--workers", "0", timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert "not a regular file" in got.stderr and "empty file" in got.stderr
