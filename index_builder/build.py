@@ -225,7 +225,7 @@ class _Build:
                     self._bad(entry)
                 else:
                     self.items.append(entry)
-        kept_images, self.kept_texts, self.deleted = _apply_delete(base, opts.delete)
+        kept_images, self.kept_texts, self.deleted = _apply_delete(base, opts)
         self.roots = rooted(
             base.manifest if base else None, self.corpus, self.selection, self.items
         )

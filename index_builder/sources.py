@@ -20,6 +20,7 @@ from index_builder.corpus import CorpusItem, CorpusSelection
 from index_builder.device_decode import jpeg_key
 from index_builder.encode import PlanItem, autocast_dtype, read_shard
 from index_builder.errors import BuildError
+from index_builder.options import BuildOptions
 from models.builtin import BuiltinModel
 from models.images import DECODE
 from models.loading import Models
@@ -198,7 +199,7 @@ def read_ids(path: Path, known: set[str] | None = None) -> list[str]:
     nothing (a comment)."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:
         raise BuildError(f"cannot read ids file {path}: {exc}") from exc
     ids = []
     for line in lines:
@@ -209,18 +210,30 @@ def read_ids(path: Path, known: set[str] | None = None) -> list[str]:
     return ids
 
 
+def no_ids(delete: Path | str) -> str:
+    return (
+        f"--delete {delete} lists no ids (one per line): nothing to delete (to index the "
+        "version again with another --factory, give --factory)"
+    )
+
+
 def _item_of_text(row: indexio.TextRow) -> str:
     return row.image_id if row.image_id is not None else row.id.rsplit("#", 1)[0]
 
 
 def _apply_delete(
-    base: _Base | None, delete: Path | None
+    base: _Base | None, opts: BuildOptions
 ) -> tuple[list[tuple[int, indexio.ImageRow]], list[tuple[int, indexio.TextRow]], set[str]]:
-    """The base rows (with their row numbers) left after deleting the ids in `delete`."""
+    """The base rows (with their row numbers) left after deleting the ids `opts.delete`
+    lists. A file naming none of the base's ids (only "#" comments) is refused unless the
+    build appends or asks for another --factory: it would publish a copy."""
     if base is None:
         return [], [], set()
     known = {r.id for r in base.images} | {_item_of_text(t) for t in base.texts}
+    delete = opts.delete
     ids = set(read_ids(delete, known)) if delete is not None else set()
+    if delete is not None and not ids and not (opts.append or opts.factory):
+        raise BuildError(no_ids(delete))
     unknown = sorted(ids - known)
     if unknown:
         raise BuildError(

@@ -213,13 +213,13 @@ def _option_problem(args: argparse.Namespace, device: str) -> str | None:
     if args.workers is not None and args.workers < 0:
         return "--workers must be 0 or more"
     if args.delete and not (args.append or args.factory):
-        from index_builder.sources import read_ids
+        from index_builder.sources import no_ids
 
-        if not read_ids(Path(args.delete)):  # it would publish a copy as a new version
-            return (
-                f"--delete {args.delete} lists no ids (one per line): nothing to delete (to "
-                "index the version again with another --factory, give --factory)"
-            )
+        try:  # blank lines only: told before the model loads ("#" lines may be ids)
+            if not Path(args.delete).read_text(encoding="utf-8").strip():
+                return no_ids(args.delete)
+        except (OSError, UnicodeError):
+            pass  # said by the build, which reads the file again
     if args.ray_actors is not None and args.engine != "ray":
         return "--ray-actors applies to --engine ray: leave it out, or add --engine ray"
     return None
