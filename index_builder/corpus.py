@@ -141,6 +141,13 @@ def _malformed(raw: str, exc: Exception) -> str:
     return f"malformed line: {exc}"
 
 
+MAX_ID_CHARS = 1000
+
+
+def _shown(item_id: str) -> str:
+    return repr(item_id) if len(item_id) <= 80 else f"{item_id[:60]!r}... ({len(item_id)} chars)"
+
+
 def _parse(obj: Any, line: int, base: Path) -> CorpusItem:
     if isinstance(obj, list):
         raise ValueError(f"a JSON array; {JSON_LINES}")
@@ -152,12 +159,13 @@ def _parse(obj: Any, line: int, base: Path) -> CorpusItem:
     item_id = obj.get("id")
     if not isinstance(item_id, str) or not item_id:
         raise ValueError('"id" must be a non-empty string')
-    if item_id in (".", "..") or any(c in item_id for c in "\n\r\0"):
-        # /images/.. is the page's own address to every client, and an id with a line
-        # break could never be listed in a --delete file
+    if item_id in (".", "..") or any(c in item_id for c in "\n\r\0") or len(item_id) > MAX_ID_CHARS:
+        # /images/.. is the page's own address to every client, an id with a line break
+        # could never be listed in a --delete file, and a longer one's image_url (quoted,
+        # up to 12 characters each) would pass the server's 16 KiB request line: a 431
         raise ValueError(
-            f'"id" {item_id!r} could be neither served nor deleted: not "." or "..", and no '
-            "line breaks"
+            f'"id" {_shown(item_id)} could be neither served nor deleted: not "." or "..", '
+            f"no line breaks, at most {MAX_ID_CHARS} characters"
         )
     image = obj.get("image")
     if image is not None and (not isinstance(image, str) or not image.strip()):

@@ -224,7 +224,8 @@ def test_a_delete_file_names_ids_as_written(tmp_path: Path, corpus: Path) -> Non
     lines = corpus.read_text().splitlines()[:3]
     items = [json.loads(ln) for ln in lines]
     (tmp_path / "images").mkdir()
-    for item, new_id in zip(items, ["#tag", " padded ", "a/b"], strict=True):
+    longest = "a/b" + "\U0001d11e" * 997  # the longest id: 12 characters each when quoted
+    for item, new_id in zip(items, ["#tag", " padded ", longest], strict=True):
         item["id"] = new_id
         (tmp_path / item["image"]).write_bytes((corpus.parent / item["image"]).read_bytes())
     manifest = tmp_path / "m.jsonl"
@@ -245,16 +246,16 @@ def test_a_delete_file_names_ids_as_written(tmp_path: Path, corpus: Path) -> Non
     from store.indexio import IndexVersion
 
     version = IndexVersion.open(out / "current")
-    assert [r.id for r in version.store.images(range(version.image_index.ntotal))] == ["a/b"]
+    assert [r.id for r in version.store.images(range(version.image_index.ntotal))] == [longest]
     version.close()
     svc = start_service(out, tmp_path / "serve.log", DUET_IMAGES_DIR=str(tmp_path))
     try:
-        url = svc.url + str(image_url("a/b"))
+        url = svc.url + str(image_url(longest))
         r = httpx.get(url, timeout=10)
         assert r.status_code == 200 and r.content == (tmp_path / items[2]["image"]).read_bytes()
     finally:
         stop_service(svc)
-    for bad in (".", "..", "two\nlines"):
+    for bad in (".", "..", "two\nlines", "x" * 1001):
         manifest.write_text(json.dumps({**items[2], "id": bad}) + "\n")
         refused = _duet("build", "--corpus", str(manifest), "--out", str(tmp_path / "x"))
         assert refused.returncode == 2 and "could be neither served nor deleted" in refused.stderr
