@@ -102,7 +102,7 @@ class _Build:
     ) -> None:
         self.t0 = time.perf_counter()
         self.corpus, self.out, self.model, self.opts = corpus, out, model, opts
-        self.skipped: list[str] = []
+        self.skipped: list[CorpusError] = []  # told in line order, whichever stage found it
         self.factory = opts.factory
         self.stages = Stages()
 
@@ -135,7 +135,7 @@ class _Build:
             len(self.assembled.text_rows),
             manifest.build_seconds,
             manifest,
-            self.skipped,
+            [str(e) for e in sorted(self.skipped, key=lambda e: e.line)],
             encoded=b.encoded_items,
             resumed_shards=b.resumed_shards,
             shards=b.shards,
@@ -188,7 +188,7 @@ class _Build:
                 "build a fresh index with --corpus"
             )
         if self.skipped:
-            shown = "; ".join(self.skipped[:3]) + (" ..." if len(self.skipped) > 3 else "")
+            shown = "; ".join(map(str, self.skipped[:3])) + " ..." * (len(self.skipped) > 3)
             raise BuildError(
                 f"{nothing}: --skip-bad skipped every entry of {self.corpus} "
                 f"({len(self.skipped)} bad: {shown}); fix them and run again ({keep})"
@@ -201,7 +201,7 @@ class _Build:
     def _bad(self, err: CorpusError) -> None:
         if not self.opts.skip_bad:
             raise err
-        self.skipped.append(str(err))
+        self.skipped.append(err)
         log.warning("skipping %s", err)
 
     # -- stage 2: the corpus, the base of an append / delete, the index types ----------------
