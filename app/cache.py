@@ -238,6 +238,17 @@ class ResilientCache:
             if ok:
                 log.info("cache %s answers", self.backend.where)
 
+    async def answers(self) -> bool:
+        """Whether the backend answers now, for /readyz: no while a run of time-outs leaves it
+        alone, else one bounded look-up (not counted as a request; a failure is logged as
+        any other)."""
+        if not self._bounded:
+            return True
+        if self._skipped():
+            return False
+        ok, _ = await self._call("a readiness look-up", lambda: self.backend.get("duet:ready"))
+        return ok
+
     async def close(self) -> None:
         try:
             await self.backend.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cache import LRUCache, RedisCache, ResilientCache, cache_key
+from app.cache import TRIP_AFTER, LRUCache, RedisCache, ResilientCache, cache_key
 from app.metrics import Metrics
 from tests.conftest import RedisServer, free_port, start_service, stop_service
 
@@ -271,4 +271,23 @@ async def test_the_start_up_check_tells_of_a_redis_that_does_not_answer(
     assert f"cache redis at 127.0.0.1:{redis_server.port} answers" in caplog.text
     assert sum(_count(m, r) for r in ("hit", "miss", "error")) == 0
     for cache in (down, wrong_db, up):
+        await cache.close()
+
+
+async def test_answers_tells_readyz_whether_the_cache_answers_now(
+    redis_server: RedisServer,
+) -> None:
+    """What /readyz says of the cache: asked of Redis itself (a start-up check is old news),
+    not counted as a look-up, and no while a run of time-outs leaves Redis alone."""
+    m = Metrics()
+    up = ResilientCache(RedisCache(redis_server.url, 60, 0.5), m, 0.5)
+    lru = ResilientCache(LRUCache(8, 60), m, 0.5)
+    assert await up.answers() and await lru.answers()
+    redis_server.stop()
+    assert not await up.answers()
+    tripped = ResilientCache(RedisCache(redis_server.url, 60, 0.5), m, 0.5)
+    tripped._timeouts, tripped._skip_until = TRIP_AFTER, float("inf")  # as after time-outs
+    assert not await tripped.answers()
+    assert sum(_count(m, r) for r in ("hit", "miss", "error")) == 0
+    for cache in (up, lru, tripped):
         await cache.close()

@@ -325,7 +325,7 @@ def test_health_and_ready(service: Service) -> None:
     with service.client() as c:
         assert c.get("/healthz").json() == {"status": "ok"}
         ready = c.get("/readyz").json()
-    assert ready["status"] == "ready" and ready["cache"] == "redis"
+    assert ready["status"] == "ready" and ready["cache"] == "redis" and ready["cache_answers"]
     assert ready["items"] == {"images": 40, "texts": 200}
 
 
@@ -342,6 +342,8 @@ def test_redis_killed_mid_test_requests_still_succeed(index_dir: Path, tmp_path:
                 r = c.post("/search/text", json={**q, "top_k": 3 + i})
                 assert r.status_code == 200, r.text
                 assert r.json()["cached"] is False
+            ready = c.get("/readyz")  # still ready, and says the cache is not answering
+            assert ready.status_code == 200 and ready.json()["cache_answers"] is False
             errors = _metric(c.get("/metrics").text, "duet_cache_requests_total", result="error")
             assert errors >= 5
     finally:
@@ -380,6 +382,7 @@ def test_redis_killed_and_restarted_under_load(index_dir: Path, tmp_path: Path) 
             q = {"query": "a large blue square", "top_k": 2}
             c.post("/search/text", json=q)
             assert c.post("/search/text", json=q).json()["cached"] is True  # Redis is back
+            assert c.get("/readyz").json()["cache_answers"] is True
     finally:
         redis.stop()
         stop_service(svc)

@@ -43,6 +43,8 @@ async def readyz(request: Request) -> JSONResponse:
             "index_version": index.version,
             "items": {"images": index.image_index.ntotal, "texts": index.text_index.ntotal},
             "cache": pipeline.cache.backend.name,
+            # ready either way: without an answering cache every search is computed
+            "cache_answers": await pipeline.cache.answers(),
             # whether GET /images/{id} serves this version's images here, or why not
             "images": images_unserved(index, request.app.state.settings) or "served",
             "reload": reloader.status() if reloader is not None else None,
