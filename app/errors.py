@@ -113,6 +113,20 @@ class ImageNotFound(DuetError):
     code = "not_found"
 
 
+class RangeNotSatisfiable(DuetError):
+    """GET /images/{id} with a Range header none of whose byte ranges lies in the file."""
+
+    status = 416
+    code = "range_not_satisfiable"
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size
+
+    def response_headers(self) -> dict[str, str]:
+        return {"Content-Range": f"bytes */{self.size}"}  # RFC 9110: the file's length
+
+
 class NotReady(DuetError):
     status = 503
     code = "not_ready"
@@ -221,6 +235,7 @@ _WHY = {
     409: "the index version was refused; the old one keeps serving",
     413: "body or image over its limit (DUET_MAX_BODY_BYTES, DUET_MAX_IMAGE_BYTES, "
     "DUET_MAX_IMAGE_PIXELS)",
+    416: "a Range header none of whose byte ranges lies in the image file",
     415: "a content-type the route does not take (/search/text: application/json; "
     "/search/image: multipart/form-data or application/json)",
     422: "the body or its options are invalid, or the query has no readable words",

@@ -61,6 +61,26 @@ def test_an_image_the_browser_holds_is_a_304_without_its_bytes(service: Service)
         assert changed.status_code == 200 and changed.content == first.content
 
 
+def test_a_range_is_served_ignored_or_a_json_416(service: Service) -> None:
+    """Byte ranges are served (a video-style client, a resumed download); a Range header duet
+    cannot read is ignored, the whole file sent (it was a plain-text 400), and one asking
+    for no byte of the file is a JSON 416 naming the file's length (an empty text body)."""
+    with httpx.Client(base_url=service.url, timeout=10) as c:
+        whole = c.get("/images/img-0001").content
+        n = len(whole)
+        part = c.get("/images/img-0001", headers={"Range": "bytes=2-5"})
+        assert part.status_code == 206 and part.content == whole[2:6]
+        kept = c.get("/images/img-0001", headers={"Range": f"bytes=-3, {n + 9}-"})
+        assert kept.status_code == 206 and kept.content == whole[-3:]  # the range in the file
+        for ignored in ("chars=0-3", "bytes=abc", "bytes=5-2", "bytes=", "bytes 0-1"):
+            r = c.get("/images/img-0001", headers={"Range": ignored})
+            assert r.status_code == 200 and r.content == whole, ignored
+        for outside in (f"bytes={n}-", "bytes=-0", f"bytes={n + 1}-{n + 5}"):
+            r = c.get("/images/img-0001", headers={"Range": outside})
+            assert r.status_code == 416 and r.json()["error"]["code"] == "range_not_satisfiable"
+            assert r.headers["content-range"] == f"bytes */{n}", outside
+
+
 def test_caption_hits_link_the_image_they_describe(service: Service, corpus: Path) -> None:
     png = (corpus.parent / "images" / "0003.png").read_bytes()
     with service.client() as c:

@@ -14,7 +14,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse
 
-from app.errors import ImageNotFound, NotReady, documented
+from app.errors import ImageNotFound, NotReady, RangeNotSatisfiable, documented
+from app.ranges import satisfiable
 
 if TYPE_CHECKING:
     from app.config import Settings
@@ -190,7 +191,8 @@ def images_unserved(index: IndexVersion, settings: Settings) -> str | None:
     response_class=FileResponse,
     responses={
         304: {"description": "the file the If-None-Match ETag names: unchanged, no body"},
-        **documented(404, 503),
+        206: {"description": "the byte ranges a Range header asks for"},
+        **documented(404, 416, 503),
     },
 )
 async def image(item_id: str, request: Request) -> Response:
@@ -228,12 +230,32 @@ async def image(item_id: str, request: Request) -> Response:
     # the file's stat read now, so its ETag is known before answering: a browser that still
     # holds this version of the file (If-None-Match) gets a 304 and no body again
     headers = {"Cache-Control": "public, max-age=3600"}
-    answer = FileResponse(path, headers=headers, stat_result=os.stat(path))
+    stat = os.stat(path)
+    answer = FileResponse(path, headers=headers, stat_result=stat)
     etag = answer.headers["etag"]
     asked = request.headers.get("if-none-match", "")
     if etag in (tag.strip().removeprefix("W/") for tag in asked.split(",")) or asked == "*":
         return Response(status_code=304, headers={**headers, "ETag": etag})
+    _judge_range(request, stat.st_size)  # last, as RFC 9110 orders the preconditions
     return answer
+
+
+def _judge_range(request: Request, size: int) -> None:
+    """The request's Range header as FileResponse (which reads it from the scope) is to
+    serve it: left out when it is to be ignored, cut to the ranges in the file, or a JSON
+    416 when none is (`app.ranges`)."""
+    asked = request.headers.get("range")
+    if asked is None:
+        return
+    kept = satisfiable(asked, size)
+    if kept == "":
+        raise RangeNotSatisfiable(
+            f"Range {asked!r} asks for no byte of this {size}-byte file", size
+        )
+    scope_headers = [(k, v) for k, v in request.scope["headers"] if k.lower() != b"range"]
+    if kept is not None:
+        scope_headers.append((b"range", kept.encode("latin-1")))
+    request.scope["headers"] = scope_headers
 
 
 # HEAD as GET (`FileResponse` sends no body for it): a link checker can test an image_url
