@@ -188,6 +188,7 @@ class _Build:
                 "build a fresh index with --corpus"
             )
         if self.skipped:
+            self.skipped.sort(key=lambda e: e.line)
             shown = "; ".join(map(str, self.skipped[:3])) + " ..." * (len(self.skipped) > 3)
             raise BuildError(
                 f"{nothing}: --skip-bad skipped every entry of {self.corpus} "

@@ -144,6 +144,24 @@ def _malformed(raw: str, exc: Exception) -> str:
 MAX_ID_CHARS = 1000
 
 
+def _unservable(item_id: str) -> str | None:
+    """Why an id could not be served at its image_url or listed in a --delete file."""
+    if item_id in (".", ".."):
+        return 'it is "." or ".." (/images/.. is the page\'s own address)'
+    if item_id.splitlines() != [item_id] or "\0" in item_id:
+        # what str.splitlines breaks on, as a --delete file is read
+        return (
+            "it holds a line break (\\n, \\r, \\v, \\f, \\x1c-\\x1e, \\x85, \\u2028 or "
+            "\\u2029) or a NUL, and a --delete file lists one id a line"
+        )
+    if len(item_id) > MAX_ID_CHARS:
+        return (
+            f"it has more than {MAX_ID_CHARS} characters (its image_url would pass the "
+            "server's 16 KiB request line)"
+        )
+    return None
+
+
 def _shown(item_id: str) -> str:
     return repr(item_id) if len(item_id) <= 80 else f"{item_id[:60]!r}... ({len(item_id)} chars)"
 
@@ -159,14 +177,8 @@ def _parse(obj: Any, line: int, base: Path) -> CorpusItem:
     item_id = obj.get("id")
     if not isinstance(item_id, str) or not item_id:
         raise ValueError('"id" must be a non-empty string')
-    if item_id in (".", "..") or any(c in item_id for c in "\n\r\0") or len(item_id) > MAX_ID_CHARS:
-        # /images/.. is the page's own address to every client, an id with a line break
-        # could never be listed in a --delete file, and a longer one's image_url (quoted,
-        # up to 12 characters each) would pass the server's 16 KiB request line: a 431
-        raise ValueError(
-            f'"id" {_shown(item_id)} could be neither served nor deleted: not "." or "..", '
-            f"no line breaks, at most {MAX_ID_CHARS} characters"
-        )
+    if why := _unservable(item_id):
+        raise ValueError(f'"id" {_shown(item_id)} could be neither served nor deleted: {why}')
     image = obj.get("image")
     if image is not None and (not isinstance(image, str) or not image.strip()):
         raise ValueError(

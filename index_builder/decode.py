@@ -90,9 +90,10 @@ def _decode(
     start = time.perf_counter()
     assert item.image is not None
     try:
-        if not Path(item.image).is_file():  # a named pipe would be read for ever
+        path = Path(item.image)
+        if path.exists() and not path.is_file():  # a named pipe would be read for ever
             raise OSError(f"{item.image} is not a regular file (a folder, a pipe, a device)")
-        data = Path(item.image).read_bytes()
+        data = path.read_bytes()  # a missing file: "No such file or directory"
     except OSError as exc:
         return Decoded(
             item.pos,

@@ -198,7 +198,7 @@ def read_ids(path: Path, known: set[str] | None = None) -> list[str]:
     "#tag" can be deleted); a blank line, and a "#" line that names no known id, says
     nothing (a comment)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # a BOM is no id
     except (OSError, UnicodeError) as exc:
         raise BuildError(f"cannot read ids file {path}: {exc}") from exc
     ids = []
@@ -238,7 +238,7 @@ def _apply_delete(
     if unknown:
         raise BuildError(
             f"--delete: {len(unknown)} id(s) not in {base.path.name}: "
-            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+            f"{', '.join(map(repr, unknown[:5]))}{' ...' if len(unknown) > 5 else ''}"
         )
     images = [(i, r) for i, r in enumerate(base.images) if r.id not in ids]
     texts = [(i, r) for i, r in enumerate(base.texts) if _item_of_text(r) not in ids]

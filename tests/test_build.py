@@ -89,6 +89,7 @@ def test_missing_image_stops_the_build_naming_the_line(
     with pytest.raises(CorpusError) as err:
         build(manifest, tmp_path / "idx", model, progress=False)
     assert err.value.line == 4 and "0003.png" in str(err.value)
+    assert "No such file" in str(err.value)  # not "not a regular file", as a pipe is
     assert not (tmp_path / "idx" / "current").exists()  # nothing half-built is served
 
 

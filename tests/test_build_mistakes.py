@@ -122,6 +122,9 @@ def test_cli_refuses_an_empty_version_and_keeps_current(
     bad.write_text('{not json\n{"id": "x", "image": "missing.png"}\n{"id": "y", "path": "p"}\n')
     proc = _duet_build("--corpus", bad, "--out", out, "--skip-bad")
     _said(proc, 2, "--skip-bad skipped every entry", "3 bad", "bad.jsonl:1:", "current is left")
+    said = proc.stderr.partition("error:")[2]  # line 2 failed to decode after 3 was read
+    told = [said.index(f"bad.jsonl:{n}:") for n in (1, 2, 3)]
+    assert told == sorted(told), said
     assert os.readlink(out / "current") == first.version
     assert {p.name for p in out.iterdir() if not p.name.startswith(".")} == {
         "current",

@@ -216,7 +216,7 @@ def _option_problem(args: argparse.Namespace, device: str) -> str | None:
         from index_builder.sources import no_ids
 
         try:  # blank lines only: told before the model loads ("#" lines may be ids)
-            if not Path(args.delete).read_text(encoding="utf-8").strip():
+            if not Path(args.delete).read_text(encoding="utf-8-sig").strip():
                 return no_ids(args.delete)
         except (OSError, UnicodeError):
             pass  # said by the build, which reads the file again
