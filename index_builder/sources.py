@@ -212,8 +212,9 @@ def read_ids(path: Path, known: set[str] | None = None) -> list[str]:
 
 def no_ids(delete: Path | str) -> str:
     return (
-        f"--delete {delete} lists no ids (one per line): nothing to delete (to index the "
-        "version again with another --factory, give --factory)"
+        f"--delete {delete} lists no ids (one per line; a '#' line naming no id of the "
+        "version is a comment): nothing to delete (to index the version again with another "
+        "--factory, give --factory)"
     )
 
 

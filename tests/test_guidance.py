@@ -97,6 +97,7 @@ def test_head_on_the_page_is_get_without_the_body(served: tuple[Any, httpx.Clien
         ("/search/text", '{"query": "a", "lambda": NaN}', "lambda: Input should be a finite"),
         ("/search/image", "{}", 'image_b64: Field required; send a JSON object such as {"image'),
         ("/search/image", "[1]", 'the body must be a JSON object such as {"image_b64": '),
+        ("/search/image", "", 'the body is empty; send a JSON object such as {"image_b64": '),
         (
             "/search/image",
             '{"image_b64": "eA==", "query": "a red circle"}',

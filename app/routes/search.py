@@ -374,6 +374,8 @@ async def search_image(request: Request, pipeline: PipelineDep, settings: Settin
         fields = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
         opts = _options(fields, SearchOptions, _FORM_FIELDS)
     elif media == "application/json":
+        if not await request.body():  # told as /search/text tells it
+            raise ValidationFailed(f"the body is empty; send a JSON object such as {IMAGE_EXAMPLE}")
         try:
             payload = await request.json()
         except (ValueError, UnicodeDecodeError) as exc:
