@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-_SPEC = re.compile(r"\s*(\d*)\s*-\s*(\d*)\s*")
+_SPEC = re.compile(r"[ \t]*([0-9]{0,18})[ \t]*-[ \t]*([0-9]{0,18})[ \t]*")  # past 10**18: ignored
 
 
 def satisfiable(value: str, size: int) -> str | None:

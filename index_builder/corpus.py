@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,7 +123,10 @@ def read_manifest(manifest: Path) -> Iterator[CorpusItem | CorpusError]:
             if not raw.strip():
                 continue
             try:
-                item = _parse(json.loads(raw), n, base)
+                obj = json.loads(raw)
+                if _SURROGATE.search(raw) and (why := _unencodable(obj)):
+                    raise ValueError(why)
+                item = _parse(obj, n, base)
             except (ValueError, TypeError) as exc:
                 yield CorpusError(manifest, n, _malformed(raw, exc))
                 continue
@@ -131,6 +135,20 @@ def read_manifest(manifest: Path) -> Iterator[CorpusItem | CorpusError]:
                 continue
             seen.add(item.id)
             yield item
+
+
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # JSON's escape of a UTF-16 surrogate
+
+
+def _unencodable(value: Any) -> str | None:
+    """Why `value` holds no text (a lone UTF-16 surrogate, JSON's "\\ud800" with no pair:
+    no UTF-8 holds it, so it could be neither stored nor served), or None."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        half = exc.object[exc.start : exc.end]
+        return f"holds {half!r}, half of a UTF-16 surrogate pair with no other half: not text"
+    return None
 
 
 def _malformed(raw: str, exc: Exception) -> str:
@@ -332,6 +350,8 @@ def _karpathy_item(entry: Any, i: int, dataset: str, root: Path, where: str) -> 
         if not isinstance(raw, str) or not raw.strip():
             raise ValueError('every sentence needs a non-empty "raw" string')
         caps.append(raw.strip())
+    if why := _unencodable([rel, caps]):
+        raise ValueError(why)
     meta: dict[str, Any] = {"dataset": dataset, "split": entry["split"], "filename": name}
     for key in ("imgid", "cocoid", "sentids"):
         if key in entry:

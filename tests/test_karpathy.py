@@ -256,3 +256,28 @@ def test_split_and_images_root_key_the_shards(model: BuiltinModel) -> None:
         )
         == 4
     )
+
+
+def test_a_lone_surrogate_is_a_bad_entry_in_either_format(kcorpus: Path, tmp_path: Path) -> None:
+    """JSON's "\\ud800" with no other half is no text UTF-8 holds: such an id, caption or meta
+    value ended the build in a UnicodeEncodeError as the item store was written. Now the
+    entry is bad (skippable), naming it; a whole pair (an emoji) is text."""
+    good = json.loads(kcorpus.read_text().splitlines()[0])
+    lines = [
+        json.dumps({**good, "id": "pair", "captions": ["a red \U0001f534 circle"]}),
+        json.dumps({**good, "id": "a\ud800b"}),
+        json.dumps({**good, "id": "cap", "captions": ["a red \udc00 circle"]}),
+        json.dumps({**good, "id": "meta", "meta": {"note": "\ud83d"}}),
+    ]
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "images").symlink_to(kcorpus.parent / "images")
+    entries = list(read_corpus(tmp_path / "m.jsonl")[1])
+    assert not isinstance(entries[0], CorpusError) and entries[0].id == "pair"
+    for bad in entries[1:]:
+        assert isinstance(bad, CorpusError) and "surrogate pair with no other half" in str(bad)
+    doc = json.loads((kcorpus.parent / "flickr.json").read_text())
+    doc["images"][9]["sentences"][0]["raw"] = "a red \ud800 circle"
+    (tmp_path / "k.json").write_text(json.dumps(doc))
+    selected = list(read_corpus(tmp_path / "k.json", "test", kcorpus.parent / "images")[1])
+    [bad] = [e for e in selected if isinstance(e, CorpusError)]
+    assert "images[9] (0009.png)" in str(bad) and "no other half" in str(bad)

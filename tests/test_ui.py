@@ -72,13 +72,28 @@ def test_a_range_is_served_ignored_or_a_json_416(service: Service) -> None:
         assert part.status_code == 206 and part.content == whole[2:6]
         kept = c.get("/images/img-0001", headers={"Range": f"bytes=-3, {n + 9}-"})
         assert kept.status_code == 206 and kept.content == whole[-3:]  # the range in the file
-        for ignored in ("chars=0-3", "bytes=abc", "bytes=5-2", "bytes=", "bytes 0-1"):
+        huge = "9" * 5000  # past int()'s 4,300 digits: it was a 500
+        for ignored in (
+            "chars=0-3",
+            "bytes=abc",
+            "bytes=5-2",
+            "bytes=",
+            "bytes 0-1",
+            f"bytes={huge}-",
+        ):
             r = c.get("/images/img-0001", headers={"Range": ignored})
             assert r.status_code == 200 and r.content == whole, ignored
         for outside in (f"bytes={n}-", "bytes=-0", f"bytes={n + 1}-{n + 5}"):
             r = c.get("/images/img-0001", headers={"Range": outside})
             assert r.status_code == 416 and r.json()["error"]["code"] == "range_not_satisfiable"
             assert r.headers["content-range"] == f"bytes */{n}", outside
+        # If-Range: ranges of the file as the client holds it, else the whole file
+        tag = part.headers["etag"]
+        same = c.get("/images/img-0001", headers={"Range": "bytes=2-5", "If-Range": tag})
+        assert same.status_code == 206 and same.content == whole[2:6]
+        stale = {"Range": f"bytes={n}-", "If-Range": '"stale"'}  # was a 416
+        r = c.get("/images/img-0001", headers=stale)
+        assert r.status_code == 200 and r.content == whole
 
 
 def test_caption_hits_link_the_image_they_describe(service: Service, corpus: Path) -> None:

@@ -375,7 +375,9 @@ async def search_image(request: Request, pipeline: PipelineDep, settings: Settin
         opts = _options(fields, SearchOptions, _FORM_FIELDS)
     elif media == "application/json":
         if not await request.body():  # told as /search/text tells it
-            raise ValidationFailed(f"the body is empty; send a JSON object such as {IMAGE_EXAMPLE}")
+            said = f"the body is empty; send a JSON object such as {IMAGE_EXAMPLE}"
+            missing = {"type": "missing", "loc": ["body"], "msg": said}
+            raise ValidationFailed(said, details=[missing])
         try:
             payload = await request.json()
         except (ValueError, UnicodeDecodeError) as exc:

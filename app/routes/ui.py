@@ -236,21 +236,26 @@ async def image(item_id: str, request: Request) -> Response:
     asked = request.headers.get("if-none-match", "")
     if etag in (tag.strip().removeprefix("W/") for tag in asked.split(",")) or asked == "*":
         return Response(status_code=304, headers={**headers, "ETag": etag})
-    _judge_range(request, stat.st_size)  # last, as RFC 9110 orders the preconditions
+    _judge_range(request, answer)  # last, as RFC 9110 orders the preconditions
     return answer
 
 
-def _judge_range(request: Request, size: int) -> None:
-    """The request's Range header as FileResponse (which reads it from the scope) is to
-    serve it: left out when it is to be ignored, cut to the ranges in the file, or a JSON
-    416 when none is (`app.ranges`)."""
+def _judge_range(request: Request, answer: FileResponse) -> None:
+    """The request's Range header as `answer` (which reads it from the scope) is to serve
+    it: left out when it is to be ignored, or when an If-Range names another state of the
+    file (the whole file, as RFC 9110 says), cut to the ranges in the file, or a JSON 416
+    when none is (`app.ranges`)."""
     asked = request.headers.get("range")
     if asked is None:
         return
-    kept = satisfiable(asked, size)
+    size = int(answer.headers["content-length"])
+    if_range = request.headers.get("if-range")
+    current = (answer.headers["etag"], answer.headers["last-modified"])
+    kept = satisfiable(asked, size) if if_range is None or if_range in current else None
     if kept == "":
+        shown = asked if len(asked) <= 60 else asked[:60] + "..."
         raise RangeNotSatisfiable(
-            f"Range {asked!r} asks for no byte of this {size}-byte file", size
+            f"Range {shown!r} asks for no byte of this {size}-byte file", size
         )
     scope_headers = [(k, v) for k, v in request.scope["headers"] if k.lower() != b"range"]
     if kept is not None:

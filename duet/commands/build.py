@@ -212,7 +212,8 @@ def _option_problem(args: argparse.Namespace, device: str) -> str | None:
         return "--batch-size and --shard-size must be at least 1"
     if args.workers is not None and args.workers < 0:
         return "--workers must be 0 or more"
-    if args.delete and not (args.append or args.factory):
+    # a --factory or DUET_INDEX_FACTORY (the build's factory) makes it a reindex
+    if args.delete and not (args.append or args.factory or os.environ.get("DUET_INDEX_FACTORY")):
         from index_builder.sources import no_ids
 
         try:  # blank lines only: told before the model loads ("#" lines may be ids)
