@@ -17,16 +17,31 @@ def _redis_url(url: str) -> str:
     """An empty URL (the in-process cache) or one redis-py reads; its own words otherwise,
     with the forms it takes (a typo failed the start-up with a traceback, after the load)."""
     if url:
+        from urllib.parse import urlparse
+
         from redis.connection import parse_url
 
         try:
             parse_url(url)
+            db = urlparse(url).path.strip("/") if url.startswith(("redis:", "rediss:")) else ""
+            if db and not db.isdigit():  # redis-py takes db 0 for it, without a word
+                raise ValueError(f"the database {db!r} is no number")
         except ValueError as exc:
             raise ValueError(
                 f"{exc}: give redis://[:password@]host:port/db, rediss://... (TLS) or "
                 "unix:///path/to/redis.sock, or leave it empty for the in-process cache"
             ) from exc
     return url
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _log_level(level: str) -> str:
+    """A level as logging and uvicorn both take it (a wrong one was logging's traceback)."""
+    if level.strip().lower() not in LOG_LEVELS:
+        raise ValueError(f"unknown level {level!r}: one of {', '.join(LOG_LEVELS)}")
+    return level.strip().lower()
 
 
 class Settings(BaseSettings):
@@ -92,7 +107,7 @@ class Settings(BaseSettings):
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    log_level: str = "info"
+    log_level: Annotated[str, AfterValidator(_log_level)] = "info"
     access_log: bool = Field(
         False,
         description="one log line per HTTP request (method, path, status) from uvicorn",

@@ -87,6 +87,22 @@ def test_a_port_in_use_is_one_clear_line_before_anything_loads(tmp_path: Path) -
         assert claim not in proc.stderr, proc.stderr
 
 
+def test_a_liveness_port_in_use_names_its_setting(tmp_path: Path) -> None:
+    """It was "duet: error: Address already in use", naming no port and no setting."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"DUET_HEALTH_PORT": str(port), "DUET_PORT": "0", "DUET_INDEX_DIR": str(tmp_path)}
+        full = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, **env}
+        proc = subprocess.run(
+            [*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60
+        )
+    assert proc.returncode == 2, proc.stderr
+    assert f"127.0.0.1:{port} for the liveness port" in proc.stderr
+    assert "set DUET_HEALTH_PORT" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_the_port_is_not_held_while_the_model_loads(tmp_path: Path) -> None:
     """The port is tried, not kept: a service that refuses to start (no index here) leaves
     it to anyone, and one that another socket merely bound (not listening) still starts."""
@@ -132,6 +148,11 @@ def test_precision_setting_reaches_the_cross_encoder(
         # a traceback after "serving on", exit 3, before the URL was checked with the others
         ({"DUET_REDIS_URL": "http://127.0.0.1:6379"}, "DUET_REDIS_URL: Redis URL must specify"),
         ({"DUET_REDIS_URL": "redis://h:notaport/0"}, "give redis://[:password@]host:port/db"),
+        # taken as db 0 without a word
+        ({"DUET_REDIS_URL": "redis://h:6379/abc"}, "the database 'abc' is no number"),
+        ({"DUET_LOG_LEVEL": "loud"}, "DUET_LOG_LEVEL: unknown level 'loud': one of"),  # a traceback
+        # found after the load, as uvicorn's "address already in use"
+        ({"DUET_HEALTH_PORT": "18431", "DUET_PORT": "18431"}, "DUET_HEALTH_PORT is the service's"),
     ],
 )
 def test_bad_setting_is_a_clear_error(index_dir: Path, env: dict[str, str], says: str) -> None:

@@ -77,6 +77,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = load_settings(host=args.host, port=args.port, index_dir=args.index_dir)
     setup_logging(settings.log_level)
     check_port(settings.host, settings.port)  # in use: one line now, not after the load
+    if settings.health_port and settings.health_port == settings.port:
+        return fail(
+            f"DUET_HEALTH_PORT is the service's own port ({settings.port}): give the liveness "
+            "port another (8001 in the images), or 0 for none"
+        )
     return _serve(settings)
 
 
@@ -87,12 +92,20 @@ def _serve(settings: Any) -> int:
     from app.limits import uvicorn_options
     from app.liveness import Heartbeat, LivenessServer
     from app.main import create_app, front_count, load_resources, queue_target_ms
+    from models.errors import UserError
 
     heartbeat = Heartbeat()
     if settings.health_port:  # up while the model loads: "starting" until the loop beats
-        LivenessServer(
-            settings.host, settings.health_port, heartbeat, settings.health_stall_s
-        ).start()
+        try:
+            liveness = LivenessServer(
+                settings.host, settings.health_port, heartbeat, settings.health_stall_s
+            )
+        except OSError as exc:
+            raise UserError(
+                f"cannot listen on {settings.host}:{settings.health_port} for the liveness "
+                f"port: {exc.strerror or exc}; set DUET_HEALTH_PORT to a free port, or 0 for none"
+            ) from exc
+        liveness.start()
     resources = load_resources(settings)
     paced = queue_target_ms(settings, resources.model)  # auto, resolved on the model's device
     settings = settings.model_copy(update={"http_queue_target_ms": paced})
