@@ -10,11 +10,11 @@ import argparse
 import os
 import sys
 
-from duet.commands import build, evaluate, serve, train
+# the commands (numpy, torch, ...) are imported inside `main`'s Ctrl-C handling: a Ctrl-C
+# while a front or a command starts was a KeyboardInterrupt traceback
 from duet.commands.common import EXIT_INTERRUPTED, HelpFormatter, fail
-from duet.commands.evaluate import eval_modes
 
-__all__ = ["eval_modes", "main", "parser"]
+__all__ = ["main", "parser"]
 
 
 def _version() -> str:
@@ -27,6 +27,8 @@ def _version() -> str:
 
 
 def parser() -> argparse.ArgumentParser:
+    from duet.commands import build, evaluate, serve, train
+
     p = argparse.ArgumentParser(
         prog="duet",
         description="Image-text retrieval: encode a corpus into FAISS indexes, "
@@ -62,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     ends a command with one line saying what it left (status 130), and a failure of the
     machine's files (a full disk, a read-only folder, a file where a folder goes) with the
     system's own message and the path (status 1), not a traceback."""
-    from models.errors import UserError
+    try:
+        from models.errors import UserError
 
-    args = parser().parse_args(argv)
+        args = parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("duet: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     try:
         return int(args.fn(args))
     except UserError as exc:

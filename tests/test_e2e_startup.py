@@ -204,3 +204,21 @@ def test_cuda_without_a_gpu_is_refused(index_dir: Path) -> None:
     }
     proc = subprocess.run([*DUET, "serve"], env=full, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr
+
+
+def test_a_second_ctrl_c_quits_at_once_in_one_line(index_dir: Path, tmp_path: Path) -> None:
+    """uvicorn's force quit (Ctrl-C twice) skips the app's shutdown, and logged the lifespan
+    task it then cancelled as a CancelledError traceback: one line says it now, exit 0."""
+    import signal
+    import time
+
+    from tests.conftest import start_service
+
+    svc = start_service(index_dir, tmp_path / "serve.log", DUET_REDIS_URL="")
+    svc.proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    svc.proc.send_signal(signal.SIGINT)
+    assert svc.proc.wait(timeout=30) == 0
+    said = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in said and "CancelledError" not in said, said
+    assert "forced to quit (a second Ctrl-C)" in said

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import threading
@@ -126,7 +128,7 @@ def _serve(settings: Any) -> int:
     )
     if fronts:
         return _serve_with_fronts(settings, app, fronts)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -134,7 +136,28 @@ def _serve(settings: Any) -> int:
         access_log=settings.access_log,
         **uvicorn_options(settings, app.state.metrics),
     )
-    return 0
+    quiet_forced_quit()
+    server = uvicorn.Server(config)
+    with contextlib.suppress(KeyboardInterrupt):  # raised again once uvicorn has shut down
+        server.run()
+    return 0 if server.started else 3  # as uvicorn.run: the port taken during the load
+
+
+class _ForcedQuit(logging.Filter):
+    """A second Ctrl-C is uvicorn's force quit: it skips the app's shutdown, and uvicorn
+    logs the lifespan task it then cancels as a traceback. One line says it instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text.startswith("Traceback") and text.rstrip().endswith("CancelledError"):
+            log.warning("forced to quit (a second Ctrl-C): requests in flight were cut")
+            return False
+        return True
+
+
+def quiet_forced_quit() -> None:
+    """After uvicorn configured its loggers (`uvicorn.Config`)."""
+    logging.getLogger("uvicorn.error").addFilter(_ForcedQuit())
 
 
 def check_port(host: str, port: int) -> None:
@@ -213,6 +236,7 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> int:
         access_log=settings.access_log,
         **uvicorn_options(settings),
     )
+    quiet_forced_quit()
     server = uvicorn.Server(config)
     emptied = threading.Event()
 
@@ -265,7 +289,9 @@ def cmd_serve_front(args: argparse.Namespace) -> int:
         # its 429s at the in-flight cap counted by the owner, as its other metrics
         **uvicorn_options(settings, app.state.metrics),
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    quiet_forced_quit()
+    with contextlib.suppress(KeyboardInterrupt):  # as the owner
+        uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 
