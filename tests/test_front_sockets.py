@@ -155,6 +155,10 @@ def test_a_front_that_dies_is_replaced(index_dir: Path, tmp_path: Path, count: s
             with httpx.Client(base_url=svc.url, timeout=10) as c:
                 assert c.post("/search/text", json=body).status_code == 200
         assert f"front {fronts[0]} exited" in log.read_text()
+        with httpx.Client(base_url=svc.url, timeout=10) as c:  # replaced: as many as wanted
+            said = c.get("/metrics").text
+        for state in ("wanted", "alive"):
+            assert f'duet_fronts{{state="{state}"}} {float(count)}' in said, said
     finally:
         stop_service(svc)
 
@@ -173,10 +177,11 @@ def test_the_owner_stops_when_no_front_is_left_to_serve(tmp_path: Path) -> None:
     def listen() -> socket.socket:  # a front slower than FRONT_SETTLE_S to fail: none either
         raise OSError("no socket for a replacement")
 
-    fronts = FrontProcesses(env, listen, emptied.set)
+    told: list[int] = []  # duet_fronts{state="alive"}, as the owner sets it
+    fronts = FrontProcesses(env, listen, emptied.set, told=told.append)
     fronts.start(sockets, 2)
     try:
         assert emptied.wait(120), "never told that no front was left"
-        assert fronts.alive() == 0
+        assert fronts.alive() == 0 and told[0] == 2 and told[-1] == 0
     finally:
         fronts.stop()

@@ -74,8 +74,10 @@ class FrontProcesses:
         listen: Callable[[], Any],
         on_empty: Callable[[], None],
         ending: Callable[[], bool] = lambda: False,
+        told: Callable[[int], None] = lambda alive: None,
     ) -> None:
         self.env = env
+        self._told = told  # of the fronts alive, at each look (duet_fronts{state="alive"})
         self._listen = listen  # () -> a new listening socket of its own for a front
         self._on_empty = on_empty
         self._ending = ending  # the service is shutting down (a Ctrl-C reaches the fronts too)
@@ -93,6 +95,7 @@ class FrontProcesses:
         if self._shared is None:
             for sock in sockets:
                 sock.close()  # the fronts hold them now: a front's socket ends with the front
+        self._told(count)
         threading.Thread(target=self._watch, name="duet-fronts-watch", daemon=True).start()
 
     def _spawn(self, sock: Any) -> tuple[Any, float]:
@@ -133,7 +136,9 @@ class FrontProcesses:
                     )
                     if not self._replace(i):
                         given_up.add(i)
-                empty = self.alive() == 0 and not self._stopping.is_set()
+                alive = self.alive()
+                self._told(alive)
+                empty = alive == 0 and not self._stopping.is_set()
             if empty:
                 log.error(
                     "no front serves the public port: stopping, for the supervisor to start "

@@ -244,12 +244,14 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> int:
         emptied.set()
         server.should_exit = True
 
+    app.state.metrics.fronts.labels(state="wanted").set(count)
     fronts = FrontProcesses(
         env,
         # a replacement's own socket where each front has one (SO_REUSEPORT)
         lambda: listen_on(host, port, settings.http_backlog, reuse_port=True),
         on_empty,
         lambda: server.should_exit,
+        app.state.metrics.fronts.labels(state="alive").set,
     )
     fronts.start(public, count)
     app.state.engine_socket = path
