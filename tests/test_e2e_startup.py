@@ -20,7 +20,7 @@ from models.builtin import save_model
 from models.joint import JointConfig, JointModel
 from models.tokenizer import WordTokenizer
 from models.world import vocabulary
-from tests.conftest import CHILD_PYTHONPATH, DUET
+from tests.conftest import CHILD_PYTHONPATH, DUET, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -85,6 +85,31 @@ def test_a_port_in_use_is_one_clear_line_before_anything_loads(tmp_path: Path) -
     assert "--port" in proc.stderr and "DUET_PORT" in proc.stderr
     for claim in ("serving on", "duet ready", "Traceback", "duet build"):
         assert claim not in proc.stderr, proc.stderr
+
+
+def test_a_misspelt_setting_is_told_with_the_name_it_is_closest_to() -> None:
+    """DUET_REDIS_ULR was ignored without a word (the service ran on the in-process cache);
+    docker-compose's own DUET_* variables and Kubernetes' service links are not settings."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": CHILD_PYTHONPATH,
+        "DUET_REDIS_ULR": "redis://127.0.0.1:6379/0",
+        "DUET_FLAVOR": "cpu",
+        "DUET_API_PORT": "tcp://10.0.0.1:8000",
+    }
+    url = f"http://127.0.0.1:{free_port()}/healthz"
+    proc = subprocess.run(
+        [*DUET, "healthcheck", "--url", url, "--timeout", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        "ignoring DUET_REDIS_ULR: no duet setting has that name; did you mean DUET_REDIS_URL?"
+        in (proc.stderr)
+    )
+    assert "DUET_FLAVOR" not in proc.stderr and "DUET_API_PORT" not in proc.stderr
 
 
 def test_a_liveness_port_in_use_names_its_setting(tmp_path: Path) -> None:

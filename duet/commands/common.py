@@ -60,7 +60,7 @@ def load_settings(**overrides: Any) -> Settings:
     from models.errors import UserError
 
     try:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+        settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         said: dict[str, list[str]] = {}  # a union's members each explain themselves
         for e in exc.errors():
@@ -69,6 +69,44 @@ def load_settings(**overrides: Any) -> Settings:
             )
         bad = "; ".join(f"{name}: {' or '.join(msgs)}" for name, msgs in said.items())
         raise UserError(f"invalid setting(s): {bad} (see .env.example for every setting)") from exc
+    _tell_unknown(Settings)
+    return settings
+
+
+# DUET_* variables that are no setting: docker-compose's (.env.example), the process
+# layout's own (app.fronts), the CLI's and the tests'
+NOT_SETTINGS = {"FLAVOR", "PUBLISH_ADDR", "PUBLISH_PORT", "CORPUS_DIR", "CORPUS_MANIFEST"}
+NOT_SETTINGS |= {"TRACEBACK", "TEST_NO_APT", "SCREENSHOT"}
+
+
+def _tell_unknown(settings: type[Settings]) -> None:
+    """Warn of a DUET_* variable that names no setting (a typo such as DUET_REDIS_ULR was
+    silently ignored: the service ran on its default), naming the setting it is closest to.
+    Kubernetes' service links (DUET_API_PORT=tcp://..., *_SERVICE_HOST) are not told."""
+    import difflib
+    import os
+
+    if "DUET_FRONT_FD" in os.environ:  # a front: its owner told it
+        return
+    known = {f"DUET_{name.upper()}" for name in settings.model_fields}
+    for name, value in sorted(os.environ.items()):
+        rest = name.removeprefix("DUET_")
+        if (
+            rest == name
+            or name in known
+            or rest in NOT_SETTINGS
+            or rest.startswith("FRONT_")
+            or "_SERVICE_" in rest
+            or "_PORT_" in rest
+            or value.startswith(("tcp://", "udp://"))
+        ):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        log.warning(
+            "ignoring %s: no duet setting has that name%s (docs/configuration.md lists them)",
+            name,
+            f"; did you mean {close[0]}?" if close else "",
+        )
 
 
 def model_choices(args: argparse.Namespace, settings: Settings) -> tuple[str, str, tuple[str, str]]:
