@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, SecretStr
+from pydantic import AfterValidator, BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.fusion import DEFAULT_FUSION_LAMBDA
@@ -32,6 +32,18 @@ def _redis_url(url: str) -> str:
                 "unix:///path/to/redis.sock, or leave it empty for the in-process cache"
             ) from exc
     return url
+
+
+def _token(token: SecretStr | None) -> SecretStr | None:
+    """A token no Authorization header can carry (HTTP takes the spaces around a header's
+    value off) would turn /admin/reload on and answer every call 401."""
+    if token is not None and token.get_secret_value() != token.get_secret_value().strip():
+        raise ValueError("it has spaces around it, which no Authorization header carries")
+    return token
+
+
+def _lower(value: object) -> object:
+    return value.strip().lower() if isinstance(value, str) else value
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -66,7 +78,7 @@ class Settings(BaseSettings):
     index_poll_s: float = Field(
         5.0, ge=0, description="how often to look for a new INDEX_DIR/current; 0 = never"
     )
-    admin_token: SecretStr | None = Field(
+    admin_token: Annotated[SecretStr | None, AfterValidator(_token)] = Field(
         None, description="bearer token for POST /admin/reload; unset = endpoint disabled"
     )
     model_dir: Path | None = Field(None, description="model weights; empty = shipped weights")
@@ -96,7 +108,9 @@ class Settings(BaseSettings):
         "resident on the device; batches cut by pairs), cpu = the host path tuned for CPU "
         "cores; auto = gpu when the model runs on CUDA",
     )
-    frontends: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
+    frontends: Annotated[
+        Annotated[int, Field(ge=0, le=64)] | Literal["auto"], BeforeValidator(_lower)
+    ] = Field(
         "auto",
         description="the process layout: N > 0 starts N front processes that serve HTTP "
         "(validation, image checks, tokenising, the cache, JSON) on the public port and hand "

@@ -175,6 +175,8 @@ def test_precision_setting_reaches_the_cross_encoder(
         ({"DUET_REDIS_URL": "redis://h:notaport/0"}, "give redis://[:password@]host:port/db"),
         # taken as db 0 without a word
         ({"DUET_REDIS_URL": "redis://h:6379/abc"}, "the database 'abc' is no number"),
+        # on, and every call a 401: HTTP takes the spaces off the header's value
+        ({"DUET_ADMIN_TOKEN": " tok"}, "DUET_ADMIN_TOKEN: it has spaces around it"),
         ({"DUET_LOG_LEVEL": "loud"}, "DUET_LOG_LEVEL: unknown level 'loud': one of"),  # a traceback
         # found after the load, as uvicorn's "address already in use"
         ({"DUET_HEALTH_PORT": "18431", "DUET_PORT": "18431"}, "DUET_HEALTH_PORT is the service's"),
@@ -247,3 +249,12 @@ def test_a_second_ctrl_c_quits_at_once_in_one_line(index_dir: Path, tmp_path: Pa
     said = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in said and "CancelledError" not in said, said
     assert "forced to quit (a second Ctrl-C)" in said
+
+
+def test_a_setting_names_the_flag_that_gave_it_and_auto_takes_any_case() -> None:
+    from duet.commands.common import load_settings
+    from models.errors import UserError
+
+    with pytest.raises(UserError, match=r"--port: Input should be less than or equal to 65535"):
+        load_settings(port=99999)  # it said DUET_PORT, which was not set
+    assert Settings(frontends="AUTO").frontends == "auto"  # was refused

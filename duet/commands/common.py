@@ -64,9 +64,11 @@ def load_settings(**overrides: Any) -> Settings:
     except ValidationError as exc:
         said: dict[str, list[str]] = {}  # a union's members each explain themselves
         for e in exc.errors():
-            said.setdefault(f"DUET_{str(e['loc'][0]).upper()}", []).append(
-                e["msg"].removeprefix("Value error, ")
-            )
+            field = str(e["loc"][0])
+            # the command's flag where it gave the value (--port 99999 was told as DUET_PORT)
+            flag = "--factory" if field == "index_factory" else f"--{field.replace('_', '-')}"
+            named = flag if overrides.get(field) is not None else f"DUET_{field.upper()}"
+            said.setdefault(named, []).append(e["msg"].removeprefix("Value error, "))
         bad = "; ".join(f"{name}: {' or '.join(msgs)}" for name, msgs in said.items())
         raise UserError(f"invalid setting(s): {bad} (see .env.example for every setting)") from exc
     _tell_unknown(Settings)
