@@ -73,15 +73,6 @@ class Metrics:
         self.ready = Gauge(
             "duet_ready", "1 when model and index are loaded and search is served", registry=r
         )
-        self.fronts = Gauge(
-            "duet_fronts",
-            "Front processes on the public port (process layout, DUET_FRONTENDS): wanted, and "
-            "alive (one that died within its first 10 s is not replaced); 0 and 0 in one process",
-            ["state"],
-            registry=r,
-        )
-        for state in ("wanted", "alive"):
-            self.fronts.labels(state=state)
         self.queue_depth = Gauge(
             "duet_queue_depth", "Requests waiting for an inference-engine worker", registry=r
         )
@@ -101,7 +92,17 @@ class Metrics:
             self.stage_seconds.labels(stage=stage)
 
     def _engine_metrics(self, r: CollectorRegistry) -> None:
-        """The batches the engine forms and the device steps it runs."""
+        """The batches the engine forms, the device steps it runs, and the fronts that feed
+        it (the process layout)."""
+        self.fronts = Gauge(
+            "duet_fronts",
+            "Front processes on the public port (process layout, DUET_FRONTENDS): wanted, and "
+            "alive (one that died within its first 10 s is not replaced); 0 and 0 in one process",
+            ["state"],
+            registry=r,
+        )
+        for state in ("wanted", "alive"):
+            self.fronts.labels(state=state)
         self.rerank_batch_size = Histogram(
             "duet_rerank_batch_size",
             "Pairs per cross-encoder forward pass",
