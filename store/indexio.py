@@ -58,6 +58,11 @@ log = logging.getLogger("duet.index")
 def resolve_current(index_dir: Path) -> Path:
     """The version directory `DIR/current` points at."""
     link = Path(index_dir) / CURRENT
+    if link.is_symlink() and not link.exists():  # said "no index at": there is one, lost
+        raise IndexLoadError(
+            f"{link} points to {os.readlink(link)}, which does not exist: point it at a "
+            f"version in {index_dir} (ln -sfn VERSION {link}) or build one with `duet build`"
+        )
     if not link.exists():
         raise IndexLoadError(
             f"no index at {link}: build one with `duet build --corpus MANIFEST --out {index_dir}` "
@@ -101,6 +106,15 @@ def file_checks(path: Path, files: Any) -> tuple[list[functools.partial[None]], 
     names = sorted(files, key=lambda name: -(path / name).stat().st_size)
     digests = [functools.partial(integrity.check_digest, path, n, files[n]) for n in names]
     return digests, vectors
+
+
+def _tell_damage(path: Path, files: Any) -> None:
+    """IndexLoadError naming a file the version failed to load from that cannot be read or
+    differs from its sha256 in the manifest (a truncated .faiss was FAISS's `read_xb_vector
+    ... 155 != 773120`, an unreadable item store SQLite's "unable to open database file")."""
+    for name in (IMAGE_INDEX, TEXT_INDEX, IMAGE_TOKENS, ITEMS):
+        if isinstance(files, dict) and isinstance(files.get(name), str):
+            integrity.check_digest(path, name, files[name])
 
 
 @dataclass
@@ -206,6 +220,7 @@ class IndexVersion:
             table = np.load(path / IMAGE_TOKENS, mmap_mode="r")
             store = ItemStore(path / ITEMS)
         except (OSError, RuntimeError, ValueError, sqlite3.Error) as exc:
+            _tell_damage(path, manifest.files)  # FAISS's or SQLite's own words otherwise
             raise IndexLoadError(f"index {path} is incomplete or corrupt: {exc}") from exc
         counts = manifest.counts
         if (

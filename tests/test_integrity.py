@@ -22,6 +22,7 @@ from store.indexio import (
     IMAGE_VECTORS,
     ITEMS,
     MANIFEST,
+    TEXT_INDEX,
     IndexLoadError,
     IndexVersion,
     ItemStore,
@@ -152,6 +153,18 @@ def test_damage_with_matching_hashes_is_refused(
             version.verify()
     finally:
         version.close()
+
+
+def test_a_file_that_fails_to_load_is_named_by_its_digest(index_dir: Path, tmp_path: Path) -> None:
+    """A truncated FAISS file was refused in FAISS's own words (`read_xb_vector ... 155 !=
+    773120`), though the manifest lists its sha256: now the file and its digest are named."""
+
+    def truncate(path: Path) -> None:
+        data = (path / TEXT_INDEX).read_bytes()
+        (path / TEXT_INDEX).write_bytes(data[: len(data) // 2])
+
+    with pytest.raises(IndexLoadError, match=f"{TEXT_INDEX} differs from what the build wrote"):
+        _version(index_dir, tmp_path, truncate)
 
 
 def test_names_are_refused_before_anything_is_hashed(
@@ -321,3 +334,10 @@ def test_a_write_that_fails_leaves_neither_the_file_nor_its_temp_file(
         write_atomic(target, b"new bytes")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-000000.npy"]
     assert target.read_bytes() == b"old"
+
+
+def test_a_current_pointing_nowhere_says_so(tmp_path: Path) -> None:
+    """It said "no index at .../current", of a folder holding versions and a lost link."""
+    (tmp_path / "current").symlink_to("20260101T000000Z-gone")
+    with pytest.raises(IndexLoadError, match="current points to 20260101T000000Z-gone, which"):
+        resolve_current(tmp_path)

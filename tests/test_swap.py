@@ -237,7 +237,7 @@ def _flip_a_byte(d: Path) -> None:
 
 
 BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
-    ("truncated-faiss", _truncate_faiss, "incomplete or corrupt"),
+    ("truncated-faiss", _truncate_faiss, "image.faiss differs from what the build wrote"),
     (
         "other-model",
         _edit_manifest(model={"name": "x", "fingerprint": "duet-joint:0000"}),
@@ -338,7 +338,7 @@ def test_broken_versions_are_refused_while_the_old_one_serves(
             point_current(idx, "nowhere")  # `current` -> a missing directory
             _wait_for(
                 lambda: (
-                    "no index at"
+                    "current points to nowhere, which does not exist"
                     in (c.get("/readyz").json()["reload"]["last_refused"] or {}).get("reason", "")
                 ),
                 "dangling refused",
@@ -351,7 +351,7 @@ def test_broken_versions_are_refused_while_the_old_one_serves(
             )
             r = c.post("/admin/reload", headers=AUTH)
             refused += 1
-            assert r.status_code == 409 and "no index at" in r.json()["error"]["message"]
+            assert r.status_code == 409 and "which does not exist" in r.json()["error"]["message"]
 
             point_current(idx, good.name)
             r = c.post("/admin/reload", headers=AUTH)
