@@ -42,8 +42,19 @@ def _token(token: SecretStr | None) -> SecretStr | None:
     return token
 
 
-def _lower(value: object) -> object:
-    return value.strip().lower() if isinstance(value, str) else value
+def _frontends(value: object) -> object:
+    """auto in any case, or a count of fronts; one message for a wrong one (pydantic's union
+    said "unable to parse string as an integer or Input should be 'auto'")."""
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text == "auto":
+        return text
+    try:
+        count = int(text)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        count = -1
+    if not 0 <= count <= 64 or (isinstance(text, float) and text != count):
+        raise ValueError(f"{value!r} is no count of front processes: give 0 to 64, or auto")
+    return count
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -108,9 +119,7 @@ class Settings(BaseSettings):
         "resident on the device; batches cut by pairs), cpu = the host path tuned for CPU "
         "cores; auto = gpu when the model runs on CUDA",
     )
-    frontends: Annotated[
-        Annotated[int, Field(ge=0, le=64)] | Literal["auto"], BeforeValidator(_lower)
-    ] = Field(
+    frontends: Annotated[int | Literal["auto"], BeforeValidator(_frontends)] = Field(
         "auto",
         description="the process layout: N > 0 starts N front processes that serve HTTP "
         "(validation, image checks, tokenising, the cache, JSON) on the public port and hand "

@@ -251,10 +251,29 @@ def test_a_second_ctrl_c_quits_at_once_in_one_line(index_dir: Path, tmp_path: Pa
     assert "forced to quit (a second Ctrl-C)" in said
 
 
-def test_a_setting_names_the_flag_that_gave_it_and_auto_takes_any_case() -> None:
+def test_a_setting_names_the_flag_that_gave_it_and_auto_takes_any_case(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from duet.commands.common import load_settings
     from models.errors import UserError
 
     with pytest.raises(UserError, match=r"--port: Input should be less than or equal to 65535"):
         load_settings(port=99999)  # it said DUET_PORT, which was not set
     assert Settings(frontends="AUTO").frontends == "auto"  # was refused
+    for wrong in ("lots", "99", "2.5"):  # pydantic's union said two things, one about 'auto'
+        monkeypatch.setenv("DUET_FRONTENDS", wrong)
+        with pytest.raises(UserError, match=f"DUET_FRONTENDS: '{wrong}' is no count of front"):
+            load_settings()
+
+
+def test_a_wrong_value_from_dotenv_says_it_came_from_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from duet.commands.common import load_settings
+    from models.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DUET_PORT", raising=False)
+    (tmp_path / ".env").write_text("DUET_PORT=abc\n")
+    with pytest.raises(UserError, match=r"DUET_PORT \(in ./.env\): Input should be a valid int"):
+        load_settings()

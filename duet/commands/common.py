@@ -67,12 +67,27 @@ def load_settings(**overrides: Any) -> Settings:
             field = str(e["loc"][0])
             # the command's flag where it gave the value (--port 99999 was told as DUET_PORT)
             flag = "--factory" if field == "index_factory" else f"--{field.replace('_', '-')}"
-            named = flag if overrides.get(field) is not None else f"DUET_{field.upper()}"
+            named = flag if overrides.get(field) is not None else _where(f"DUET_{field.upper()}")
             said.setdefault(named, []).append(e["msg"].removeprefix("Value error, "))
         bad = "; ".join(f"{name}: {' or '.join(msgs)}" for name, msgs in said.items())
         raise UserError(f"invalid setting(s): {bad} (see .env.example for every setting)") from exc
     _tell_unknown(Settings)
     return settings
+
+
+def _where(name: str) -> str:
+    """`name`, and "in ./.env" when the value came from there (not from the environment)."""
+    import os
+
+    env = Path(".env")
+    if name not in os.environ and env.is_file():
+        try:
+            lines = env.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return name
+        if any(line.strip().removeprefix("export ").startswith(f"{name}=") for line in lines):
+            return f"{name} (in ./.env)"
+    return name
 
 
 # DUET_* variables that are no setting: docker-compose's (.env.example), the process
