@@ -48,9 +48,10 @@ def _frontends(value: object) -> object:
     text = value.strip().lower() if isinstance(value, str) else value
     if text == "auto":
         return text
-    try:
-        count = int(text)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
+    try:  # "3" and "3.0" as before; no digits of other scripts ("١")
+        number = float(text) if isinstance(text, str) and text.isascii() else text
+        count = int(number) if number == int(number) else -1  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
         count = -1
     if not 0 <= count <= 64 or (isinstance(text, float) and text != count):
         raise ValueError(f"{value!r} is no count of front processes: give 0 to 64, or auto")

@@ -96,6 +96,8 @@ def test_a_misspelt_setting_is_told_with_the_name_it_is_closest_to() -> None:
         "DUET_REDIS_ULR": "redis://127.0.0.1:6379/0",
         "DUET_FLAVOR": "cpu",
         "DUET_API_PORT": "tcp://10.0.0.1:8000",
+        "DUET_SERVICE_HOST": "10.0.0.2",  # Kubernetes' links of a Service named "duet"
+        "DUET_log_level": "info",  # a setting: pydantic-settings reads names in any case
     }
     url = f"http://127.0.0.1:{free_port()}/healthz"
     proc = subprocess.run(
@@ -109,7 +111,8 @@ def test_a_misspelt_setting_is_told_with_the_name_it_is_closest_to() -> None:
         "ignoring DUET_REDIS_ULR: no duet setting has that name; did you mean DUET_REDIS_URL?"
         in (proc.stderr)
     )
-    assert "DUET_FLAVOR" not in proc.stderr and "DUET_API_PORT" not in proc.stderr
+    for fine in ("DUET_FLAVOR", "DUET_API_PORT", "DUET_SERVICE_HOST", "DUET_log_level"):
+        assert fine not in proc.stderr, proc.stderr
 
 
 def test_a_liveness_port_in_use_names_its_setting(tmp_path: Path) -> None:
@@ -179,6 +182,7 @@ def test_precision_setting_reaches_the_cross_encoder(
         ({"DUET_ADMIN_TOKEN": " tok"}, "DUET_ADMIN_TOKEN: it has spaces around it"),
         ({"DUET_LOG_LEVEL": "loud"}, "DUET_LOG_LEVEL: unknown level 'loud': one of"),  # a traceback
         # found after the load, as uvicorn's "address already in use"
+        # before the port is tried (a port in use would be told first)
         ({"DUET_HEALTH_PORT": "18431", "DUET_PORT": "18431"}, "DUET_HEALTH_PORT is the service's"),
     ],
 )
@@ -277,3 +281,16 @@ def test_a_wrong_value_from_dotenv_says_it_came_from_there(
     (tmp_path / ".env").write_text("DUET_PORT=abc\n")
     with pytest.raises(UserError, match=r"DUET_PORT \(in ./.env\): Input should be a valid int"):
         load_settings()
+
+
+def test_only_a_force_quit_hides_the_cancelled_lifespan() -> None:
+    """A shutdown that fails on its own (one Ctrl-C) keeps its traceback."""
+    import logging
+    from types import SimpleNamespace
+
+    from duet.commands.serve import _ForcedQuit
+
+    said = "Traceback (most recent call last):\n  ...\nasyncio.exceptions.CancelledError"
+    record = logging.LogRecord("uvicorn.error", logging.ERROR, "", 0, said, None, None)
+    assert _ForcedQuit(SimpleNamespace(force_exit=False)).filter(record)
+    assert not _ForcedQuit(SimpleNamespace(force_exit=True)).filter(record)

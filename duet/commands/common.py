@@ -107,14 +107,15 @@ def _tell_unknown(settings: type[Settings]) -> None:
         return
     known = {f"DUET_{name.upper()}" for name in settings.model_fields}
     for name, value in sorted(os.environ.items()):
-        rest = name.removeprefix("DUET_")
+        # read as pydantic-settings reads them: in any case
+        rest = name.upper().removeprefix("DUET_")
         if (
-            rest == name
-            or name in known
+            rest == name.upper()
+            or name.upper() in known
             or rest in NOT_SETTINGS
             or rest.startswith("FRONT_")
-            or "_SERVICE_" in rest
-            or "_PORT_" in rest
+            or "_SERVICE_" in f"_{rest}"  # a Service "duet" links DUET_SERVICE_HOST too
+            or "_PORT_" in f"_{rest}"
             or value.startswith(("tcp://", "udp://"))
         ):
             continue

@@ -78,12 +78,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault(ONEDNN_CACHE_ENV, ONEDNN_CACHE_DEFAULT)
     settings = load_settings(host=args.host, port=args.port, index_dir=args.index_dir)
     setup_logging(settings.log_level)
-    check_port(settings.host, settings.port)  # in use: one line now, not after the load
     if settings.health_port and settings.health_port == settings.port:
         return fail(
             f"DUET_HEALTH_PORT is the service's own port ({settings.port}): give the liveness "
             "port another (8001 in the images), or 0 for none"
         )
+    check_port(settings.host, settings.port)  # in use: one line now, not after the load
     return _serve(settings)
 
 
@@ -136,8 +136,7 @@ def _serve(settings: Any) -> int:
         access_log=settings.access_log,
         **uvicorn_options(settings, app.state.metrics),
     )
-    quiet_forced_quit()
-    server = uvicorn.Server(config)
+    server = quiet_forced_quit(uvicorn.Server(config))
     with contextlib.suppress(KeyboardInterrupt):  # raised again once uvicorn has shut down
         server.run()
     return 0 if server.started else 3  # as uvicorn.run: the port taken during the load
@@ -145,19 +144,30 @@ def _serve(settings: Any) -> int:
 
 class _ForcedQuit(logging.Filter):
     """A second Ctrl-C is uvicorn's force quit: it skips the app's shutdown, and uvicorn
-    logs the lifespan task it then cancels as a traceback. One line says it instead."""
+    logs the lifespan task it then cancels as a traceback. One line says it instead; any
+    other traceback (a shutdown that fails) is left as it is."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__()
+        self.server = server
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        if text.startswith("Traceback") and text.rstrip().endswith("CancelledError"):
+        if (
+            self.server.force_exit
+            and text.startswith("Traceback")
+            and text.rstrip().endswith("CancelledError")
+        ):
             log.warning("forced to quit (a second Ctrl-C): requests in flight were cut")
             return False
         return True
 
 
-def quiet_forced_quit() -> None:
-    """After uvicorn configured its loggers (`uvicorn.Config`)."""
-    logging.getLogger("uvicorn.error").addFilter(_ForcedQuit())
+def quiet_forced_quit(server: Any) -> Any:
+    """`server` (a `uvicorn.Server`, made after its Config configured uvicorn's loggers),
+    its force quit told in one line."""
+    logging.getLogger("uvicorn.error").addFilter(_ForcedQuit(server))
+    return server
 
 
 def check_port(host: str, port: int) -> None:
@@ -236,8 +246,7 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> int:
         access_log=settings.access_log,
         **uvicorn_options(settings),
     )
-    quiet_forced_quit()
-    server = uvicorn.Server(config)
+    server = quiet_forced_quit(uvicorn.Server(config))
     emptied = threading.Event()
 
     def on_empty() -> None:
@@ -291,9 +300,8 @@ def cmd_serve_front(args: argparse.Namespace) -> int:
         # its 429s at the in-flight cap counted by the owner, as its other metrics
         **uvicorn_options(settings, app.state.metrics),
     )
-    quiet_forced_quit()
     with contextlib.suppress(KeyboardInterrupt):  # as the owner
-        uvicorn.Server(config).run(sockets=[sock])
+        quiet_forced_quit(uvicorn.Server(config)).run(sockets=[sock])
     return 0
 
 
