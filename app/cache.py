@@ -233,20 +233,18 @@ class ResilientCache:
     async def check(self) -> None:
         """One look-up at start-up: a Redis that does not answer, or refuses duet (a wrong
         password or database), is logged now rather than at the first request."""
-        if self._bounded:
-            ok, _ = await self._call("a first look-up", lambda: self.backend.get("duet:start"))
-            if ok:
-                log.info("cache %s answers", self.backend.where)
+        if self._bounded and await self.answers("a first look-up"):
+            log.info("cache %s answers", self.backend.where)
 
-    async def answers(self) -> bool:
-        """Whether the backend answers now, for /readyz: no while a run of time-outs leaves it
-        alone, else one bounded look-up (not counted as a request; a failure is logged as
-        any other)."""
+    async def answers(self, op: str = "a readiness look-up") -> bool:
+        """Whether the backend answers now (for /readyz, and `check`): no while a run of
+        time-outs leaves it alone, else one bounded look-up (not counted as a request; a
+        failure is logged as any other, as `op`)."""
         if not self._bounded:
             return True
         if self._skipped():
             return False
-        ok, _ = await self._call("a readiness look-up", lambda: self.backend.get("duet:ready"))
+        ok, _ = await self._call(op, lambda: self.backend.get("duet:ready"))
         return ok
 
     async def close(self) -> None:

@@ -53,7 +53,7 @@ def _frontends(value: object) -> object:
         count = int(number) if number == int(number) else -1  # type: ignore[call-overload]
     except (TypeError, ValueError, OverflowError):
         count = -1
-    if not 0 <= count <= 64 or (isinstance(text, float) and text != count):
+    if not 0 <= count <= 64:  # a fraction (2.5) is -1 by now
         raise ValueError(f"{value!r} is no count of front processes: give 0 to 64, or auto")
     return count
 

@@ -230,8 +230,7 @@ async def image(item_id: str, request: Request) -> Response:
     # the file's stat read now, so its ETag is known before answering: a browser that still
     # holds this version of the file (If-None-Match) gets a 304 and no body again
     headers = {"Cache-Control": "public, max-age=3600"}
-    stat = os.stat(path)
-    answer = FileResponse(path, headers=headers, stat_result=stat)
+    answer = FileResponse(path, headers=headers, stat_result=os.stat(path))
     etag = answer.headers["etag"]
     asked = request.headers.get("if-none-match", "")
     if etag in (tag.strip().removeprefix("W/") for tag in asked.split(",")) or asked == "*":

@@ -267,9 +267,8 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> int:
     app.state.stop_fronts = fronts.stop
     log.info("process layout: %d fronts on http://%s:%d, the model here", count, host, port)
     try:
-        server.run(sockets=[owner])
-    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down
-        pass  # a clean stop, as in one process
+        with contextlib.suppress(KeyboardInterrupt):  # a clean stop, as in one process
+            server.run(sockets=[owner])
     finally:
         fronts.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
