@@ -15,7 +15,7 @@ from PIL import Image, UnidentifiedImageError
 
 from app.errors import DuetError, ImageTooLarge, InvalidImage
 from app.threadname import name_os_thread
-from models.images import FORMATS, KEEP_SIDE, open_rgb
+from models.images import KEEP_SIDE, claimed_formats, open_rgb, why_unread
 
 
 def b64_image(text: str) -> bytes:
@@ -44,17 +44,9 @@ def stored_size(data: bytes) -> tuple[int, int] | None:
     """The width and height an image file's header states (formats `FORMATS`), read as
     Pillow's `Image.open` reads it but without its decompression-bomb check, which refuses
     a file before its size can be seen; None when no format reads the header."""
-    Image.init()
-    prefix = data[:16]
-    for fmt in FORMATS:
-        if fmt not in Image.OPEN:
-            continue
-        factory, accept = Image.OPEN[fmt]
-        known = accept is None or accept(prefix)
-        if not known or isinstance(known, str):  # a str: Pillow's warning, not a match
-            continue
+    for fmt in claimed_formats(data):
         try:
-            with factory(io.BytesIO(data), "") as img:
+            with Image.OPEN[fmt][0](io.BytesIO(data), "") as img:
                 return img.size
         except Exception:  # not this format after all: Pillow would try the next one too
             continue
@@ -100,8 +92,7 @@ def decode_image(
         ) from exc
     except UnidentifiedImageError as exc:
         raise InvalidImage(
-            "the upload is not an image in a format duet reads; send PNG, JPEG, WebP, GIF, "
-            "TIFF or BMP"
+            f"the upload is {why_unread(data)}: send a whole PNG, JPEG, WebP, GIF, TIFF or BMP file"
         ) from exc
     except DuetError:
         raise

@@ -17,7 +17,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from models.builtin import pixel_bytes
-from models.images import KEEP_SIDE, open_rgb, orientation, side_for
+from models.images import KEEP_SIDE, open_rgb, orientation, side_for, why_unread
 
 # -- the work plan -----------------------------------------------------------------------
 
@@ -129,8 +129,7 @@ def decode_bytes(
             item.pos,
             None,
             sha,
-            f"cannot read image {item.image_rel!r} ({item.image}): not a PNG, JPEG, WebP, GIF, "
-            "TIFF or BMP file (the formats the service reads)",
+            f"cannot read image {item.image_rel!r} ({item.image}): {why_unread(data)}",
         )
     except Exception as exc:  # whatever a decoder raises, the file is at fault (as an upload)
         return Decoded(

@@ -92,6 +92,33 @@ def open_rgb(
     return rgb.reduce(factor) if factor >= 2 else rgb
 
 
+def claimed_formats(data: bytes) -> list[str]:
+    """The formats of `FORMATS` whose signature (Pillow's `accept` of the first bytes) `data`
+    starts with: what the file says it is, before any of it is decoded."""
+    Image.init()
+    claimed = []
+    for fmt in FORMATS:
+        if fmt not in Image.OPEN:
+            continue
+        accept = Image.OPEN[fmt][1]
+        known = accept is None or accept(data[:16])
+        if known and not isinstance(known, str):  # a str: Pillow's warning, not a match
+            claimed.append(fmt)
+    return claimed
+
+
+def why_unread(data: bytes) -> str:
+    """Why `open_rgb` found no format for `data` (its UnidentifiedImageError), in words: a
+    file that starts as one of `FORMATS` is that format broken, whose own complaint Pillow's
+    open drops; anything else is in no format duet reads."""
+    for fmt in claimed_formats(data):
+        try:
+            Image.OPEN[fmt][0](io.BytesIO(data), "").close()
+        except Exception as exc:
+            return f"a corrupt {fmt} file ({exc})"
+    return "not a PNG, JPEG, WebP, GIF, TIFF or BMP file"
+
+
 def orientation(data: bytes) -> int:
     """A JPEG's EXIF orientation (1 = upright, 2-8 = flipped and/or turned), read from its
     headers without decoding a pixel; 1 when it has none or cannot be read."""

@@ -15,6 +15,7 @@ import torch
 from PIL import Image, ImageOps
 
 from app.config import Settings
+from app.errors import DuetError
 from app.imaging import decode_image
 from app.main import Resources, create_app
 from index_builder.build import build
@@ -154,6 +155,23 @@ def test_the_builder_reads_only_the_formats_the_service_reads(tmp_path: Path) ->
     got = decode(PlanItem(0, "x", str(ico), "x.ico", 1, ()), 16)
     assert got.pixels is None and "cannot read image 'x.ico'" in got.error
     assert "not a PNG, JPEG, WebP, GIF, TIFF or BMP file" in got.error
+
+
+def test_a_broken_png_is_called_corrupt_not_an_unknown_format(tmp_path: Path) -> None:
+    """A PNG whose header checksum is wrong is a corrupt PNG, told with the PNG reader's own
+    complaint (Pillow's open says only "cannot identify image file"), by the builder and by
+    the service's upload path alike."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    data[29] ^= 0xFF  # the IHDR chunk's CRC
+    path = tmp_path / "x.png"
+    path.write_bytes(bytes(data))
+    got = decode(PlanItem(0, "x", str(path), "x.png", 1, ()), 16)
+    assert got.pixels is None and "a corrupt PNG file (broken PNG file" in got.error
+    with pytest.raises(DuetError) as exc:
+        decode_image(bytes(data), max_bytes=100_000, max_pixels=1_000_000)
+    assert exc.value.status == 400 and "a corrupt PNG file" in exc.value.message
 
 
 def test_a_phones_mpo_jpeg_is_decoded_at_a_dct_scale_too() -> None:
