@@ -283,6 +283,25 @@ def test_a_wrong_value_from_dotenv_says_it_came_from_there(
         load_settings()
 
 
+def test_a_misspelt_setting_in_dotenv_is_told_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """./.env's typos were not looked at (only the environment's were): DUET_RERANKR=none
+    there left the re-ranker on without a word."""
+    from duet.commands.common import load_settings
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DUET_RERANKR", raising=False)
+    (tmp_path / ".env").write_text("# a comment\nexport DUET_RERANKR=none\nDUET_PORT=8001\n")
+    with caplog.at_level("WARNING", logger="duet"):
+        assert load_settings().port == 8001
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "ignoring DUET_RERANKR (in ./.env): no duet setting has that name; did you mean "
+        "DUET_RERANKER? (docs/configuration.md lists them)"
+    ]
+
+
 def test_only_a_force_quit_hides_the_cancelled_lifespan() -> None:
     """A shutdown that fails on its own (one Ctrl-C) keeps its traceback."""
     import logging

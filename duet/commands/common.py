@@ -79,15 +79,25 @@ def _where(name: str) -> str:
     """`name`, and "in ./.env" when the value came from there (not from the environment)."""
     import os
 
-    env = Path(".env")
-    if name not in os.environ and env.is_file():
-        try:
-            lines = env.read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError:
-            return name
-        if any(line.strip().removeprefix("export ").startswith(f"{name}=") for line in lines):
-            return f"{name} (in ./.env)"
+    if name not in os.environ and name in _env_file():
+        return f"{name} (in ./.env)"
     return name
+
+
+def _env_file() -> dict[str, str]:
+    """The variables ./.env sets (NAME=value lines, `export ` allowed), as pydantic-settings
+    reads the file for `Settings`; empty when there is none or it cannot be read."""
+    env = Path(".env")
+    try:
+        lines = env.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return {}
+    found = {}
+    for line in lines:
+        name, eq, value = line.strip().removeprefix("export ").partition("=")
+        if eq and name.strip() and not name.startswith("#"):
+            found[name.strip()] = value.strip()
+    return found
 
 
 # DUET_* variables that are no setting: docker-compose's (.env.example), the process
@@ -106,7 +116,8 @@ def _tell_unknown(settings: type[Settings]) -> None:
     if "DUET_FRONT_FD" in os.environ:  # a front: its owner told it
         return
     known = {f"DUET_{name.upper()}" for name in settings.model_fields}
-    for name, value in sorted(os.environ.items()):
+    given = {**{n: v for n, v in _env_file().items() if n not in os.environ}, **os.environ}
+    for name, value in sorted(given.items()):
         # read as pydantic-settings reads them: in any case
         rest = name.upper().removeprefix("DUET_")
         if (
@@ -122,7 +133,7 @@ def _tell_unknown(settings: type[Settings]) -> None:
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
         log.warning(
             "ignoring %s: no duet setting has that name%s (docs/configuration.md lists them)",
-            name,
+            _where(name),
             f"; did you mean {close[0]}?" if close else "",
         )
 
