@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -20,14 +19,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.answers import refuse_if_not_understood
+from app.bodies import json_body, json_object, media_type, no_url_parameters, options
 from app.deps import PipelineDep, SettingsDep, get_pipeline
 from app.errors import (
     ClientGone,
     UnsupportedMediaType,
     ValidationFailed,
-    describe_errors,
     documented,
-    faults,
 )
 from app.imaging import b64_image
 from app.limits import GONE
@@ -198,23 +196,6 @@ def _json(served: Served) -> Response:
     return Response(served.json, media_type="application/json")
 
 
-def _media_type(request: Request) -> str:
-    """The content type without its parameters, lower-cased (`Application/JSON;
-    charset=utf-8` is application/json); "" when none was sent."""
-    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-
-
-def _json_body(request: Request) -> None:
-    """415 unless the request says its body is JSON: a body sent as a form (curl -d without
-    -H) would otherwise be read as a string and refused with a message about dictionaries."""
-    ctype = request.headers.get("content-type", "")
-    if _media_type(request) != "application/json":
-        raise UnsupportedMediaType(
-            f"content-type {ctype or '(none)'} is not accepted; send the JSON body with the "
-            "header content-type: application/json (curl: -H 'content-type: application/json')"
-        )
-
-
 async def _text_request(request: Request) -> TextSearchRequest:
     """The body of a text search, read and checked as FastAPI checks a `TextSearchRequest`
     parameter: the same 422s, located under "body". Done here rather than by FastAPI's
@@ -222,45 +203,12 @@ async def _text_request(request: Request) -> TextSearchRequest:
     search, in-process (a front spent ~1.1 ms a request in all; docs/serving.md). One
     change: FastAPI parsed the JSON before its dependencies ran, so a body that is no JSON
     was a 422 even while loading (now 503) or sent as another JSON type (now 415)."""
-    raw = await request.body()
-    if not raw:
-        missing = {
-            "type": "missing",
-            "loc": ("body",),
-            "msg": f"the body is empty; send a JSON object such as {TEXT_EXAMPLE}",
-        }
-        raise RequestValidationError([missing])
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise RequestValidationError(
-            [{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error"}]
-        ) from exc
-    except UnicodeDecodeError as exc:
-        raise ValidationFailed("body is not valid JSON (it must be UTF-8 encoded)") from exc
-    except ValueError as exc:  # an integer past Python's 4,300 digits
-        raise ValidationFailed(f"body is not valid JSON: {exc}") from exc
-    except RecursionError as exc:  # '[' * 60000: Python's parser gives up, not the caller
-        raise ValidationFailed("body is not valid JSON: nested too deeply") from exc
+    data = json_object(await request.body(), _TEXT_FIELDS, TEXT_EXAMPLE)
     try:
         # from_attributes as FastAPI validates: a body that is no object is told so plainly
         return TextSearchRequest.model_validate(data, from_attributes=True)
     except ValidationError as exc:
         raise RequestValidationError(explained(exc, _TEXT_FIELDS, TEXT_EXAMPLE)) from exc
-
-
-def _no_url_parameters(request: Request, fields: list[str]) -> None:
-    """422 for parameters in the URL (`?top_k=1`): a search reads its options from the body
-    only, and an option given where it is not read would change nothing, unseen."""
-    if not request.scope.get("query_string"):
-        return  # (the hot path: no parsing)
-    names = list(dict.fromkeys(request.query_params))
-    if names:
-        raise ValidationFailed(
-            f"URL parameters {', '.join(names)}: the search routes read their options from "
-            f"the body only; send them as fields of it ({', '.join(fields)})",
-            loc=("query", names[0]),
-        )
 
 
 _TEXT_FIELDS = ["query", *field_names(SearchOptions)]
@@ -277,8 +225,8 @@ _FORM_FIELDS = ["image", *field_names(SearchOptions)]
 async def search_text(request: Request) -> Response:
     """A sentence finds images (the body as `content-type: application/json`)."""
     # 415, 503, then the body's 422 (FastAPI's order, but for a body that is no JSON at all)
-    _json_body(request)
-    _no_url_parameters(request, _TEXT_FIELDS)
+    json_body(request)
+    no_url_parameters(request, _TEXT_FIELDS)
     pipeline = await get_pipeline(request)
     body = await _text_request(request)
     refuse_if_not_understood(pipeline.model, body.query)
@@ -334,15 +282,6 @@ class TextSearchASGI:
         raise exc
 
 
-def _options(fields: dict[str, Any], model: type[SearchOptions], takes: list[str]) -> SearchOptions:
-    """`fields` as `model`, or a 422 naming each field at fault (`takes`: the route's fields)."""
-    try:
-        return model.model_validate(fields)
-    except ValidationError as exc:
-        said = explained(exc, takes, IMAGE_EXAMPLE)
-        raise ValidationFailed(describe_errors(said), details=faults(said)) from exc
-
-
 @router.post(
     "/search/image",
     response_model=SearchResponse,
@@ -353,8 +292,8 @@ async def search_image(request: Request, pipeline: PipelineDep, settings: Settin
     """An image finds captions: multipart field `image`, or JSON `image_b64`; same options."""
     max_bytes = settings.max_image_bytes  # the body itself is bounded by app.limits.BodyLimit
     ctype = request.headers.get("content-type", "")
-    media = _media_type(request)
-    _no_url_parameters(request, _IMAGE_FIELDS)
+    media = media_type(request)
+    no_url_parameters(request, _FORM_FIELDS if media == "multipart/form-data" else _IMAGE_FIELDS)
     if media == "multipart/form-data":
         try:
             form = await request.form(max_files=1, max_fields=16)
@@ -372,21 +311,12 @@ async def search_image(request: Request, pipeline: PipelineDep, settings: Settin
             )
         data = await upload.read(max_bytes + 1)
         fields = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
-        opts = _options(fields, SearchOptions, _FORM_FIELDS)
+        opts = options(fields, SearchOptions, _FORM_FIELDS)
     elif media == "application/json":
-        if not await request.body():  # told as /search/text tells it
-            said = f"the body is empty; send a JSON object such as {IMAGE_EXAMPLE}"
-            missing = {"type": "missing", "loc": ["body"], "msg": said}
-            raise ValidationFailed(said, details=[missing])
-        try:
-            payload = await request.json()
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ValidationFailed(f"body is not valid JSON: {exc}") from exc
-        except RecursionError as exc:  # '[' * 100000: Python's parser gives up, not the caller
-            raise ValidationFailed("body is not valid JSON: nested too deeply") from exc
+        payload = json_object(await request.body(), _IMAGE_FIELDS, IMAGE_EXAMPLE)
         if not isinstance(payload, dict):
             raise ValidationFailed(f"the body must be a JSON object such as {IMAGE_EXAMPLE}")
-        req = _options(payload, ImageSearchJSON, _IMAGE_FIELDS)
+        req = options(payload, ImageSearchJSON, _IMAGE_FIELDS)
         assert isinstance(req, ImageSearchJSON)
         data = b64_image(req.image_b64)
         opts = req.options()
