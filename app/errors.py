@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 log = logging.getLogger("duet.app")
 
@@ -261,6 +262,19 @@ _HOW = {
 }
 
 
+def _allowed(request: Request) -> str:
+    """The methods every route at this path takes (`Allow` of a 405): Starlette's router
+    names only the first route's, so a path whose HEAD is a route of its own (/readyz,
+    /metrics) said `Allow: GET`."""
+    order = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+    routes = request.app.router.routes
+    return ", ".join(
+        m
+        for m in order
+        if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in routes)
+    )
+
+
 def _not_allowed(request: Request, allow: str) -> str:
     path = request.scope["path"]
     how = _HOW.get(path) or f"it takes {allow or 'other methods'}"
@@ -321,13 +335,11 @@ def install_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":  # the router's: no such route
             message = _no_route(request)
-        elif exc.status_code == 405:
-            message = _not_allowed(request, (exc.headers or {}).get("Allow", ""))
-        return JSONResponse(
-            error_body(code, message),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": _allowed(request)}
+            message = _not_allowed(request, headers["Allow"])
+        return JSONResponse(error_body(code, message), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, _: ClientDisconnect) -> JSONResponse:

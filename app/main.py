@@ -298,14 +298,12 @@ class _ObserveRequests:
     def _endpoint(self, scope: Scope) -> str:
         """The route's path, as the router set it; for a request answered before routing (a
         413 of `BodyLimit`) the path of the route it was sent to, when one takes it; else
-        "other" (a 404, say)."""
+        "other" (a 404, say). A path parameter is named without its converter."""
         route = scope.get("route")
-        if route is not None:
-            return str(getattr(route, "path", "other"))
-        for candidate in self.routes:
-            if candidate.matches(scope)[0] is not Match.NONE:
-                return str(getattr(candidate, "path", "other"))
-        return "other"
+        if route is None:
+            route = next((r for r in self.routes if r.matches(scope)[0] is not Match.NONE), None)
+        # the path as documented: /images/{item_id}, not the router's {item_id:path}
+        return str(getattr(route, "path_format", None) or getattr(route, "path", "other"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -71,6 +71,16 @@ def test_a_method_a_route_does_not_take_says_what_to_send(served: tuple[Any, htt
     assert "use POST" in says and '"image"' in says and "image_b64" in says
 
 
+def test_a_405_allows_every_method_the_path_takes(served: tuple[Any, httpx.Client]) -> None:
+    """/healthz, /readyz, /metrics and /images/{id} answer HEAD, but their 405s said
+    `Allow: GET` (Starlette names the first route at the path only)."""
+    _, c = served
+    for path in ("/healthz", "/readyz", "/metrics", "/images/a/b", "/"):
+        r = c.put(path)
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD", (path, r.headers)
+        assert _error(r, 405, "method_not_allowed").endswith("it takes GET, HEAD")
+
+
 def test_a_path_no_route_serves_lists_the_routes(served: tuple[Any, httpx.Client]) -> None:
     says = _error(served[1].get("/search"), 404, "not_found")
     assert "no route GET /search" in says
@@ -79,8 +89,9 @@ def test_a_path_no_route_serves_lists_the_routes(served: tuple[Any, httpx.Client
 
 
 def test_head_on_the_page_is_get_without_the_body(served: tuple[Any, httpx.Client]) -> None:
+    """/healthz's HEAD was an empty 200 without its content type and length."""
     _, c = served
-    for path in ("/", "/favicon.ico"):
+    for path in ("/", "/favicon.ico", "/healthz"):
         got, head = c.get(path), c.head(path)
         assert head.status_code == 200 and head.content == b"", (path, head.status_code)
         assert head.headers["content-type"] == got.headers["content-type"]
@@ -156,6 +167,17 @@ def _count(app: Any, endpoint: str, status: int) -> float:
         ):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_an_image_request_counts_under_the_documented_path(
+    served: tuple[Any, httpx.Client],
+) -> None:
+    """The label was the router's `/images/{item_id:path}`; api.md and the OpenAPI
+    document say `/images/{item_id}`."""
+    app, c = served
+    before = _count(app, "/images/{item_id}", 405)
+    assert c.put("/images/a/b").status_code == 405
+    assert _count(app, "/images/{item_id}", 405) == before + 1
 
 
 def test_limits_name_what_applies_and_413s_count_under_their_route(

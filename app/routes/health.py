@@ -18,12 +18,6 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.head("/healthz", include_in_schema=False)
-async def healthz_head() -> Response:
-    """HEAD: what a probe that sends HEAD needs (200, no body), not a 405."""
-    return Response(status_code=200)
-
-
 @router.get("/readyz", responses=documented(503))
 async def readyz(request: Request) -> JSONResponse:
     """Model and index are loaded and search can be served."""
@@ -71,5 +65,6 @@ async def metrics(request: Request) -> Response:
 
 # HEAD as GET without the body (the server leaves it out), not a 405: what a probe or a
 # monitor that sends HEAD needs (RFC 9110: HEAD wherever GET is served)
+router.head("/healthz", include_in_schema=False)(healthz)
 router.head("/readyz", include_in_schema=False)(readyz)
 router.head("/metrics", include_in_schema=False)(metrics)
