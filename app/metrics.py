@@ -105,7 +105,8 @@ class Metrics:
             self.fronts.labels(state=state)
         self.rerank_batch_size = Histogram(
             "duet_rerank_batch_size",
-            "Pairs per cross-encoder forward pass",
+            "Pairs per batched re-ranker call, across requests: whole queries, up to "
+            "DUET_RERANK_MAX_BATCH pairs, or one query's candidates when they alone are more",
             buckets=BATCH_BUCKETS,
             registry=r,
         )
