@@ -33,10 +33,18 @@ def b64_image(text: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
+        # what `base64 FILE` prints (a line break every 76 characters) and the URL-safe
+        # alphabet (- and _ for + and /) are base64 too; anything else is refused
+        plain = "".join(text.split())
+        urlsafe = ("-" in plain or "_" in plain) and not ("+" in plain or "/" in plain)
+        try:
+            return base64.b64decode(plain, altchars=b"-_" if urlsafe else None, validate=True)
+        except (binascii.Error, ValueError):
+            pass
         raise InvalidImage(
             f"image_b64 is not valid base64 ({exc}); send the image file's bytes "
-            "base64-encoded (standard alphabet, no line breaks: base64 -w0 FILE), with or "
-            "without a data:image/...;base64, prefix"
+            "base64-encoded (base64 FILE, or base64 -w0 FILE), with or without a "
+            "data:image/...;base64, prefix"
         ) from exc
 
 

@@ -147,6 +147,22 @@ def test_a_data_url_in_image_b64_is_taken(served: tuple[Any, httpx.Client]) -> N
     assert "base64 -w0" in says
 
 
+def test_wrapped_and_url_safe_base64_are_taken(served: tuple[Any, httpx.Client]) -> None:
+    """`base64 FILE` wraps its lines at 76 characters, and JWT-style encoders use - and _:
+    both were a 400 "not valid base64"; a mix of the two alphabets still is."""
+    _, c = served
+    png = _png((40, 40), "RGBA")
+    std = base64.b64encode(png).decode()
+    wrapped = "\n".join(std[i : i + 76] for i in range(0, len(std), 76)) + "\n"
+    assert "\n" in wrapped.strip()
+    urlsafe = base64.urlsafe_b64encode(png).decode()
+    assert "-" in urlsafe or "_" in urlsafe
+    for sent in (wrapped, urlsafe, "data:image/png;base64," + wrapped):
+        assert c.post("/search/image", json={"image_b64": sent}).status_code == 200
+    mixed = "ab-+" + std[4:]
+    _error(c.post("/search/image", json={"image_b64": mixed}), 400, "invalid_image")
+
+
 def test_an_image_far_over_the_pixel_limit_gets_duets_message(
     served: tuple[Any, httpx.Client],
 ) -> None:
