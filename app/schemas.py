@@ -265,3 +265,35 @@ class SearchResponse(BaseModel):
         description="query words the model's vocabulary does not know "
         "(it reads them as unknown); empty for image queries",
     )
+
+
+class Rerankers(BaseModel):
+    available: list[str] = Field(description="what `reranker` may name on this deployment")
+    default: str | None = Field(description="the re-ranker a request that names none gets")
+
+
+class Items(BaseModel):
+    images: int
+    texts: int
+
+
+class Readiness(BaseModel):
+    """GET /readyz's 200 (the OpenAPI document's; the route builds it as a dict)."""
+
+    status: Literal["ready"]
+    model: str = Field(description="the served model's fingerprint")
+    rerankers: Rerankers
+    index_version: str
+    items: Items
+    cache: str = Field(description="memory or redis")
+    cache_answers: bool = Field(
+        description="whether the cache answers now (one look-up bounded by "
+        "DUET_REDIS_TIMEOUT_MS); ready either way: without it every search is computed"
+    )
+    images: str = Field(
+        description='"served", or why GET /images/{id} cannot serve this version\'s images '
+        "here (the setting to change)"
+    )
+    reload: dict[str, Any] | None = Field(
+        description="poll_s, last_swap and last_refused of the index reloader; null without one"
+    )

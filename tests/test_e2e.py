@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from app.schemas import Readiness
 from models.fusion import DEFAULT_FUSION_LAMBDA
 from tests.conftest import (
     RedisServer,
@@ -327,6 +328,8 @@ def test_health_and_ready(service: Service) -> None:
         ready = c.get("/readyz").json()
     assert ready["status"] == "ready" and ready["cache"] == "redis" and ready["cache_answers"]
     assert ready["items"] == {"images": 40, "texts": 200}
+    # what the OpenAPI document says it is (it had no schema), field for field
+    assert Readiness.model_validate(ready).model_dump() == ready
 
 
 def test_redis_killed_mid_test_requests_still_succeed(index_dir: Path, tmp_path: Path) -> None:

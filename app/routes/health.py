@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.errors import NotReady, documented
 from app.routes.ui import images_unserved
+from app.schemas import Readiness
 
 router = APIRouter(tags=["ops"])
 
@@ -18,7 +19,7 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses=documented(503))
+@router.get("/readyz", responses={200: {"model": Readiness}, **documented(503)})
 async def readyz(request: Request) -> JSONResponse:
     """Model and index are loaded and search can be served."""
     pipeline = getattr(request.app.state, "pipeline", None)

@@ -60,6 +60,7 @@ def _image_body() -> dict[str, Any]:
                 "schema": {
                     "type": "object",
                     "required": ["image"],
+                    "additionalProperties": False,  # a field it does not take is a 422
                     "properties": {
                         "image": {"type": "string", "format": "binary"},
                         "top_k": {"type": "integer", "default": 10, **bounds["top_k"]},

@@ -190,6 +190,10 @@ def images_unserved(index: IndexVersion, settings: Settings) -> str | None:
     "/images/{item_id:path}",  # an id with a "/" (sent as %2F) is one id
     response_class=FileResponse,
     responses={
+        200: {
+            "description": "the image file as indexed, by its extension's type",
+            "content": {"image/*": {"schema": {"type": "string", "format": "binary"}}},
+        },
         304: {"description": "the file the If-None-Match ETag names: unchanged, no body"},
         206: {"description": "the byte ranges a Range header asks for"},
         **documented(404, 416, 503),
