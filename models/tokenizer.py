@@ -87,9 +87,11 @@ class WordTokenizer:
         limit = self.max_len - 1
         if len(words) <= limit:
             return None
+        over = len(words) - limit
         return (
             f"the model reads at most {limit} words and this query has {len(words)}: shorten "
-            f'it (the words from "{words[limit]}" on would not be read)'
+            f"it by {over} (its last {over}, from word {limit + 1}, "
+            f'"{words[limit]}", on, would not be read)'
         )
 
     def content_words(self, text: str) -> list[str]:
