@@ -1,14 +1,12 @@
 """`duet build`: read a corpus -> encode in shards -> train/fill FAISS -> write a version ->
 point `current` at it.
 
-Resumable: encoded shards are written (temp name, fsync, rename) under
-`OUT/.shards/<key>/` as they finish, where <key> hashes everything that decides their
-contents (model, device and autocast dtype, batch and shard size, the corpus file's bytes and
-how it was read (format, Karpathy split and images root), each image's path, size and mtime,
-the base version of an append). A build started again with the same arguments skips the
-shards already there. Encoding order, batch boundaries and the FAISS training seed are fixed,
-and no time goes into the data files, so a resumed build writes the same bytes (IDENTICAL_FILES).
-
+Resumable: encoded shards are written (temp name, fsync, rename) under `OUT/.shards/<key>/`
+as they finish, <key> hashing all that decides their contents (model, device and autocast
+dtype, batch and shard size, the corpus file's bytes and how it was read, each image's path,
+size and mtime, an append's base). A build started again with the same arguments skips the
+shards already there; encoding order, batches and the FAISS seed are fixed and no time goes
+into the data files, so a resumed build writes the same bytes (IDENTICAL_FILES).
 Incremental: `append=True` adds a corpus's items to the current version, `delete` drops ids,
 reusing the stored vectors and tokens of everything kept.
 """
@@ -43,6 +41,7 @@ from index_builder.publish import publish
 from index_builder.roots import rooted
 from index_builder.sources import _apply_delete, _check_duplicates, _load_base, decode_after
 from index_builder.stages import Stages
+from index_builder.vocabulary import unread_words
 from index_builder.write import IDENTICAL_FILES, _bytes_per_item, _factories
 from models.builtin import BuiltinModel
 from models.device import resolve_device
@@ -142,6 +141,7 @@ class _Build:
             encode_seconds=self.encode_seconds,
             items_per_s=b.items_per_s,
             stages=self.stages.as_json(),
+            unread=self.unread,
         )
 
     # -- stage 1: the options, the device --------------------------------------------------
@@ -226,6 +226,7 @@ class _Build:
                     self._bad(entry)
                 else:
                     self.items.append(entry)
+        self.unread = unread_words(self.items, model)  # told before the encoding's wait
         kept_images, self.kept_texts, self.deleted = _apply_delete(base, opts)
         self.roots = rooted(
             base.manifest if base else None, self.corpus, self.selection, self.items

@@ -42,6 +42,7 @@ class BuildReport:
     encode_seconds: float = 0.0
     items_per_s: float = 0.0
     stages: dict[str, float] = field(default_factory=dict)  # `index_builder.stages`
+    unread: str | None = None  # the model reads little of the captions (`vocabulary`)
 
 
 @dataclass(frozen=True)

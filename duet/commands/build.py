@@ -318,4 +318,6 @@ def _build(args: argparse.Namespace) -> int:
         print(f"skipped {n} bad {'entry' if n == 1 else 'entries'}:")
         for line in report.skipped:
             print(f"  {line}")
+    if report.unread:  # said before the encoding too; again here, past the progress bars
+        print(f"warning: {report.unread}")
     return 0
