@@ -110,8 +110,12 @@ def test_options_are_checked_before_any_work(tmp_path: Path) -> None:
         (["healthcheck", "--timeout", "-1"], "--timeout must be more than 0"),
         (["serve", "--host", "999.1.1.1", "--port", "18999"], "cannot listen on 999.1.1.1"),
         (["demo-corpus", "--out", str(tmp_path / "f.txt"), "--images", "1"], "is a file, not"),
+        # trained for its whole run (45 min by default), then failed on the file
+        (["train", "--out", str(tmp_path / "f.txt")], "f.txt is a file: give a folder"),
+        (["train", "--out", str(tmp_path / "f.txt" / "m")], "f.txt is a file, so no folder"),
+        (["soup", "--out", str(tmp_path / "f.txt"), "a", "b"], "f.txt is a file: give a folder"),
     ):
-        if "f.txt" in args[2]:
+        if "f.txt" in args[2] and not (tmp_path / "f.txt").exists():
             (tmp_path / "f.txt").write_text("x")
         res = _duet(*args)
         assert res.returncode == 2 and says in res.stderr, (args, res.stderr)

@@ -149,6 +149,24 @@ def model_choices(args: argparse.Namespace, settings: Settings) -> tuple[str, st
     )
 
 
+def unwritable(flag: str, out: Path) -> str | None:
+    """Why a command could not write a folder at `out` (given by `flag`), or None: told
+    before the work, not after it (`duet train --out FILE` trained for its whole run, then
+    failed on the file)."""
+    import os
+
+    if out.exists() and not out.is_dir():
+        return f"{flag} {out} is a file: give a folder to write into (it is made if missing)"
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{flag} {out}: {parent} is a file, so no folder can be made there"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{flag} {out}: {parent} cannot be written to by this user"
+    return None
+
+
 def fail(message: str) -> int:
     print(f"duet: error: {message}", file=sys.stderr)
     return EXIT_USAGE

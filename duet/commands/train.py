@@ -10,6 +10,7 @@ from duet.commands.common import (
     HelpFormatter,
     fail,
     setup_logging,
+    unwritable,
 )
 
 if TYPE_CHECKING:
@@ -291,6 +292,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if why := _out_of_range(args):  # before any work: torch's or numpy's words otherwise
         return fail(why)
+    if why := unwritable("--out", Path(args.out)):
+        return fail(why)
     setup_logging()
     cfg = config_of(args)
     if args.tune and not args.init_from:
@@ -314,6 +317,8 @@ def cmd_soup(args: argparse.Namespace) -> int:
     setup_logging()
     if args.val_images < 1:
         return fail("--val-images must be at least 1")
+    if why := unwritable("--out", Path(args.out)):
+        return fail(why)
     summary = soup(Path(args.out), [Path(p) for p in args.sources], args.val_images)
     print(f"averaged {len(args.sources)} cross-encoders -> {args.out} ({summary['fingerprint']})")
     print(format_table(summary["validation"]))
