@@ -98,6 +98,8 @@ def read_corpus(
 
 # the keys a manifest line takes; any other is a user's typo (`caption`, `path`), not ignored
 MANIFEST_KEYS = ("id", "image", "captions", "meta")
+# what a hit's meta gets from duet (`app.work.items_of`): a manifest's own would be replaced
+RESERVED_META = ("image", "text", "image_id")
 JSON_LINES = 'each line must be one JSON object (JSON Lines): {"id": ..., "image": ..., ...}'
 
 
@@ -210,6 +212,12 @@ def _parse(obj: Any, line: int, base: Path) -> CorpusItem:
     meta = obj.get("meta", {})
     if not isinstance(meta, dict):
         raise ValueError('"meta" must be an object')
+    if taken := [k for k in RESERVED_META if k in meta]:
+        raise ValueError(
+            f'"meta" has {", ".join(map(repr, taken))}, which hits carry as duet\'s own (an '
+            "image hit's path, a caption hit's text and image id) and would hide: rename "
+            f"{'them' if len(taken) > 1 else 'it'}"
+        )
     return CorpusItem(line, item_id, base / image if image else None, image, list(caps), meta)
 
 

@@ -296,3 +296,22 @@ def test_a_pipe_or_an_empty_file_named_as_an_image_is_a_bad_entry(
     got = _duet(*args, "--skip-bad", "--workers", "0", timeout=120)
     assert got.returncode == 0, got.stderr
     assert "not a regular file" in got.stderr and "empty file" in got.stderr
+
+
+def test_meta_keys_a_hit_carries_as_duets_own_are_refused(tmp_path: Path) -> None:
+    """A manifest's meta "image", "text" or "image_id" was replaced in hits by duet's own
+    (an image hit's path, a caption hit's text and image id), differently per hit kind."""
+    from index_builder.corpus import CorpusError, CorpusItem, read_corpus
+
+    manifest = tmp_path / "m.jsonl"
+    for meta, names in (
+        ({"image": "evil/path.jpg"}, "'image'"),
+        ({"text": "x", "image_id": "q", "mine": 1}, "'text', 'image_id'"),
+    ):
+        manifest.write_text(json.dumps({"id": "a", "captions": ["a red circle"], "meta": meta}))
+        [read] = read_corpus(manifest, None, None)[1]
+        assert isinstance(read, CorpusError), meta
+        assert f'"meta" has {names}, which hits carry as duet\'s own' in str(read), str(read)
+    manifest.write_text(json.dumps({"id": "a", "captions": ["x"], "meta": {"images": 2}}))
+    [fine] = read_corpus(manifest, None, None)[1]
+    assert isinstance(fine, CorpusItem) and fine.meta == {"images": 2}
