@@ -171,7 +171,13 @@ def _lifespan(
         # uploads decoded as the builder decoded the corpus for these models
         app.state.decoder.side = side_of(res.model)
         await pipeline.start()
-        reloader = IndexReloader(pipeline, settings.index_dir, metrics, settings.index_poll_s)
+        reloader = IndexReloader(
+            pipeline,
+            settings.index_dir,
+            metrics,
+            settings.index_poll_s,
+            lambda index: ui.images_unserved(index, settings),
+        )
         poller = (
             asyncio.create_task(reloader.poll_forever(), name="index-poller")
             if settings.index_poll_s > 0

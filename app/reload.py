@@ -12,6 +12,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -108,8 +109,15 @@ class IndexReloader:
     """Loads, checks and swaps in new versions for one `SearchPipeline`; one attempt at a time."""
 
     def __init__(
-        self, pipeline: SearchPipeline, index_dir: Path, metrics: Metrics, poll_s: float
+        self,
+        pipeline: SearchPipeline,
+        index_dir: Path,
+        metrics: Metrics,
+        poll_s: float,
+        images_unserved: Callable[[IndexVersion], str | None] = lambda _index: None,
     ) -> None:
+        # why GET /images cannot serve a version's images here: a swap warns as start-up does
+        self._images_unserved = images_unserved
         self._pipeline = pipeline
         self._index_dir = Path(index_dir)
         self._metrics = metrics
@@ -160,6 +168,8 @@ class IndexReloader:
                 new.image_index.ntotal,
                 new.text_index.ntotal,
             )
+            if why := self._images_unserved(new):
+                log.warning("GET /images/{id} cannot serve this version's images: %s", why)
             return self.last_swap
 
     def _known_refusal(self, path: Path, stamp: object, force: bool) -> Outcome | None:

@@ -158,3 +158,35 @@ def test_a_build_warns_of_images_outside_its_corpus_folder(
     build(manifest, tmp_path / "idx", model, progress=False, workers=0)
     assert "1 image path(s) lead out of the corpus folder" in caplog.text
     assert "'../out.png'" in caplog.text
+
+
+def test_a_swap_to_a_version_whose_images_are_not_all_served_warns_as_start_up_does(
+    tmp_path: Path, corpus: Path, model: BuiltinModel
+) -> None:
+    """A running service swapped to an append from another folder logged only "swapped
+    index": the appended images were 404s with no word. Its message says that the images
+    under DUET_IMAGES_DIR are still served (it said none were)."""
+    import time
+
+    lines = corpus.read_text().splitlines()
+    first = _corpus(corpus, tmp_path / "data" / "first", lines[:2], "a")
+    second = _corpus(corpus, tmp_path / "data" / "second", lines[2:3], "b")
+    out = tmp_path / "idx"
+    build(first, out, model, progress=False, workers=0)
+    log = tmp_path / "serve.log"
+    svc = start_service(out, log, DUET_IMAGES_DIR=str(first.parent), DUET_INDEX_POLL_S="0.2")
+    try:
+        build(second, out, model, progress=False, workers=0, append=True)
+        deadline = time.monotonic() + 30
+        while "swapped index" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        said = log.read_text()
+        assert "GET /images/{id} cannot serve this version's images: its corpus folder" in said
+        assert "only the images under that one are served, the rest are 404s; set " in said
+        assert f"DUET_IMAGES_DIR={(tmp_path / 'data').resolve()}" in said
+        first_id = json.loads(first.read_text().splitlines()[0])["id"]
+        second_id = json.loads(second.read_text().splitlines()[0])["id"]
+        assert httpx.get(f"{svc.url}/images/{first_id}", timeout=10).status_code == 200
+        assert httpx.get(f"{svc.url}/images/{second_id}", timeout=10).status_code == 404
+    finally:
+        stop_service(svc)

@@ -173,6 +173,13 @@ def images_unserved(index: IndexVersion, settings: Settings) -> str | None:
     if not root.is_dir():
         return f"its corpus folder {root} is not on this host (mount it, and set DUET_IMAGES_DIR)"
     if not allowed(root, _served_from(settings, index)):
+        served = settings.images_dir or settings.index_dir
+        if allowed(served.resolve(), [root]):  # an --append from beside it widened the root
+            return (
+                f"its corpus folder {root} holds the folder images are served from "
+                f"({served}): only the images under that one are served, the rest are 404s; "
+                f"set DUET_IMAGES_DIR={root}"
+            )
         return (
             f"its corpus folder {root} is outside the folder images are served from; set "
             f"DUET_IMAGES_DIR={root}"
