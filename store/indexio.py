@@ -64,11 +64,27 @@ def resolve_current(index_dir: Path) -> Path:
             f"version in {index_dir} (ln -sfn VERSION {link}) or build one with `duet build`"
         )
     if not link.exists():
-        raise IndexLoadError(
-            f"no index at {link}: build one with `duet build --corpus MANIFEST --out {index_dir}` "
-            "(or `make serve`, which builds the demo index)"
-        )
+        raise IndexLoadError(f"no index at {link}: {_what_instead(Path(index_dir))}")
     return link.resolve()
+
+
+def _what_instead(index_dir: Path) -> str:
+    """What to do when `index_dir` has no `current`: it may be a version folder, a file (a
+    manifest), or missing, each told as such (`--out MANIFEST` was suggested for a file)."""
+    if (index_dir / MANIFEST).is_file():
+        return (
+            f"{index_dir} is one version of an index; give the folder that holds it and its "
+            f"`current` link, {index_dir.resolve().parent}"
+        )
+    if index_dir.exists() and not index_dir.is_dir():
+        return (
+            f"{index_dir} is a file; give the folder `duet build --out` wrote the index into "
+            "(it holds a `current` link)"
+        )
+    return (
+        f"build one with `duet build --corpus MANIFEST --out {index_dir}` (or `make serve`, "
+        "which builds the demo index)"
+    )
 
 
 def version_dir(path: Path) -> Path:
