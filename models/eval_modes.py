@@ -327,7 +327,15 @@ def format_tables(result: dict[str, Any]) -> str:
         return f"| {name} | " + " | ".join(cells) + f" | {timing} |"
 
     pool = result["pool"]
+    corpus = result.get("corpus") or {}
+    split = f", split {corpus['split']}" if corpus.get("split") else ""
+    changed = f", changed from {corpus['changed_from']}" if corpus.get("changed_from") else ""
     out = [
+        *(
+            [f"index {result['index_version']}: corpus {corpus['path']}{split}{changed}"]
+            if "index_version" in result and corpus
+            else []
+        ),
         f"pool: {pool['images']} images, {pool['texts']} texts",
         "",
         head[0].format("mode"),

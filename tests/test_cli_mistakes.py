@@ -15,6 +15,7 @@ import pytest
 
 from app.schemas import image_url
 from index_builder import outdir
+from models.builtin import BuiltinModel
 from models.world import write_corpus
 from tests.conftest import DUET, start_service, stop_service
 
@@ -315,3 +316,24 @@ def test_meta_keys_a_hit_carries_as_duets_own_are_refused(tmp_path: Path) -> Non
     manifest.write_text(json.dumps({"id": "a", "captions": ["x"], "meta": {"images": 2}}))
     [fine] = read_corpus(manifest, None, None)[1]
     assert isinstance(fine, CorpusItem) and fine.meta == {"images": 2}
+
+
+def test_partial_queries_on_an_index_without_scenes_are_refused_before_the_work(
+    tmp_path: Path, model: BuiltinModel
+) -> None:
+    """They were refused only after both directions had been scored (minutes on a large
+    index): every partial query is judged by its hit's meta.scene."""
+    from PIL import Image
+
+    from index_builder.build import build
+
+    (tmp_path / "c").mkdir()
+    lines = []
+    for i in range(3):
+        Image.new("RGB", (16, 16), (80 * i, 0, 0)).save(tmp_path / "c" / f"{i}.png")
+        lines.append(json.dumps({"id": f"p{i}", "image": f"{i}.png", "captions": ["a red one"]}))
+    (tmp_path / "c" / "m.jsonl").write_text("\n".join(lines) + "\n")
+    build(tmp_path / "c" / "m.jsonl", tmp_path / "idx", model, progress=False, workers=0)
+    res = _duet("eval", "--index", str(tmp_path / "idx"), "--partial", "5", "--modes", "dot")
+    assert res.returncode == 2 and "images have none: leave --partial out" in res.stderr
+    assert "Traceback" not in res.stderr and "t2i" not in res.stderr

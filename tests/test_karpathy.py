@@ -144,6 +144,22 @@ def test_cli_build_test_split_then_eval(kcorpus: Path, tmp_path: Path, model: Bu
     wrong = _duet("eval", "--index", str(idx), "--split", "val", "--json", "--modes", "dot")
     assert wrong.returncode == 2 and "split 'test'" in wrong.stderr
     assert "--split val --out" in wrong.stderr
+    # the tables name the corpus and split too (only --json did, where the docs said both)
+    text = _duet("eval", "--index", str(idx), "--split", "test", "--modes", "dot", "--no-progress")
+    said = f"index {version.path.name}: corpus {(kcorpus.parent / 'flickr.json').resolve()}"
+    assert text.stdout.splitlines()[0] == f"{said}, split test", text.stdout
+    # an append's corpus record is its own file: the split check named that file as the
+    # index's corpus; the index is no longer one split's
+    more = tmp_path / "more"
+    more.mkdir()
+    (more / "a.png").write_bytes((kcorpus.parent / "images" / "0000.png").read_bytes())
+    (more / "m.jsonl").write_text(json.dumps({"id": "x", "image": "a.png", "captions": ["a"]}))
+    grown = _duet("build", "--append", str(more / "m.jsonl"), "--out", str(idx))
+    assert grown.returncode == 0, grown.stderr
+    mixed = _duet("eval", "--index", str(idx), "--split", "test", "--modes", "dot")
+    assert mixed.returncode == 2, mixed.stderr
+    assert f"version {version.path.name} by an --append or --delete" in mixed.stderr
+    assert "so its items are not one split's" in mixed.stderr
 
 
 def test_cli_bad_file_or_image_exits_2_naming_the_problem(

@@ -198,7 +198,9 @@ def index_corpus(index: Path) -> dict[str, object] | None:
     if manifest.corpus is None:
         return None
     selection = manifest.corpus_selection
+    changed = manifest.base  # an --append / --delete: `corpus` is what it read, if anything
     return {
         "path": manifest.corpus,
         **(selection.to_json() if selection else {"format": "manifest"}),
+        **({"changed_from": changed.version} if changed and changed.version else {}),
     }

@@ -156,6 +156,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_choices(encoder, reranker, labels=labels)  # before the index: a typo fails fast
     corpus = index_corpus(Path(args.index))  # before the model: a wrong index fails fast
     _check_split(args, corpus)
+    if args.partial:
+        _check_scenes(Path(args.index))
     model = load_models(
         encoder,
         reranker,
@@ -240,19 +242,44 @@ def _check_split(args: argparse.Namespace, corpus: dict[str, Any] | None) -> Non
     """--split: the index must have been built from that Karpathy split."""
     from models.errors import UserError
 
-    if args.split is None or (corpus or {}).get("split") == args.split:
+    corpus = corpus or {}
+    if args.split is None or (corpus.get("split") == args.split and "changed_from" not in corpus):
         return
     built = (
         f"split {corpus['split']!r} of {corpus['path']}"
-        if corpus and corpus.get("split")
-        else f"{(corpus or {}).get('path', 'no corpus file')} (no Karpathy split)"
+        if corpus.get("split")
+        else f"{corpus.get('path', 'no corpus file')} (no Karpathy split)"
     )
+    if "changed_from" in corpus:  # its `corpus` is the last --append's file, not the whole
+        built = (
+            f"version {corpus['changed_from']} by an --append or --delete (the last read "
+            f"{built}), so its items are not one split's"
+        )
     raise UserError(
         f"--split {args.split}: index {args.index} was built from {built}; "
         f"build that split into its own index first: duet build --corpus "
         f"dataset_....json --split {args.split} --out DIR, then duet eval "
         "--index DIR"
     )
+
+
+def _check_scenes(index: Path) -> None:
+    """--partial judges hits by their image's scene: an index without one (any corpus but
+    the demo world's) is refused now, not after the whole evaluation has been scored."""
+    from models.errors import UserError
+    from store.indexio import ITEMS, version_dir
+    from store.items import ItemStore
+
+    store = ItemStore(version_dir(index) / ITEMS)
+    try:
+        first = store.images([0])
+    except KeyError:  # no image at all
+        first = []
+    if not first or "scene" not in first[0].meta:
+        raise UserError(
+            "--partial judges each hit by its image's scene (meta.scene, as a `duet "
+            f"demo-corpus` corpus has); {index}'s images have none: leave --partial out"
+        )
 
 
 def _token_scorers(
