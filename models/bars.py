@@ -36,4 +36,7 @@ def tqdm(iterable: Any = None, **options: Any) -> _tqdm:  # type: ignore[type-ar
     if not sys.stderr.isatty():
         options["mininterval"] = max(float(options.get("mininterval", 0.0)), LOG_EVERY_S)
         options["file"] = _Lines(sys.stderr)
+        # a bar cleared at its end (leave=False) left a log its first frame only, "0%": it
+        # writes its last one instead, the 100 % of the work done
+        options["leave"] = True
     return _tqdm(iterable, **options)
