@@ -120,13 +120,21 @@ def _warn_leaving(items: Sequence[CorpusItem], root: Path) -> None:
         and not Path(os.path.normpath(root / it.image_rel)).is_relative_to(root)
     ]
     if out:
+        # an absolute path stays one wherever the corpus file is: moving the file is no fix
+        how = (
+            "write each image's path relative to the corpus file, kept in a folder that "
+            "holds them all"
+            if any(os.path.isabs(p) for p in out)
+            else "move the corpus file up to a folder that holds them all, its paths "
+            "written from there"
+        )
         log.warning(
             "%d image path(s) lead out of the corpus folder %s (e.g. %r): they are indexed and "
-            "searched, but GET /images/{id} serves only files inside it: move them in, or "
-            "the corpus file to a folder that holds them all",
+            "searched, but GET /images/{id} serves only files inside it: %s",
             len(out),
             root,
             out[0],
+            how,
         )
 
 

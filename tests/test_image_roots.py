@@ -158,6 +158,24 @@ def test_a_build_warns_of_images_outside_its_corpus_folder(
     build(manifest, tmp_path / "idx", model, progress=False, workers=0)
     assert "1 image path(s) lead out of the corpus folder" in caplog.text
     assert "'../out.png'" in caplog.text
+    assert "move the corpus file up to a folder that holds them all" in caplog.text
+    # the service says so first: DUET_IMAGES_DIR, which it asked for, would not serve it
+    from app.config import Settings
+    from app.routes.ui import images_unserved
+
+    first_out = json.dumps({**item, "id": "far", "image": "../out.png"})
+    manifest.write_text(first_out + "\n" + "".join(f"{ln}\n" for ln in lines[:2]))
+    build(manifest, tmp_path / "idx2", model, progress=False, workers=0)
+    version = IndexVersion.open(tmp_path / "idx2" / "current")
+    said = str(images_unserved(version, Settings(index_dir=tmp_path / "idx2")))
+    assert "its first image's path, '../out.png', leads out of its corpus folder" in said
+    assert "DUET_IMAGES_DIR" not in said
+    # an absolute path stays one wherever the corpus file is moved
+    caplog.clear()
+    absolute = json.dumps({**item, "id": "abs", "image": str(tmp_path / "out.png")})
+    (tmp_path / "c" / "abs.jsonl").write_text(absolute + "\n")
+    build(tmp_path / "c" / "abs.jsonl", tmp_path / "idx3", model, progress=False, workers=0)
+    assert "write each image's path relative to the corpus file" in caplog.text
 
 
 def test_a_swap_to_a_version_whose_images_are_not_all_served_warns_as_start_up_does(

@@ -172,6 +172,13 @@ def images_unserved(index: IndexVersion, settings: Settings) -> str | None:
         return None if root else "the index does not record its corpus folder"
     if not root.is_dir():
         return f"its corpus folder {root} is not on this host (mount it, and set DUET_IMAGES_DIR)"
+    first = index.store.images([0])[0]  # as the route finds a hit's file
+    if first.path and not _plain(root / first.path).is_relative_to(_plain(root)):
+        return (  # no setting serves it: told first, not after DUET_IMAGES_DIR was changed
+            f"its first image's path, {first.path!r}, leads out of its corpus folder {root} "
+            "(images are served only from inside it): build from a corpus file in a folder "
+            "that holds every image, the paths written from there"
+        )
     if not allowed(root, _served_from(settings, index)):
         served = settings.images_dir or settings.index_dir
         if allowed(served.resolve(), [root]):  # an --append from beside it widened the root
@@ -184,7 +191,6 @@ def images_unserved(index: IndexVersion, settings: Settings) -> str | None:
             f"its corpus folder {root} is outside the folder images are served from; set "
             f"DUET_IMAGES_DIR={root}"
         )
-    first = index.store.images([0])[0]  # as the route finds a hit's file
     path = inside(root, first.path) if first.path else None
     if path is None:
         return f"its first image, {first.path!r}, is not in its corpus folder {root}"
