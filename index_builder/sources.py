@@ -237,9 +237,16 @@ def _apply_delete(
         raise BuildError(no_ids(delete))
     unknown = sorted(ids - known)
     if unknown:
+        captions = {t.id for t in base.texts if t.id in ids}  # a caption hit's id: "p002#0"
+        hint = (
+            f"; {', '.join(map(repr, sorted(captions)[:3]))} name captions: --delete takes "
+            "the id of an item (its image and all its captions go), as the manifest gave it"
+            if captions
+            else ""
+        )
         raise BuildError(
             f"--delete: {len(unknown)} id(s) not in {base.path.name}: "
-            f"{', '.join(map(repr, unknown[:5]))}{' ...' if len(unknown) > 5 else ''}"
+            f"{', '.join(map(repr, unknown[:5]))}{' ...' if len(unknown) > 5 else ''}{hint}"
         )
     images = [(i, r) for i, r in enumerate(base.images) if r.id not in ids]
     texts = [(i, r) for i, r in enumerate(base.texts) if _item_of_text(r) not in ids]

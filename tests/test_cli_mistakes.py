@@ -250,6 +250,11 @@ def test_a_delete_file_names_ids_as_written(tmp_path: Path, corpus: Path) -> Non
         if status:
             assert "lists no ids" in deleted.stderr and "Traceback" not in deleted.stderr
             assert (out / "current").readlink() == before
+    gone.write_text(f"{longest}#0\n")  # a caption hit's id: said only "not in VERSION"
+    deleted = _duet("build", "--delete", str(gone), "--out", str(out), "--no-progress")
+    assert deleted.returncode == 2 and "#0' name captions: --delete takes the id of an item" in (
+        deleted.stderr
+    )
     from store.indexio import IndexVersion
 
     version = IndexVersion.open(out / "current")
