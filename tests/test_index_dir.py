@@ -34,3 +34,19 @@ def test_duet_serve_says_so_before_loading(index_dir: Path) -> None:
     )
     assert proc.returncode != 0 and "is one version of an index" in proc.stderr, proc.stderr
     assert "--out" not in proc.stderr.splitlines()[-1]
+
+
+def test_building_the_same_again_says_the_new_version_is_a_copy(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """A second run of one build published a copy of the version before without a word."""
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
+    args = [*DUET, "build", "--corpus", str(corpus), "--out", str(tmp_path / "i")]
+    runs = [
+        subprocess.run([*args, "--no-progress"], env=env, capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    assert all(r.returncode == 0 for r in runs), runs[1].stderr
+    assert "holds the very files of" not in runs[0].stdout
+    first = runs[0].stdout.split("current -> ")[1].split()[0]
+    assert f"holds the very files of {first}, which current pointed to before" in runs[1].stdout

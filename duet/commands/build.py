@@ -274,6 +274,7 @@ def _build(args: argparse.Namespace) -> int:
         model.name,
         model.token_shape,
     )
+    before = _current_manifest(Path(args.out))
     report = build(
         Path(corpus) if corpus else None,
         Path(args.out),
@@ -320,4 +321,21 @@ def _build(args: argparse.Namespace) -> int:
             print(f"  {line}")
     if report.unread:  # said before the encoding too; again here, past the progress bars
         print(f"warning: {report.unread}")
+    if before is not None and before.version != report.version and before.files == m.files:
+        print(  # a second run of one build: a copy, without a word before
+            f"note: {report.version} holds the very files of {before.version}, which current "
+            "pointed to before (the corpus, models and index choices are unchanged); the older "
+            "one can be deleted"
+        )
     return 0
+
+
+def _current_manifest(out: Path) -> Any:
+    """The manifest of the version OUT/current points to, or None (none yet, or unreadable:
+    the build says what is wrong with it where that matters)."""
+    from store.indexio import Manifest, version_dir
+
+    try:
+        return Manifest.read(version_dir(out))
+    except Exception:  # only a note depends on it
+        return None
