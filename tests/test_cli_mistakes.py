@@ -115,6 +115,8 @@ def test_options_are_checked_before_any_work(tmp_path: Path) -> None:
         (["train", "--out", str(tmp_path / "f.txt")], "f.txt is a file: give a folder"),
         (["train", "--out", str(tmp_path / "f.txt" / "m")], "f.txt is a file, so no folder"),
         (["soup", "--out", str(tmp_path / "f.txt"), "a", "b"], "f.txt is a file: give a folder"),
+        # told after the model had loaded
+        (["build", "--delete", str(tmp_path / "no.txt"), "--out", str(tmp_path / "b")], "no.txt"),
     ):
         if "f.txt" in args[2] and not (tmp_path / "f.txt").exists():
             (tmp_path / "f.txt").write_text("x")

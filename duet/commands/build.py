@@ -18,6 +18,7 @@ from duet.commands.common import (
     model_choices,
     model_options,
     setup_logging,
+    unwritable,
 )
 from index_builder.options import default_batch
 
@@ -212,6 +213,13 @@ def _option_problem(args: argparse.Namespace, device: str) -> str | None:
         return "--batch-size and --shard-size must be at least 1"
     if args.workers is not None and args.workers < 0:
         return "--workers must be 0 or more"
+    if why := unwritable("--out", Path(args.out)):
+        return why
+    if args.delete:
+        try:
+            Path(args.delete).read_bytes()
+        except OSError as exc:
+            return f"cannot read ids file {args.delete}: {exc.strerror or exc}"
     # a --factory or DUET_INDEX_FACTORY (the build's factory) makes it a reindex
     if args.delete and not (args.append or args.factory or os.environ.get("DUET_INDEX_FACTORY")):
         from index_builder.sources import no_ids
