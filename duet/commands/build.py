@@ -20,7 +20,7 @@ from duet.commands.common import (
     setup_logging,
     unwritable,
 )
-from index_builder.options import default_batch
+from index_builder.options import BuildReport, default_batch
 
 
 def add(sub: Any) -> None:
@@ -252,7 +252,6 @@ def _corpus_problem(corpus: str) -> str | None:
 def _build(args: argparse.Namespace) -> int:
     from index_builder.build import build
     from models.loading import load_models
-    from store.manifest import BuildSettings
 
     setup_logging()
     if args.corpus and args.append:
@@ -302,12 +301,21 @@ def _build(args: argparse.Namespace) -> int:
         split=args.split,
         images_root=args.images_root,
     )
+    _summary(report, Path(args.out), before)
+    return 0
+
+
+def _summary(report: BuildReport, out: Path, before: Any) -> None:
+    """What a build made, as it ends: the version, the rate, the indexes, what it skipped,
+    and what it warns of (`before`: the manifest current pointed to before, or None)."""
+    from store.manifest import BuildSettings
+
     m = report.manifest
     b = m.build or BuildSettings()
     print(
         f"built {report.path} ({report.images} images, {report.texts} texts, "
         f"{m.index_type}) in {report.seconds:.1f}s; "
-        f"{Path(args.out) / 'current'} -> {report.version}"
+        f"{out / 'current'} -> {report.version}"
     )
     resumed = f"{report.resumed_shards} of {report.shards} shards resumed"
     if report.encoded:
@@ -335,7 +343,6 @@ def _build(args: argparse.Namespace) -> int:
             "pointed to before (the corpus, models and index choices are unchanged); the older "
             "one can be deleted"
         )
-    return 0
 
 
 def _current_manifest(out: Path) -> Any:
