@@ -1,4 +1,5 @@
-"""The `duet` command: serve, build, eval, train, soup, demo-corpus, demo-index, healthcheck.
+"""The `duet` command: serve, build, eval, bench, train, soup, demo-corpus, demo-index,
+healthcheck.
 
 Each group of sub-commands lives in `duet/commands/` (its options and what it runs); this
 module assembles the parser and catches, once, every failure a user can fix.
@@ -27,7 +28,7 @@ def _version() -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    from duet.commands import build, evaluate, serve, train
+    from duet.commands import bench, build, evaluate, serve, train
 
     p = argparse.ArgumentParser(
         prog="duet",
@@ -37,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"duet {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (serve, build, evaluate, train):
+    for group in (serve, build, evaluate, bench, train):
         group.add(sub)
     return p
 
@@ -51,6 +52,7 @@ AFTER_CTRL_C = {
     "demo-index": "run the same command again: it keeps a finished corpus and resumes the "
     "build from the shards written so far",
     "eval": "nothing was written",
+    "bench": "nothing was written; the cells measured so far were not printed",
     "train": "a model is written to --out only once training ends (stopped in the final "
     "validation, it is there without its train.json); training does not resume: run it "
     "again",

@@ -1,0 +1,338 @@
+"""`duet bench`: how fast a running duet answers, measured from outside as a client sees it.
+
+Closed-loop load (each client sends its next search when the last one is answered) at each
+number of clients, re-ranked and dot-only, every query a different sentence (no answer from
+the cache unless the queries run out, which the table counts), and what the service's own
+`/metrics` says its time went to. It measures any deployment it can reach (docker compose,
+Kubernetes, `duet serve` on a GPU host); the side-by-side against a plain FastAPI script is
+`benchmarks/serve_load.py`, in the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sqlite3
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from duet.commands.common import HelpFormatter, fail, load_settings
+
+MODES = {"reranked": True, "dot": False}
+MAX_QUERIES = 500_000  # read from the index's captions at most: more than a run sends
+BUSY_CLIENT = 0.85  # of a core: past it, the client may be what bounds the figures
+
+
+def add(sub: Any) -> None:
+    """bench"""
+    b = sub.add_parser(
+        "bench",
+        formatter_class=HelpFormatter,
+        help="measure a running service: req/s, p50 and p99 per number of clients",
+        description="Closed-loop load against a running duet: each client sends its next "
+        "POST /search/text when the last is answered, for --seconds after --warmup, at each "
+        "number of --clients, re-ranked and dot-only. Every query is a different sentence "
+        "(the served index's own captions, read from DUET_INDEX_DIR, or --queries FILE), so "
+        "the cache answers none unless they run out (the table's `cached`). Prints req/s, "
+        "p50 and p99 of the answers, 429s and errors, the load generator's share of a core, "
+        "and the service's mean time per stage from its /metrics. Run it where nothing else "
+        "is busy: its client shares the machine with the service when both run there.",
+        epilog="examples:\n\n  duet bench     # the service on 127.0.0.1:$DUET_PORT\n"
+        "  duet bench --url http://gpu-host:8000 --queries queries.txt --clients 1,32\n"
+        "  docker compose exec duet duet bench --seconds 20",
+    )
+    b.add_argument(
+        "--url", help="the service (default http://127.0.0.1:$DUET_PORT, DUET_PORT 8000)"
+    )
+    b.add_argument(
+        "--clients", default="1,8,32", help="numbers of concurrent clients, comma-separated"
+    )
+    b.add_argument("--seconds", type=float, default=10.0, help="measured seconds per cell")
+    b.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each")
+    b.add_argument(
+        "--modes", default="reranked,dot", help="reranked (rerank: true), dot (rerank: false)"
+    )
+    b.add_argument("--candidates", type=int, default=50, help="candidates a search re-ranks")
+    b.add_argument("--top-k", type=int, default=10, help="hits per answer")
+    b.add_argument(
+        "--queries",
+        type=Path,
+        help="a text file of queries, one per line (default: the captions of "
+        "DUET_INDEX_DIR/current, shuffled)",
+    )
+    b.add_argument("--index-dir", type=Path, help="where the captions are (DUET_INDEX_DIR)")
+    b.add_argument("--json", action="store_true", help="print one JSON object, no tables")
+    b.set_defaults(fn=cmd_bench)
+
+
+@dataclass
+class Cell:
+    """One (mode, clients) run's figures."""
+
+    mode: str
+    clients: int
+    seconds: float
+    latencies: list[float] = field(default_factory=list)  # answered 200s, seconds
+    cached: int = 0
+    degraded: int = 0
+    refused: int = 0  # 429
+    errors: Counter[str] = field(default_factory=Counter)  # other statuses, failed connections
+    client_cpu: float = 0.0  # the load generator's share of one core
+    stages: dict[str, float] = field(default_factory=dict)  # the service's mean ms per stage
+
+    def q(self, p: float) -> float:
+        lat = sorted(self.latencies)
+        return 1000 * lat[min(len(lat) - 1, int(p / 100 * len(lat)))] if lat else float("nan")
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "clients": self.clients,
+            "req_per_s": round(len(self.latencies) / self.seconds, 1),
+            "p50_ms": round(self.q(50), 2),
+            "p99_ms": round(self.q(99), 2),
+            "answered": len(self.latencies),
+            "cached": self.cached,
+            "degraded": self.degraded,
+            "refused_429": self.refused,
+            "errors": dict(self.errors),
+            "client_cpu": round(self.client_cpu, 2),
+            "stages_ms": {k: round(v, 3) for k, v in self.stages.items()},
+        }
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import httpx
+
+    problem = _problem(args)
+    if problem:
+        return fail(problem)
+    settings = load_settings(index_dir=args.index_dir)
+    url = (args.url or f"http://127.0.0.1:{settings.port}").rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+        return fail(f"--url {url!r}: give http://HOST:PORT (no path; https is not measured)")
+    url = f"http://{parts.hostname}:{parts.port or 80}"
+    try:
+        ready = httpx.get(f"{url}/readyz", timeout=10)
+    except httpx.HTTPError as exc:
+        return fail(f"{url} does not answer ({exc}): start the service, or give --url")
+    if ready.status_code != 200:
+        return fail(f"{url}/readyz answered {ready.status_code}: the service is not ready yet")
+    info = ready.json()
+    queries = _queries(args.queries, args.index_dir or settings.index_dir)
+    clients = [int(c) for c in args.clients.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    say = (lambda _m: None) if args.json else (lambda m: print(m, file=sys.stderr))
+    say(
+        f"{url}: model {info.get('model')}, index {info.get('index_version')} "
+        f"({info.get('items', {}).get('images')} images), cache {info.get('cache')}; "
+        f"{len(queries.texts):,} different queries"
+    )
+    cells = []
+    for mode in modes:
+        for n in clients:
+            say(f"{mode}, {n} client{'s' if n > 1 else ''}: {args.warmup:g} + {args.seconds:g} s")
+            cells.append(asyncio.run(_cell(url, mode, n, args, queries)))
+    if args.json:
+        print(json.dumps({"url": url, "readyz": info, "cells": [c.as_json() for c in cells]}))
+    else:
+        print(_tables(url, info, cells))
+    return 0
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    """Why the options cannot be run, or None: told before any request."""
+    try:
+        clients = [int(c) for c in args.clients.split(",")]
+    except ValueError:
+        return f"--clients {args.clients!r}: give whole numbers, comma-separated (1,8,32)"
+    if not clients or min(clients) < 1:
+        return "--clients: each number of clients must be at least 1"
+    modes = [m.strip() for m in args.modes.split(",")]
+    if unknown := [m for m in modes if m not in MODES]:
+        return f"--modes: {', '.join(unknown)} is no mode; give reranked, dot or both"
+    if not args.seconds > 0 or not args.warmup >= 0:
+        return "--seconds must be more than 0 and --warmup 0 or more"
+    if args.candidates < 1 or args.top_k < 1:
+        return "--candidates and --top-k must be at least 1"
+    return None
+
+
+class Queries:
+    """Each query once, in order; past the last, the first again (and the cache may answer:
+    the table counts those answers)."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+        self._it: Iterator[str] = iter(texts)
+
+    def next(self) -> str:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._it = iter(self.texts)
+            return next(self._it)
+
+
+def _queries(path: Path | None, index_dir: Path) -> Queries:
+    """--queries' lines, or the captions of the served index version, shuffled (seed 0)."""
+    from models.errors import UserError
+    from store.indexio import ITEMS, IndexLoadError, version_dir
+
+    if path is not None:
+        try:
+            lines = path.read_text(encoding="utf-8-sig").splitlines()
+        except (OSError, UnicodeError) as exc:
+            raise UserError(f"--queries {path}: cannot read it ({exc})") from exc
+        texts = list(dict.fromkeys(ln.strip() for ln in lines if ln.strip()))
+        if not texts:
+            raise UserError(f"--queries {path} has no query (one per line)")
+        return Queries(texts)
+    try:
+        items = version_dir(index_dir) / ITEMS
+        con = sqlite3.connect(f"file:{items}?mode=ro", uri=True)
+        try:
+            rows = con.execute("SELECT text FROM texts LIMIT ?", (MAX_QUERIES,)).fetchall()
+        finally:
+            con.close()
+    except (IndexLoadError, sqlite3.Error) as exc:
+        raise UserError(
+            f"no captions to ask with in {index_dir} ({exc}): give --queries FILE, one query "
+            "a line, or --index-dir (DUET_INDEX_DIR) where the served index is"
+        ) from exc
+    texts = list(dict.fromkeys(r[0] for r in rows if r[0] and len(r[0].split()) <= 30))
+    if not texts:
+        raise UserError(f"the index in {index_dir} has no captions: give --queries FILE")
+    random.Random(0).shuffle(texts)
+    return Queries(texts)
+
+
+async def _cell(url: str, mode: str, clients: int, args: argparse.Namespace, q: Queries) -> Cell:
+    from duet.loadgen import Conn
+
+    cell = Cell(mode, clients, args.seconds)
+    rerank = MODES[mode]
+    before = await _stages(url)
+    t_start = time.perf_counter() + args.warmup
+    t_end = t_start + args.seconds
+    cpu_at: list[float] = []
+
+    async def one() -> None:
+        conn = Conn(url)
+        while (now := time.perf_counter()) < t_end:
+            if now >= t_start and not cpu_at:
+                cpu_at.append(time.process_time())
+            body = {"query": q.next(), "top_k": args.top_k, "rerank": rerank}
+            if rerank:
+                body["candidates"] = args.candidates
+            try:
+                status, headers, data = await conn.request(
+                    "POST", "/search/text", json.dumps(body).encode()
+                )
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                if now >= t_start:
+                    cell.errors[type(exc).__name__] += 1
+                await asyncio.sleep(0.05)
+                continue
+            done = time.perf_counter()
+            if now < t_start:
+                continue
+            if status == 200:
+                cell.latencies.append(done - now)
+                cell.cached += b'"cached":true' in data
+                cell.degraded += b'"degraded":true' in data
+            elif status == 429:
+                cell.refused += 1
+                await asyncio.sleep(min(1.0, float(headers.get("retry-after", "1"))))
+            else:
+                cell.errors[str(status)] += 1
+        conn.close()
+
+    await asyncio.gather(*(one() for _ in range(clients)))
+    cell.client_cpu = (time.process_time() - cpu_at[0]) / args.seconds if cpu_at else 0.0
+    after = await _stages(url)
+    for stage, (total, n) in after.items():
+        was_total, was_n = before.get(stage, (0.0, 0.0))
+        if n > was_n:
+            cell.stages[stage] = 1000 * (total - was_total) / (n - was_n)
+    return cell
+
+
+async def _stages(url: str) -> dict[str, tuple[float, float]]:
+    """duet_stage_seconds' sum and count per stage, from the service's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from duet.loadgen import Conn
+
+    conn = Conn(url)
+    try:
+        status, _, data = await conn.request("GET", "/metrics")
+    finally:
+        conn.close()
+    found: dict[str, list[float]] = {}
+    if status != 200:
+        return {}
+    for family in text_string_to_metric_families(data.decode()):
+        if family.name != "duet_stage_seconds":
+            continue
+        for s in family.samples:
+            stage = s.labels.get("stage", "")
+            pair = found.setdefault(stage, [0.0, 0.0])
+            if s.name.endswith("_sum"):
+                pair[0] += s.value
+            elif s.name.endswith("_count"):
+                pair[1] += s.value
+    return {k: (v[0], v[1]) for k, v in found.items()}
+
+
+def _tables(url: str, info: dict[str, Any], cells: list[Cell]) -> str:
+    out = [
+        f"duet bench {url}: model {info.get('model')}, index {info.get('index_version')}, "
+        f"cache {info.get('cache')}; closed loop, every query a different caption",
+        "",
+        "| mode | clients | req/s | p50 ms | p99 ms | 429 | errors | cached | degraded "
+        "| client CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        j = c.as_json()
+        errors = sum(c.errors.values())
+        out.append(
+            f"| {c.mode} | {c.clients} | {j['req_per_s']:,} | {j['p50_ms']} | {j['p99_ms']} "
+            f"| {c.refused} | {errors} | {c.cached} | {c.degraded} | {c.client_cpu:.0%} |"
+        )
+    stages = sorted({s for c in cells for s in c.stages})
+    if stages:
+        out += [
+            "",
+            "The service's mean ms per stage of the requests that went through it "
+            "(duet_stage_seconds):",
+            "",
+            "| mode | clients | " + " | ".join(stages) + " |",
+            "|---|---|" + "---|" * len(stages),
+        ]
+        for c in cells:
+            cols = " | ".join(f"{c.stages[s]:.2f}" if s in c.stages else "-" for s in stages)
+            out.append(f"| {c.mode} | {c.clients} | {cols} |")
+    if busy := [c for c in cells if c.client_cpu > BUSY_CLIENT]:
+        out += [
+            "",
+            f"The load generator kept {max(c.client_cpu for c in busy):.0%} of a core busy in "
+            f"{len(busy)} cell(s): there, it may be what bounds req/s; run it from another "
+            "machine (--url) to be sure.",
+        ]
+    if failed := [c for c in cells if c.errors]:
+        kinds = Counter[str]()
+        for c in failed:
+            kinds.update(c.errors)
+        out += ["", f"Errors: {dict(kinds)} (the service's log says why)."]
+    return "\n".join(out)
