@@ -368,5 +368,14 @@ def format_partial(part: dict[str, Any]) -> str:
         "| mode | P@1 | P@10 |",
         "|---|---|---|",
     ]
+    if not part["judged"]:  # every P@k would be 0 / 0: "nan" said nothing
+        return "\n".join(
+            [
+                out[0],
+                "",
+                "No query has a fitting image in this pool, so none is judged: give more "
+                "--partial queries, or evaluate a larger index.",
+            ]
+        )
     out += [f"| {m} | {r['P@1']:.3f} | {r['P@10']:.3f} |" for m, r in part["modes"].items()]
     return "\n".join(out)
