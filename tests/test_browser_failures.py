@@ -95,14 +95,16 @@ def test_a_new_re_ranker_searches_again_and_the_address_keeps_it(
     assert "re-ranker none" in _text(d, "legend")
 
 
-def test_back_goes_to_the_search_before(
+def test_back_goes_to_the_search_before_and_past_the_first(
     service: Service,  # noqa: F811
     browser: Any,  # noqa: F811
 ) -> None:
+    """Each search replaced the address, so Back left the page. An address in another form
+    than the page writes (`+` for a space, as people type it) must not trap Back either: the
+    page pushed a new entry whenever it ran the search an address named, Back included."""
     d = browser
-    d.get("about:blank")  # what Back reached when each search replaced the address
-    d.get(service.url + "/")
-    _search(d, "a red circle")
+    d.get("about:blank")
+    d.get(service.url + "/?q=a+red+circle")
     first = _answered(d)
     ids = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#grid .hit .id")]
     _search(d, "two blue squares")
@@ -114,6 +116,40 @@ def test_back_goes_to_the_search_before(
     WebDriverWait(d, 30).until(
         lambda drv: [e.text for e in drv.find_elements(By.CSS_SELECTOR, "#grid .hit .id")] == ids
     )
+    d.back()
+    WebDriverWait(d, 10).until(lambda drv: drv.current_url == "about:blank")
+
+
+def test_back_to_the_bare_page_leaves_nothing_of_a_later_search(
+    service: Service,  # noqa: F811
+    browser: Any,  # noqa: F811
+) -> None:
+    d = browser
+    d.get(service.url + "/")
+    _search(d, "a red circle", "none")
+    _answered(d)
+    d.back()
+    WebDriverWait(d, 10).until(lambda drv: not drv.find_elements(By.CSS_SELECTOR, "#grid .hit"))
+    assert d.find_element(By.ID, "query").get_attribute("value") == ""
+    assert _text(d, "status") == "" and not d.find_element(By.ID, "legend").is_displayed()
+    assert (
+        Select(d.find_element(By.ID, "reranker")).first_selected_option.get_attribute("value") == ""
+    )
+
+
+def test_a_new_re_ranker_searches_what_was_searched_not_words_typed_since(
+    service: Service,  # noqa: F811
+    browser: Any,  # noqa: F811
+) -> None:
+    d = browser
+    d.get(service.url + "/")
+    _search(d, "a red circle")
+    before = _answered(d)
+    d.find_element(By.ID, "query").send_keys(" and more words never searched")
+    Select(d.find_element(By.ID, "reranker")).select_by_value("none")
+    _answered(d, before)
+    assert d.find_element(By.ID, "query").get_attribute("value") == "a red circle"
+    assert d.current_url.endswith("?q=a%20red%20circle&reranker=none"), d.current_url
 
 
 def test_an_image_search_runs_again_with_a_new_re_ranker_or_the_same_file(
