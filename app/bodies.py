@@ -51,18 +51,16 @@ def no_url_parameters(request: Request, fields: Sequence[str]) -> None:
         )
 
 
-def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose every name is given once: `{"top_k": 1, "top_k": 3}` was read as
-    3 without a word, where a field the route does not take is refused."""
+def _once(pairs: list[tuple[str, Any]], twice: list[str]) -> dict[str, Any]:
+    """A JSON object, each name given more than once noted in `twice`: `{"top_k": 1,
+    "top_k": 3}` was read as 3 without a word, where a field the route does not take is
+    refused."""
     obj = dict(pairs)
     if len(obj) < len(pairs):
         seen: set[str] = set()
         for name, _value in pairs:
             if name in seen:
-                raise ValidationFailed(
-                    f"{name}: given more than once in one JSON object; give each field once",
-                    loc=("body", name),
-                )
+                twice.append(name)
             seen.add(name)
     return obj
 
@@ -76,13 +74,14 @@ def json_object(raw: bytes, fields: Sequence[str], example: str) -> Any:
         said = f"the body is empty; send a JSON object such as {example}"
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": said}])
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark (Windows tools write one) is no JSON
     except UnicodeDecodeError as exc:
         raise ValidationFailed(
             f"body is not valid JSON: it must be UTF-8 encoded (byte {exc.start} is not)"
         ) from exc
+    twice: list[str] = []
     try:
-        data = json.loads(text, object_pairs_hook=_once)
+        data = json.loads(text, object_pairs_hook=lambda pairs: _once(pairs, twice))
     except json.JSONDecodeError as exc:
         raise RequestValidationError(
             [{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error"}]
@@ -97,12 +96,26 @@ def json_object(raw: bytes, fields: Sequence[str], example: str) -> Any:
         unknown = [k for k in data if k not in fields]
         if unknown:
             raise _unknown(unknown, fields)
+    if twice:  # a field of the body's own, or a name inside one of its values
+        name = twice[0]
+        where = ("body", name) if isinstance(data, dict) and name in data else ("body",)
+        raise ValidationFailed(
+            f"{_shown(name)}: given more than once in one JSON object; give each field once",
+            loc=where,
+        )
     return data
+
+
+def _shown(name: str) -> str:
+    """A name as a message shows it: quoted when it is not plain, cut at 64 characters (a
+    100 kB key was a 100 kB message)."""
+    cut = name if len(name) <= 64 else name[:64] + "..."
+    return repr(cut) if not cut.isprintable() or not cut or cut != name else cut
 
 
 def _unknown(names: list[str], fields: Sequence[str]) -> ValidationFailed:
     """The 422 for fields a route does not take: each named, up to `NAMED_AT_MOST`."""
-    named = [repr(n) if not n.isprintable() or not n else n for n in names[:NAMED_AT_MOST]]
+    named = [_shown(n) for n in names[:NAMED_AT_MOST]]
     more = len(names) - len(named)
     said = f"not a field of this route; it takes {', '.join(fields)}"
     details = [{"type": "extra_forbidden", "loc": ["body", n], "msg": said} for n in named]

@@ -6,6 +6,7 @@ words in a 422 (a codec's, `sys.set_int_max_str_digits`)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from typing import Any
@@ -101,3 +102,34 @@ def test_url_parameters_on_a_form_upload_list_the_forms_fields(
     r = served[1].post("/search/image?top_k=1", files={"image": ("a.png", _png((8, 8)))})
     said = _error(r, 422, "validation_error")
     assert "send them as fields of it (image, top_k" in said and "image_b64" not in said
+
+
+@pytest.mark.parametrize(
+    ("path", "field"), [("/search/text", "query"), ("/search/image", "image_b64")]
+)
+def test_a_utf8_body_with_a_byte_order_mark_is_read(
+    served: tuple[Any, httpx.Client],  # noqa: F811
+    path: str,
+    field: str,
+) -> None:
+    """Windows tools write one; json.loads of bytes skipped it, and RFC 8259 lets a reader."""
+    value = "a red circle" if field == "query" else base64.b64encode(_png((8, 8))).decode()
+    raw = "\ufeff".encode() + json.dumps({field: value}).encode()
+    assert served[1].post(path, content=raw, headers=JSON).status_code == 200
+
+
+def test_a_duplicate_inside_a_value_and_a_long_unknown_name_are_told_plainly(
+    served: tuple[Any, httpx.Client],  # noqa: F811
+) -> None:
+    """A name given twice inside a value was located as a field of the body; an unknown name
+    of 100 kB was quoted whole, twice (a 200 kB answer)."""
+    c = served[1]
+    nested = '{"image_b64": "eA==", "top_k": {"a": 1, "a": 2}}'
+    r = c.post("/search/image", content=nested, headers=JSON)
+    assert _error(r, 422, "validation_error").startswith("a: given more than once")
+    assert r.json()["error"]["details"][0]["loc"] == ["body"]
+    r = c.post(
+        "/search/image", content=json.dumps({"image_b64": "eA==", "k" * 100_000: 1}), headers=JSON
+    )
+    assert "'" + "k" * 64 + "...'" in _error(r, 422, "validation_error")
+    assert len(r.content) < 2000, len(r.content)
