@@ -37,12 +37,14 @@ def b64_image(text: str) -> bytes:
         # alphabet (- and _ for + and /) are base64 too; anything else is refused
         plain = "".join(text.split())
         urlsafe = ("-" in plain or "_" in plain) and not ("+" in plain or "/" in plain)
+        if urlsafe:  # base64url is mostly sent without its padding
+            plain += "=" * (-len(plain) % 4)
         try:
             return base64.b64decode(plain, altchars=b"-_" if urlsafe else None, validate=True)
-        except (binascii.Error, ValueError):
-            pass
+        except (binascii.Error, ValueError) as again:
+            why = again if plain != text else exc  # what is wrong once the forms are read
         raise InvalidImage(
-            f"image_b64 is not valid base64 ({exc}); send the image file's bytes "
+            f"image_b64 is not valid base64 ({why}); send the image file's bytes "
             "base64-encoded (base64 FILE, or base64 -w0 FILE), with or without a "
             "data:image/...;base64, prefix"
         ) from exc

@@ -157,7 +157,8 @@ def test_wrapped_and_url_safe_base64_are_taken(served: tuple[Any, httpx.Client])
     assert "\n" in wrapped.strip()
     urlsafe = base64.urlsafe_b64encode(png).decode()
     assert "-" in urlsafe or "_" in urlsafe
-    for sent in (wrapped, urlsafe, "data:image/png;base64," + wrapped):
+    unpadded = urlsafe.rstrip("=")  # base64url's usual form
+    for sent in (wrapped, urlsafe, unpadded, "data:image/png;base64," + wrapped):
         assert c.post("/search/image", json={"image_b64": sent}).status_code == 200
     mixed = "ab-+" + std[4:]
     _error(c.post("/search/image", json={"image_b64": mixed}), 400, "invalid_image")

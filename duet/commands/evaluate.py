@@ -275,6 +275,8 @@ def _check_scenes(index: Path) -> None:
         first = store.images([0])
     except KeyError:  # no image at all
         first = []
+    finally:
+        store.close()
     if not first or "scene" not in first[0].meta:
         raise UserError(
             "--partial judges each hit by its image's scene (meta.scene, as a `duet "
