@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from PIL import Image
 
@@ -38,7 +39,7 @@ def test_the_demo_worlds_captions_pass_without_a_word(model: BuiltinModel) -> No
 
 def test_everyday_captions_are_told_with_their_unknown_words(model: BuiltinModel) -> None:
     said = unread_words(_items(EVERYDAY * 10), model) or ""
-    assert said.startswith("the model does not read much of these captions: in the captions,")
+    assert said.startswith("the model cannot read all of these captions: in the captions,")
     assert "dog (10)" in said and "75% of the captions have no word it reads" in said
     assert "CLIP or SigLIP checkpoint (--encoder, docs/models.md)" in said
 
@@ -70,6 +71,14 @@ def test_duet_build_says_it_at_the_end_too(tmp_path: Path) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "WARNING duet.build: the model does not read much of these captions" in proc.stderr
+    assert "WARNING duet.build: the model cannot read all of these captions" in proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("warning: the model does not read much") and "sofa (3)" in last
+    assert last.startswith("warning: the model cannot read all") and "sofa (3)" in last
+
+
+def test_a_large_corpus_is_sampled_and_says_so(model: BuiltinModel, monkeypatch: Any) -> None:
+    from index_builder import vocabulary
+
+    monkeypatch.setattr(vocabulary, "SAMPLE", 7)
+    said = unread_words(_items(EVERYDAY * 10), model) or ""  # 40 captions: every 6th, 7 read
+    assert "in 7 of the 40 captions," in said, said
