@@ -8,40 +8,19 @@ from __future__ import annotations
 
 import math
 import re
-import time
 
 import httpx
 
-FLUSH_S = 0.25  # how often a front sends the owner its observations: app.remote.FLUSH_S
+from duet.loadgen import FLUSH_S as FLUSH_S  # what the benchmarks import from here
+from duet.loadgen import stage_label as _stage
+from duet.loadgen import stage_totals as stage_totals
 
-_SUMS = re.compile(r"^duet_(stage|request)_seconds_(sum|count)\{([^}]*)\} (\S+)$", re.M)
 _BUCKETS = re.compile(r"^duet_(request|stage|device_step)_seconds_bucket\{([^}]*)\} (\S+)$", re.M)
 OWN = ("request", "queue", "device", "step")  # what `own_buckets` reads
 
 
 def _metrics(url: str) -> str:
     return httpx.get(f"{url}/metrics", timeout=10).text
-
-
-def stage_totals(url: str) -> dict[str, list[float]]:
-    """duet's /metrics now: [seconds, count] of each stage of duet_stage_seconds and of
-    "request" (duet_request_seconds, /search/* endpoints). Read once the fronts have sent
-    what they observed so far: they send the owner their observations every `FLUSH_S`, so
-    a read right after a loaded cell missed its last ones, which the next (lone) cell's
-    means then took in (the twenty-sixth session's CPU run: a lone dot-only request's
-    server mean 19.5 ms against its client's p50 of 2.9): two intervals and a margin."""
-    time.sleep(2 * FLUSH_S + 0.1)
-    out: dict[str, list[float]] = {}
-    for family, kind, labels, value in _SUMS.findall(_metrics(url)):
-        if family == "stage":
-            key = _stage(labels) or "?"
-        elif 'endpoint="/search/' in labels:
-            key = "request"
-        else:
-            continue
-        acc = out.setdefault(key, [0.0, 0.0])
-        acc[0 if kind == "sum" else 1] += float(value)
-    return out
 
 
 def _own(family: str, labels: str) -> str | None:
@@ -55,12 +34,6 @@ def _own(family: str, labels: str) -> str | None:
         return "step"
     stage = _stage(labels)
     return stage if stage in ("queue", "device") else None
-
-
-def _stage(labels: str) -> str | None:
-    """The `stage` label's value in a series' labels, if it has one."""
-    found = re.search(r'stage="([^"]+)"', labels)
-    return found.group(1) if found else None
 
 
 def own_buckets(url: str) -> dict[str, dict[float, float]]:

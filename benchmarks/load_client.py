@@ -73,12 +73,12 @@ async def closed_loop(
                     cell.errors += 1
                 continue
             done = time.perf_counter()
-            if now < t_start:
-                continue
-            if status == 429:
-                cell.refused += 1
+            if status == 429:  # in the warm-up too: it was retried at once there
+                cell.refused += now >= t_start
                 # a well-behaved client waits as told (at most 1 s here) before retrying
                 await asyncio.sleep(min(1.0, float(headers.get("retry-after", "1"))))
+            elif now < t_start:
+                continue
             elif status != 200:
                 cell.errors += 1
             elif b'"degraded":true' in data:

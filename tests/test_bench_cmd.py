@@ -84,6 +84,21 @@ def test_what_it_cannot_run_is_refused_before_any_request(tmp_path: Path) -> Non
         assert "Traceback" not in proc.stderr
 
 
+def test_options_the_service_refuses_are_told_before_the_load(service: Service) -> None:
+    """--top-k 101 made every request of the run a 422, counted as errors."""
+    proc = _bench("--url", service.url, "--top-k", "101", "--queries", "/dev/null")
+    assert proc.returncode == 2 and "--queries /dev/null has no query" in proc.stderr
+    asked = service.log.parent / "q.txt"
+    asked.write_text("a red circle\n")
+    proc = _bench("--url", service.url, "--top-k", "101", "--queries", str(asked))
+    assert proc.returncode == 2, proc.stderr
+    assert "a reranked search with these options was refused (422): top_k" in proc.stderr
+    host_port = service.url.removeprefix("http://")
+    proc = _bench("--url", f"http://{host_port}x", "--queries", str(asked))
+    assert proc.returncode == 2 and "give http://HOST:PORT" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_no_captions_and_no_queries_file_says_what_to_give(
     service: Service, tmp_path: Path
 ) -> None:

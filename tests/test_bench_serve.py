@@ -391,9 +391,11 @@ def test_the_tail_is_binned_from_the_first_answer_due() -> None:
 
 
 def test_the_benchmarks_wait_as_long_as_the_fronts_take_to_send_their_metrics() -> None:
-    """`duet_metrics.stage_totals` waits for the fronts' observations (benchmarks may not
-    import the app, so it keeps the interval itself): the two must agree."""
+    """`duet.loadgen.stage_totals` (duet bench's and the benchmarks') waits for the fronts'
+    observations (a load client keeps the interval itself, not importing the app's server
+    side): the two must agree."""
     from app.remote import FLUSH_S
     from benchmarks import duet_metrics
+    from duet import loadgen
 
-    assert duet_metrics.FLUSH_S == FLUSH_S
+    assert loadgen.FLUSH_S == duet_metrics.FLUSH_S == FLUSH_S

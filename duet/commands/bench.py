@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import sqlite3
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,8 +90,11 @@ class Cell:
     stages: dict[str, float] = field(default_factory=dict)  # the service's mean ms per stage
 
     def q(self, p: float) -> float:
-        lat = sorted(self.latencies)
-        return 1000 * lat[min(len(lat) - 1, int(p / 100 * len(lat)))] if lat else float("nan")
+        """The p-th percentile of the answers' latency, ms (numpy's, interpolated: as the
+        benchmark scripts' `Cell.q`)."""
+        import numpy as np
+
+        return float(np.percentile(self.latencies, p) * 1000) if self.latencies else math.nan
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -118,9 +122,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = load_settings(index_dir=args.index_dir)
     url = (args.url or f"http://127.0.0.1:{settings.port}").rstrip("/")
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+    try:
+        port = parts.port or 80
+    except ValueError:  # a port that is no number
+        port = 0
+    if not port or parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
         return fail(f"--url {url!r}: give http://HOST:PORT (no path; https is not measured)")
-    url = f"http://{parts.hostname}:{parts.port or 80}"
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # IPv6
+    url = f"http://{host}:{port}"
     try:
         ready = httpx.get(f"{url}/readyz", timeout=10)
     except httpx.HTTPError as exc:
@@ -129,8 +138,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return fail(f"{url}/readyz answered {ready.status_code}: the service is not ready yet")
     info = ready.json()
     queries = _queries(args.queries, args.index_dir or settings.index_dir)
-    clients = [int(c) for c in args.clients.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
+    for mode in modes:  # one search each, before the load: options it refuses, told once
+        asked = {"query": queries.texts[-1], "top_k": args.top_k, "rerank": MODES[mode]}
+        if MODES[mode]:
+            asked["candidates"] = args.candidates
+        said = httpx.post(f"{url}/search/text", json=asked, timeout=60)
+        if 400 <= said.status_code < 500 and said.status_code != 429:
+            why = said.json().get("error", {}).get("message", said.text[:200])
+            return fail(
+                f"a {mode} search with these options was refused ({said.status_code}): {why}"
+            )
+    clients = [int(c) for c in args.clients.split(",")]
     say = (lambda _m: None) if args.json else (lambda m: print(m, file=sys.stderr))
     say(
         f"{url}: model {info.get('model')}, index {info.get('index_version')} "
@@ -141,7 +160,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for mode in modes:
         for n in clients:
             say(f"{mode}, {n} client{'s' if n > 1 else ''}: {args.warmup:g} + {args.seconds:g} s")
-            cells.append(asyncio.run(_cell(url, mode, n, args, queries)))
+            cells.append(_cell(url, mode, n, args, queries))
     if args.json:
         print(json.dumps({"url": url, "readyz": info, "cells": [c.as_json() for c in cells]}))
     else:
@@ -216,82 +235,74 @@ def _queries(path: Path | None, index_dir: Path) -> Queries:
     return Queries(texts)
 
 
-async def _cell(url: str, mode: str, clients: int, args: argparse.Namespace, q: Queries) -> Cell:
-    from duet.loadgen import Conn
+def _cell(url: str, mode: str, clients: int, args: argparse.Namespace, q: Queries) -> Cell:
+    """One (mode, clients) run: the warm-up, unmeasured; then `args.seconds` measured, the
+    service's stage times read around them once its fronts have sent theirs."""
+    from duet.loadgen import stage_totals
 
     cell = Cell(mode, clients, args.seconds)
-    rerank = MODES[mode]
-    before = await _stages(url)
-    t_start = time.perf_counter() + args.warmup
-    t_end = t_start + args.seconds
-    cpu_at: list[float] = []
+    options = {"top_k": args.top_k, "rerank": MODES[mode]}
+    if MODES[mode]:
+        options["candidates"] = args.candidates
 
-    async def one() -> None:
-        conn = Conn(url)
-        while (now := time.perf_counter()) < t_end:
-            if now >= t_start and not cpu_at:
-                cpu_at.append(time.process_time())
-            body = {"query": q.next(), "top_k": args.top_k, "rerank": rerank}
-            if rerank:
-                body["candidates"] = args.candidates
-            try:
-                status, headers, data = await conn.request(
-                    "POST", "/search/text", json.dumps(body).encode()
-                )
-            except (OSError, asyncio.IncompleteReadError) as exc:
-                if now >= t_start:
-                    cell.errors[type(exc).__name__] += 1
-                await asyncio.sleep(0.05)
-                continue
-            done = time.perf_counter()
-            if now < t_start:
-                continue
-            if status == 200:
-                cell.latencies.append(done - now)
-                cell.cached += b'"cached":true' in data
-                cell.degraded += b'"degraded":true' in data
-            elif status == 429:
-                cell.refused += 1
-                await asyncio.sleep(min(1.0, float(headers.get("retry-after", "1"))))
-            else:
-                cell.errors[str(status)] += 1
-        conn.close()
+    def body() -> bytes:
+        return json.dumps({"query": q.next(), **options}).encode()
 
-    await asyncio.gather(*(one() for _ in range(clients)))
-    cell.client_cpu = (time.process_time() - cpu_at[0]) / args.seconds if cpu_at else 0.0
-    after = await _stages(url)
-    for stage, (total, n) in after.items():
+    if args.warmup > 0:
+        asyncio.run(_load(url, clients, args.warmup, body, None))
+    before = stage_totals(url)
+    wall, cpu = time.perf_counter(), time.process_time()
+    asyncio.run(_load(url, clients, args.seconds, body, cell))
+    # the client's CPU over the window it ran, its last answers' tails included
+    cell.client_cpu = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    for stage, (total, n) in stage_totals(url).items():
         was_total, was_n = before.get(stage, (0.0, 0.0))
         if n > was_n:
             cell.stages[stage] = 1000 * (total - was_total) / (n - was_n)
     return cell
 
 
-async def _stages(url: str) -> dict[str, tuple[float, float]]:
-    """duet_stage_seconds' sum and count per stage, from the service's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+async def _load(
+    url: str, clients: int, seconds: float, body: Callable[[], bytes], cell: Cell | None
+) -> None:
+    """`clients` closed loops for `seconds`; each answer counted in `cell` (None: a warm-up).
+    A 429 is waited out as its Retry-After says (at most 1 s), measured or not."""
     from duet.loadgen import Conn
 
-    conn = Conn(url)
-    try:
-        status, _, data = await conn.request("GET", "/metrics")
-    finally:
-        conn.close()
-    found: dict[str, list[float]] = {}
-    if status != 200:
-        return {}
-    for family in text_string_to_metric_families(data.decode()):
-        if family.name != "duet_stage_seconds":
-            continue
-        for s in family.samples:
-            stage = s.labels.get("stage", "")
-            pair = found.setdefault(stage, [0.0, 0.0])
-            if s.name.endswith("_sum"):
-                pair[0] += s.value
-            elif s.name.endswith("_count"):
-                pair[1] += s.value
-    return {k: (v[0], v[1]) for k, v in found.items()}
+    t_end = time.perf_counter() + seconds
+
+    async def one() -> None:
+        conn = Conn(url)
+        try:
+            while (now := time.perf_counter()) < t_end:
+                try:
+                    status, headers, data = await conn.request("POST", "/search/text", body())
+                except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                    conn.close()  # a reply not read to its end leaves the connection unusable
+                    if cell is not None:
+                        cell.errors[
+                            str(exc) if isinstance(exc, ValueError) else type(exc).__name__
+                        ] += 1
+                    await asyncio.sleep(0.05)
+                    continue
+                done = time.perf_counter()
+                if status == 429:
+                    if cell is not None:
+                        cell.refused += 1
+                    await asyncio.sleep(min(1.0, float(headers.get("retry-after", "1"))))
+                elif cell is None:
+                    continue
+                elif status != 200:
+                    cell.errors[str(status)] += 1
+                elif b'"degraded":true' in data:  # fewer candidates re-ranked: not a full answer
+                    cell.degraded += 1
+                else:
+                    cell.latencies.append(done - now)
+                    cell.cached += b'"cached":true' in data
+        finally:
+            conn.close()
+
+    await asyncio.gather(*(one() for _ in range(clients)))
 
 
 def _tables(url: str, info: dict[str, Any], cells: list[Cell]) -> str:
@@ -315,7 +326,7 @@ def _tables(url: str, info: dict[str, Any], cells: list[Cell]) -> str:
         out += [
             "",
             "The service's mean ms per stage of the requests that went through it "
-            "(duet_stage_seconds):",
+            "(duet_stage_seconds; `request`: its whole time per search, duet_request_seconds):",
             "",
             "| mode | clients | " + " | ".join(stages) + " |",
             "|---|---|" + "---|" * len(stages),
