@@ -58,7 +58,7 @@ def test_it_measures_each_mode_and_count_of_clients(service: Service, index_dir:
     assert "rerank" not in cells[2]["stages_ms"] and "rerank" not in cells[3]["stages_ms"]
     table = _bench("--url", service.url, *quick, "--modes", "dot", index_dir=index_dir)
     assert table.returncode == 0, table.stderr
-    assert "| dot | 2 |" in table.stdout and "(duet_stage_seconds)" in table.stdout
+    assert "| dot | 2 |" in table.stdout and "(duet_stage_seconds;" in table.stdout
 
 
 def test_queries_that_run_out_come_back_as_cached_answers(service: Service, tmp_path: Path) -> None:
@@ -67,6 +67,11 @@ def test_queries_that_run_out_come_back_as_cached_answers(service: Service, tmp_
     args = ("--url", service.url, "--queries", str(asked), "--modes", "dot", "--clients", "1")
     [cell] = _cells(_bench(*args, "--seconds", "0.5", "--warmup", "0.1", "--json"))
     assert cell["cached"] >= cell["answered"] - 2 > 0, cell
+    # the table said "every query a different caption" over answers all from the cache
+    table = _bench(*args, "--seconds", "0.5", "--warmup", "0.1")
+    assert table.returncode == 0, table.stderr
+    assert "every answer computed" not in table.stdout
+    assert "came from the cache" in table.stdout and "measure the cache" in table.stdout
 
 
 def test_what_it_cannot_run_is_refused_before_any_request(tmp_path: Path) -> None:
@@ -104,3 +109,33 @@ def test_no_captions_and_no_queries_file_says_what_to_give(
 ) -> None:
     proc = _bench("--url", service.url, "--index-dir", str(tmp_path / "none"))
     assert proc.returncode == 2 and "give --queries FILE" in proc.stderr, proc.stderr
+
+
+def test_a_service_that_goes_away_leaves_the_cells_measured_before(
+    index_dir: Path, tmp_path: Path
+) -> None:
+    """It was an httpx traceback, every measured cell lost."""
+    import threading
+
+    svc = start_service(index_dir, tmp_path / "serve.log")
+    try:
+        # stopped while the second cell runs (each: 0.2 s warm-up, ~0.6 s of metrics, 1.5 s)
+        threading.Timer(3.5, svc.proc.terminate).start()
+        proc = _bench(
+            "--url",
+            svc.url,
+            "--modes",
+            "dot",
+            "--clients",
+            "1,1,1",
+            "--seconds",
+            "1.5",
+            "--warmup",
+            "0.2",
+            index_dir=index_dir,
+        )
+    finally:
+        stop_service(svc)
+    assert proc.returncode == 2 and "stopped answering" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "| dot | 1 |" in proc.stdout, proc.stdout

@@ -195,6 +195,8 @@ def test_a_refused_upload_hides_its_preview(
     WebDriverWait(d, 30).until(lambda drv: _text(drv, "error"))
     assert "(400 invalid_image)" in _text(d, "error")
     assert not d.find_element(By.ID, "query-image").is_displayed()
+    d.find_element(By.ID, "search").click()  # it uploaded the refused file again
+    WebDriverWait(d, 10).until(lambda drv: "Type a sentence" in _text(drv, "error"))
 
 
 def test_the_page_reads_aloud_and_weak_hits_keep_their_contrast(
@@ -221,3 +223,44 @@ def test_the_page_reads_aloud_and_weak_hits_keep_their_contrast(
         card,
     )
     assert faded == ["1", "1"], faded
+
+
+def test_an_empty_or_blank_search_stays_refused_and_menu_keys_add_no_history(
+    service: Service,  # noqa: F811
+    browser: Any,  # noqa: F811
+) -> None:
+    """A search still in flight filled the page after "Type a sentence..." was shown for
+    an emptied box; a box of spaces was sent (the service's 422); each arrow key on the
+    re-ranker menu added an entry Back had to pass."""
+    import time
+
+    from selenium.webdriver.common.keys import Keys
+
+    d = browser
+    d.get(service.url + "/")
+    _search(d, "a red circle")
+    _answered(d)
+    d.execute_script(
+        "window.sent = 0; const real = window.fetch;"
+        "window.fetch = (url, init) => { window.sent++;"
+        "  return new Promise((ok) => setTimeout(ok, 1500)).then(() => real(url, init)); };"
+    )
+    _search(d, "two blue squares")
+    box = d.find_element(By.ID, "query")
+    box.clear()
+    d.find_element(By.ID, "search").click()
+    time.sleep(2.5)  # past the held-back answer
+    assert "Type a sentence" in _text(d, "error")
+    assert d.find_elements(By.CSS_SELECTOR, "#grid .hit") == []
+    box.send_keys("   ")
+    d.find_element(By.ID, "search").click()
+    assert "Type a sentence" in _text(d, "error") and d.execute_script("return window.sent") == 1
+    _search(d, "a red circle")
+    before = _answered(d, "searching…")
+    entries = d.execute_script("return history.length")
+    menu = d.find_element(By.ID, "reranker")
+    menu.send_keys(Keys.DOWN)
+    menu.send_keys(Keys.DOWN)
+    _answered(d, before)
+    time.sleep(2)
+    assert d.execute_script("return history.length") == entries

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from duet.commands.bench_report import print_cells
 from duet.commands.common import HelpFormatter, fail, load_settings
 
 MODES = {"reranked": True, "dot": False}
 MAX_QUERIES = 500_000  # read from the index's captions at most: more than a run sends
-BUSY_CLIENT = 0.85  # of a core: past it, the client may be what bounds the figures
 
 
 def add(sub: Any) -> None:
@@ -70,6 +70,13 @@ def add(sub: Any) -> None:
         "DUET_INDEX_DIR/current, shuffled)",
     )
     b.add_argument("--index-dir", type=Path, help="where the captions are (DUET_INDEX_DIR)")
+    b.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="order of the queries (default: a new one each run; the cache keeps what an "
+        "earlier run asked, and answers it again)",
+    )
     b.add_argument("--json", action="store_true", help="print one JSON object, no tables")
     b.set_defaults(fn=cmd_bench)
 
@@ -101,8 +108,8 @@ class Cell:
             "mode": self.mode,
             "clients": self.clients,
             "req_per_s": round(len(self.latencies) / self.seconds, 1),
-            "p50_ms": round(self.q(50), 2),
-            "p99_ms": round(self.q(99), 2),
+            "p50_ms": None if not self.latencies else round(self.q(50), 2),
+            "p99_ms": None if not self.latencies else round(self.q(99), 2),
             "answered": len(self.latencies),
             "cached": self.cached,
             "degraded": self.degraded,
@@ -137,8 +144,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if ready.status_code != 200:
         return fail(f"{url}/readyz answered {ready.status_code}: the service is not ready yet")
     info = ready.json()
-    queries = _queries(args.queries, args.index_dir or settings.index_dir)
-    modes = [m.strip() for m in args.modes.split(",")]
+    queries = _queries(args.queries, args.index_dir or settings.index_dir, args.seed)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in modes:  # one search each, before the load: options it refuses, told once
         asked = {"query": queries.texts[-1], "top_k": args.top_k, "rerank": MODES[mode]}
         if MODES[mode]:
@@ -156,15 +163,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"({info.get('items', {}).get('images')} images), cache {info.get('cache')}; "
         f"{len(queries.texts):,} different queries"
     )
-    cells = []
-    for mode in modes:
-        for n in clients:
-            say(f"{mode}, {n} client{'s' if n > 1 else ''}: {args.warmup:g} + {args.seconds:g} s")
-            cells.append(_cell(url, mode, n, args, queries))
-    if args.json:
-        print(json.dumps({"url": url, "readyz": info, "cells": [c.as_json() for c in cells]}))
-    else:
-        print(_tables(url, info, cells))
+    cells: list[Cell] = []
+    try:
+        for mode in modes:
+            for n in clients:
+                plural = "s" if n > 1 else ""
+                say(f"{mode}, {n} client{plural}: {args.warmup:g} + {args.seconds:g} s")
+                cells.append(_cell(url, mode, n, args, queries))
+    except (httpx.HTTPError, OSError) as exc:  # the service went away: what was measured
+        print_cells(url, info, cells, args.json)
+        return fail(f"{url} stopped answering ({exc}); the cells above were measured before")
+    except KeyboardInterrupt:
+        print_cells(url, info, cells, args.json)
+        raise
+    print_cells(url, info, cells, args.json)
     return 0
 
 
@@ -176,7 +188,9 @@ def _problem(args: argparse.Namespace) -> str | None:
         return f"--clients {args.clients!r}: give whole numbers, comma-separated (1,8,32)"
     if not clients or min(clients) < 1:
         return "--clients: each number of clients must be at least 1"
-    modes = [m.strip() for m in args.modes.split(",")]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        return "--modes names no mode; give reranked, dot or both"
     if unknown := [m for m in modes if m not in MODES]:
         return f"--modes: {', '.join(unknown)} is no mode; give reranked, dot or both"
     if not args.seconds > 0 or not args.warmup >= 0:
@@ -202,8 +216,9 @@ class Queries:
             return next(self._it)
 
 
-def _queries(path: Path | None, index_dir: Path) -> Queries:
-    """--queries' lines, or the captions of the served index version, shuffled (seed 0)."""
+def _queries(path: Path | None, index_dir: Path, seed: int | None) -> Queries:
+    """--queries' lines, or the captions of the served index version, shuffled by `seed`
+    (None: a new order each run)."""
     from models.errors import UserError
     from store.indexio import ITEMS, IndexLoadError, version_dir
 
@@ -215,6 +230,7 @@ def _queries(path: Path | None, index_dir: Path) -> Queries:
         texts = list(dict.fromkeys(ln.strip() for ln in lines if ln.strip()))
         if not texts:
             raise UserError(f"--queries {path} has no query (one per line)")
+        random.Random(seed).shuffle(texts)
         return Queries(texts)
     try:
         items = version_dir(index_dir) / ITEMS
@@ -231,7 +247,7 @@ def _queries(path: Path | None, index_dir: Path) -> Queries:
     texts = list(dict.fromkeys(r[0] for r in rows if r[0] and len(r[0].split()) <= 30))
     if not texts:
         raise UserError(f"the index in {index_dir} has no captions: give --queries FILE")
-    random.Random(0).shuffle(texts)
+    random.Random(seed).shuffle(texts)
     return Queries(texts)
 
 
@@ -303,47 +319,3 @@ async def _load(
             conn.close()
 
     await asyncio.gather(*(one() for _ in range(clients)))
-
-
-def _tables(url: str, info: dict[str, Any], cells: list[Cell]) -> str:
-    out = [
-        f"duet bench {url}: model {info.get('model')}, index {info.get('index_version')}, "
-        f"cache {info.get('cache')}; closed loop, every query a different caption",
-        "",
-        "| mode | clients | req/s | p50 ms | p99 ms | 429 | errors | cached | degraded "
-        "| client CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c in cells:
-        j = c.as_json()
-        errors = sum(c.errors.values())
-        out.append(
-            f"| {c.mode} | {c.clients} | {j['req_per_s']:,} | {j['p50_ms']} | {j['p99_ms']} "
-            f"| {c.refused} | {errors} | {c.cached} | {c.degraded} | {c.client_cpu:.0%} |"
-        )
-    stages = sorted({s for c in cells for s in c.stages})
-    if stages:
-        out += [
-            "",
-            "The service's mean ms per stage of the requests that went through it "
-            "(duet_stage_seconds; `request`: its whole time per search, duet_request_seconds):",
-            "",
-            "| mode | clients | " + " | ".join(stages) + " |",
-            "|---|---|" + "---|" * len(stages),
-        ]
-        for c in cells:
-            cols = " | ".join(f"{c.stages[s]:.2f}" if s in c.stages else "-" for s in stages)
-            out.append(f"| {c.mode} | {c.clients} | {cols} |")
-    if busy := [c for c in cells if c.client_cpu > BUSY_CLIENT]:
-        out += [
-            "",
-            f"The load generator kept {max(c.client_cpu for c in busy):.0%} of a core busy in "
-            f"{len(busy)} cell(s): there, it may be what bounds req/s; run it from another "
-            "machine (--url) to be sure.",
-        ]
-    if failed := [c for c in cells if c.errors]:
-        kinds = Counter[str]()
-        for c in failed:
-            kinds.update(c.errors)
-        out += ["", f"Errors: {dict(kinds)} (the service's log says why)."]
-    return "\n".join(out)
