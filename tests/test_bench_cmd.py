@@ -139,3 +139,14 @@ def test_a_service_that_goes_away_leaves_the_cells_measured_before(
     assert proc.returncode == 2 and "stopped answering" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "| dot | 1 |" in proc.stdout, proc.stdout
+
+
+def test_the_benchmarks_wait_as_long_as_the_fronts_take_to_send_their_metrics() -> None:
+    """`duet.loadgen.stage_totals` (duet bench's and the benchmarks') waits for the fronts'
+    observations (a load client keeps the interval itself, not importing the app's server
+    side): the two must agree."""
+    from app.remote import FLUSH_S
+    from benchmarks import duet_metrics
+    from duet import loadgen
+
+    assert loadgen.FLUSH_S == duet_metrics.FLUSH_S == FLUSH_S
