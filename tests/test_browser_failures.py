@@ -81,13 +81,13 @@ def test_a_new_re_ranker_searches_again_and_the_address_keeps_it(
     the address did not name the re-ranker, so a kept link came back with the default's."""
     d = browser
     d.get(service.url + "/")
-    _search(d, "a red circle")
+    _search(d, "a green circle")
     before = _answered(d)
     Select(d.find_element(By.ID, "reranker")).select_by_value("none")
     _answered(d, before)
     assert "re-ranker none" in _text(d, "legend")
     link = d.current_url
-    assert link.endswith("?q=a%20red%20circle&reranker=none"), link
+    assert link.endswith("?q=a%20green%20circle&reranker=none"), link
     d.get(service.url + "/")
     d.get(link)
     _answered(d)
@@ -104,14 +104,14 @@ def test_back_goes_to_the_search_before_and_past_the_first(
     page pushed a new entry whenever it ran the search an address named, Back included."""
     d = browser
     d.get("about:blank")
-    d.get(service.url + "/?q=a+red+circle")
+    d.get(service.url + "/?q=a+yellow+square")
     first = _answered(d)
     ids = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#grid .hit .id")]
-    _search(d, "two blue squares")
+    _search(d, "two purple crosses")
     _answered(d, first)
     d.back()
     WebDriverWait(d, 10).until(
-        lambda drv: drv.find_element(By.ID, "query").get_attribute("value") == "a red circle"
+        lambda drv: drv.find_element(By.ID, "query").get_attribute("value") == "a yellow square"
     )
     WebDriverWait(d, 30).until(
         lambda drv: [e.text for e in drv.find_elements(By.CSS_SELECTOR, "#grid .hit .id")] == ids
@@ -143,13 +143,13 @@ def test_a_new_re_ranker_searches_what_was_searched_not_words_typed_since(
 ) -> None:
     d = browser
     d.get(service.url + "/")
-    _search(d, "a red circle")
+    _search(d, "a red square")
     before = _answered(d)
     d.find_element(By.ID, "query").send_keys(" and more words never searched")
     Select(d.find_element(By.ID, "reranker")).select_by_value("none")
     _answered(d, before)
-    assert d.find_element(By.ID, "query").get_attribute("value") == "a red circle"
-    assert d.current_url.endswith("?q=a%20red%20circle&reranker=none"), d.current_url
+    assert d.find_element(By.ID, "query").get_attribute("value") == "a red square"
+    assert d.current_url.endswith("?q=a%20red%20square&reranker=none"), d.current_url
 
 
 def test_an_image_search_runs_again_with_a_new_re_ranker_or_the_same_file(
@@ -238,7 +238,7 @@ def test_an_empty_or_blank_search_stays_refused_and_menu_keys_add_no_history(
 
     d = browser
     d.get(service.url + "/")
-    _search(d, "a red circle")
+    _search(d, "two red circles")
     _answered(d)
     d.execute_script(
         "window.sent = 0; const real = window.fetch;"
@@ -255,7 +255,7 @@ def test_an_empty_or_blank_search_stays_refused_and_menu_keys_add_no_history(
     box.send_keys("   ")
     d.find_element(By.ID, "search").click()
     assert "Type a sentence" in _text(d, "error") and d.execute_script("return window.sent") == 1
-    _search(d, "a red circle")
+    _search(d, "a small orange diamond")
     before = _answered(d, "searching…")
     entries = d.execute_script("return history.length")
     menu = d.find_element(By.ID, "reranker")
