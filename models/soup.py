@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import logging
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +34,8 @@ from models.han import HAN_CONFIG, HAN_WEIGHTS
 from models.joint import CROSS_ENCODER
 from models.shipped import save_weights
 from models.trainconfig import VAL_IMAGES
+
+log = logging.getLogger("duet.soup")
 
 SHARED_FILES = ("config.json", "vocab.json")
 
@@ -98,6 +101,7 @@ def soup(out: Path, sources: Sequence[Path], val_images: int = VAL_IMAGES) -> di
     sources = [Path(s) for s in sources]
     if any(out.resolve() == s.resolve() for s in sources):
         raise SoupError(f"--out {out} is one of the sources; write the soup elsewhere first")
+    log.info("averaging the cross-encoders of %s", ", ".join(map(str, sources)))
     state = averaged(sources)
     out.mkdir(parents=True, exist_ok=True)
     for name in (*SHARED_FILES, HAN_WEIGHTS, HAN_CONFIG):
@@ -115,7 +119,8 @@ def soup(out: Path, sources: Sequence[Path], val_images: int = VAL_IMAGES) -> di
         "fingerprint": runtime.fingerprint,
         "soup_of": [_source_record(s) for s in sources],
     }
-    if val_images:
+    if val_images:  # the long part (a minute or so on 2 CPU cores): said before, not after
+        log.info("validating the soup on %d held-out images (--val-images)", val_images)
         summary["validation"], summary["validation_partial"] = validate_model(runtime, val_images)
     (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
