@@ -264,3 +264,20 @@ def test_an_empty_or_blank_search_stays_refused_and_menu_keys_add_no_history(
     _answered(d, before)
     time.sleep(2)
     assert d.execute_script("return history.length") == entries
+
+
+def test_back_to_an_image_search_says_what_it_was(
+    service: Service,  # noqa: F811
+    browser: Any,  # noqa: F811
+    corpus: Path,
+) -> None:
+    """It showed the bare page with no word of the search that stood there."""
+    d = browser
+    d.get(service.url + "/")
+    d.find_element(By.ID, "file").send_keys(str(corpus.parent / "images" / "0005.png"))
+    status = _answered(d)
+    _search(d, "three small yellow circles")
+    _answered(d, status)
+    d.back()
+    WebDriverWait(d, 10).until(lambda drv: "searched with an image" in _text(drv, "status"))
+    assert "(0005.png)" in _text(d, "status") and not d.find_elements(By.CSS_SELECTOR, ".hit")
