@@ -197,7 +197,11 @@ def explained(exc: ValidationError, fields: Sequence[str], example: str) -> list
             msg = f"not a field of this route; it takes {', '.join(fields)}"
         elif kind in _NOT_AN_OBJECT:
             msg = f"the body must be a JSON object such as {example}"
-        out.append({**e, "loc": ("body", *e["loc"]), "msg": msg})
+        loc = tuple(e["loc"])
+        if not loc and kind == "value_error":  # two fields at odds: named by the first one
+            named = re.match(r"[a-z_]+", str(msg).removeprefix("Value error, "))
+            loc = (named.group(),) if named and named.group() in fields else ()
+        out.append({**e, "loc": ("body", *loc), "msg": msg})
     return out
 
 

@@ -133,3 +133,24 @@ def test_a_duplicate_inside_a_value_and_a_long_unknown_name_are_told_plainly(
     )
     assert "'" + "k" * 64 + "...'" in _error(r, 422, "validation_error")
     assert len(r.content) < 2000, len(r.content)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"top_k": 20, "candidates": 10, "reranker": "ce"}, "candidates"),
+        ({"reranker": "none", "fusion": "add"}, "fusion"),
+        ({"rerank": False, "reranker": "ce"}, "rerank"),
+        ({"fusion": "none", "lambda": 0.5}, "lambda"),
+    ],
+)
+def test_two_fields_at_odds_are_located_at_the_one_the_message_names(
+    served: tuple[Any, httpx.Client],  # noqa: F811
+    body: dict[str, Any],
+    field: str,
+) -> None:
+    """They were located at "body" alone, where api.md says `loc` names the field."""
+    r = served[1].post("/search/text", json={"query": "a red circle", **body})
+    said = _error(r, 422, "validation_error")
+    assert said.startswith(f"{field}: "), said
+    assert r.json()["error"]["details"][0]["loc"] == ["body", field]
