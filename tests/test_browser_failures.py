@@ -168,9 +168,11 @@ def test_an_image_search_runs_again_with_a_new_re_ranker_or_the_same_file(
     image = str(corpus.parent / "images" / "0003.png")
     d.find_element(By.ID, "file").send_keys(image)
     status = _answered(d)
+    entries = d.execute_script("return history.length")
     Select(d.find_element(By.ID, "reranker")).select_by_value("han")
     status = _answered(d, status)
     assert "the han re-ranker's own score" in _text(d, "legend")
+    assert d.execute_script("return history.length") == entries  # in place of its entry
     d.find_element(By.ID, "file").send_keys(image)
     WebDriverWait(d, 30).until(lambda drv: len(drv.execute_script("return window.sent")) == 3)
     status = _answered(d, "searching…")
@@ -178,6 +180,7 @@ def test_an_image_search_runs_again_with_a_new_re_ranker_or_the_same_file(
     WebDriverWait(d, 30).until(lambda drv: len(drv.execute_script("return window.sent")) == 4)
     assert d.execute_script("return window.sent") == ["/search/image"] * 4
     _answered(d, "searching…")
+    assert d.execute_script("return history.length") == entries + 1  # the file chosen anew
     assert "captions" in _text(d, "status") and _text(d, "error") == ""
 
 
