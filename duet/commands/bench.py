@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -221,6 +222,7 @@ def _queries(path: Path | None, index_dir: Path, seed: int | None) -> Queries:
     (None: a new order each run)."""
     from models.errors import UserError
     from store.indexio import ITEMS, IndexLoadError, version_dir
+    from store.items import ItemStore
 
     if path is not None:
         try:
@@ -233,18 +235,17 @@ def _queries(path: Path | None, index_dir: Path, seed: int | None) -> Queries:
         random.Random(seed).shuffle(texts)
         return Queries(texts)
     try:
-        items = version_dir(index_dir) / ITEMS
-        con = sqlite3.connect(f"file:{items}?mode=ro", uri=True)
+        store = ItemStore(version_dir(index_dir) / ITEMS)
         try:
-            rows = con.execute("SELECT text FROM texts LIMIT ?", (MAX_QUERIES,)).fetchall()
+            captions = list(itertools.islice(store.all_texts(), MAX_QUERIES))
         finally:
-            con.close()
+            store.close()
     except (IndexLoadError, sqlite3.Error) as exc:
         raise UserError(
             f"no captions to ask with in {index_dir} ({exc}): give --queries FILE, one query "
             "a line, or --index-dir (DUET_INDEX_DIR) where the served index is"
         ) from exc
-    texts = list(dict.fromkeys(r[0] for r in rows if r[0] and len(r[0].split()) <= 30))
+    texts = list(dict.fromkeys(c for c in captions if c and len(c.split()) <= 30))
     if not texts:
         raise UserError(f"the index in {index_dir} has no captions: give --queries FILE")
     random.Random(seed).shuffle(texts)
