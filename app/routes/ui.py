@@ -32,14 +32,19 @@ def _plain(path: Path) -> Path:
     return Path(os.path.normpath(os.path.abspath(path)))
 
 
+def _leads_out(root: Path, rel: str) -> bool:
+    """Whether `root / rel`, as written (normalised, links not followed), leaves `root`: a
+    ".." or an absolute path in a manifest, which is never served."""
+    return not _plain(root / rel).is_relative_to(_plain(root))
+
+
 def inside(root: Path, rel: str) -> Path | None:
     """`root / rel` as written (normalised, links not followed) if it stays inside `root` and
     names an existing file, else None: a manifest's path never leads out of its corpus
-    folder ("..", an absolute path). The file may be a link, or lie in a linked folder (an
-    images folder kept on another disk): `allowed` then judges where it really is."""
-    base = _plain(root)
-    path = _plain(base / rel)
-    return path if path.is_relative_to(base) and path.is_file() else None
+    folder (`_leads_out`). The file may be a link, or lie in a linked folder (an images
+    folder kept on another disk): `allowed` then judges where it really is."""
+    path = _plain(root / rel)
+    return None if _leads_out(root, rel) or not path.is_file() else path
 
 
 # HEAD as GET without the body (the server leaves it out): a link checker or a probe that
@@ -173,7 +178,7 @@ def images_unserved(index: IndexVersion, settings: Settings) -> str | None:
     if not root.is_dir():
         return f"its corpus folder {root} is not on this host (mount it, and set DUET_IMAGES_DIR)"
     first = index.store.images([0])[0]  # as the route finds a hit's file
-    if first.path and not _plain(root / first.path).is_relative_to(_plain(root)):
+    if first.path and _leads_out(root, first.path):
         return (  # no setting serves it: told first, not after DUET_IMAGES_DIR was changed
             f"its first image's path, {first.path!r}, leads out of its corpus folder {root} "
             "(images are served only from inside it): build from a corpus file in a folder "
@@ -228,7 +233,7 @@ async def image(item_id: str, request: Request) -> Response:
     settings = request.app.state.settings
     path = inside(root, row.path)
     if path is None:
-        if not _plain(root / row.path).is_relative_to(_plain(root)):
+        if _leads_out(root, row.path):
             raise ImageNotFound(
                 f"image {item_id!r}: its path {row.path!r} leads out of its corpus folder "
                 f"{root}, and images are served only from inside it"
