@@ -217,18 +217,18 @@ def _option_problem(args: argparse.Namespace, device: str) -> str | None:
         return why
     if args.delete:
         try:
-            Path(args.delete).read_bytes()
+            listed = Path(args.delete).read_bytes()
         except OSError as exc:
             return f"cannot read ids file {args.delete}: {exc.strerror or exc}"
-    # a --factory or DUET_INDEX_FACTORY (the build's factory) makes it a reindex
-    if args.delete and not (args.append or args.factory or os.environ.get("DUET_INDEX_FACTORY")):
-        from index_builder.sources import no_ids
+        # a --factory or DUET_INDEX_FACTORY (the build's factory) makes it a reindex
+        if not (args.append or args.factory or os.environ.get("DUET_INDEX_FACTORY")):
+            from index_builder.sources import no_ids
 
-        try:  # blank lines only: told before the model loads ("#" lines may be ids)
-            if not Path(args.delete).read_text(encoding="utf-8-sig").strip():
-                return no_ids(args.delete)
-        except (OSError, UnicodeError):
-            pass  # said by the build, which reads the file again
+            try:  # blank lines only: told before the model loads ("#" lines may be ids)
+                if not listed.decode("utf-8-sig").strip():
+                    return no_ids(args.delete)
+            except UnicodeError:
+                pass  # said by the build, which reads the file again
     if args.ray_actors is not None and args.engine != "ray":
         return "--ray-actors applies to --engine ray: leave it out, or add --engine ray"
     return None
