@@ -61,6 +61,17 @@ def _frontends(value: object) -> object:
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
+MIN_POLL_S = 0.1
+
+
+def _poll_s(seconds: float) -> float:
+    """0 (no poller) or a pace the event loop can afford: each look lists the version folder
+    and stats its files, so DUET_INDEX_POLL_S=0.0001 spent the loop on it."""
+    if 0 < seconds < MIN_POLL_S:
+        raise ValueError(f"{seconds:g} s is too often: give 0 (off) or at least {MIN_POLL_S:g}")
+    return seconds
+
+
 def _log_level(level: str) -> str:
     """A level as logging and uvicorn both take it (a wrong one was logging's traceback)."""
     if level.strip().lower() not in LOG_LEVELS:
@@ -87,8 +98,11 @@ class Settings(BaseSettings):
         description="GET /images/{id} serves files only from under this folder (or the "
         "index version's own), whatever a manifest's corpus path says; empty = DUET_INDEX_DIR",
     )
-    index_poll_s: float = Field(
-        5.0, ge=0, description="how often to look for a new INDEX_DIR/current; 0 = never"
+    index_poll_s: Annotated[float, AfterValidator(_poll_s)] = Field(
+        5.0,
+        ge=0,
+        description=f"how often to look for a new INDEX_DIR/current; 0 = never, else at "
+        f"least {MIN_POLL_S:g}",
     )
     admin_token: Annotated[SecretStr | None, AfterValidator(_token)] = Field(
         None, description="bearer token for POST /admin/reload; unset = endpoint disabled"

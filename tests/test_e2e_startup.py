@@ -264,6 +264,11 @@ def test_a_setting_names_the_flag_that_gave_it_and_auto_takes_any_case(
     with pytest.raises(UserError, match=r"--port: Input should be less than or equal to 65535"):
         load_settings(port=99999)  # it said DUET_PORT, which was not set
     assert Settings(frontends="AUTO").frontends == "auto"  # was refused
+    monkeypatch.setenv("DUET_INDEX_POLL_S", "0.0001")  # the poller spent the event loop
+    with pytest.raises(UserError, match=r"DUET_INDEX_POLL_S: .*0.0001 s is too often: give 0"):
+        load_settings()
+    monkeypatch.setenv("DUET_INDEX_POLL_S", "0")
+    assert load_settings().index_poll_s == 0
     for wrong in ("lots", "99", "2.5"):  # pydantic's union said two things, one about 'auto'
         monkeypatch.setenv("DUET_FRONTENDS", wrong)
         with pytest.raises(UserError, match=f"DUET_FRONTENDS: '{wrong}' is no count of front"):
