@@ -267,7 +267,8 @@ class SearchResponse(BaseModel):
     unknown_words: list[str] = Field(
         default_factory=list,
         description="query words the model's vocabulary does not know "
-        "(it reads them as unknown); empty for image queries",
+        "(it reads them as unknown), then the emoji and other non-ASCII symbols it skips; "
+        "empty for image queries",
     )
 
 

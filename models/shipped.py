@@ -46,11 +46,12 @@ def caption_words(text: str) -> list[str]:
 
 def _runs(text: str) -> list[str]:
     """The runs of letters and digits of `text`, in any script, with their combining marks
-    (a Devanagari word's vowel signs, the dot of a lowered "İ"): a run is one word as typed."""
+    (a Devanagari word's vowel signs, the dot of a lowered "İ"): a run is one word as typed.
+    A mark starts none: an emoji's variation selector ("❤️") was a word of its own."""
     runs: list[str] = []
     start = None
     for i, ch in enumerate(text):
-        if ch.isalnum() or unicodedata.category(ch).startswith("M"):
+        if ch.isalnum() or (start is not None and unicodedata.category(ch).startswith("M")):
             start = i if start is None else start
         elif start is not None:
             runs.append(text[start:i])
@@ -58,6 +59,29 @@ def _runs(text: str) -> list[str]:
     if start is not None:
         runs.append(text[start:])
     return runs
+
+
+# what joins an emoji's parts into one picture: zero-width joiner, variation selectors
+_JOINERS = frozenset("\u200d\ufe0e\ufe0f")
+
+
+def dropped_symbols(text: str) -> list[str]:
+    """The runs of non-ASCII symbols in `text` (emoji, "★", "→", "♥"), each as typed, that
+    `caption_words` drops: they are no letter or digit, yet unlike punctuation they say
+    something ("a red 🐶"), so the service lists them among a query's unknown words rather
+    than ignore them without a word. An emoji with its skin tone or joined family is one."""
+    if text.isascii():
+        return []
+    runs: list[str] = []
+    run = ""
+    for ch in text:
+        kind = unicodedata.category(ch)
+        if (kind.startswith("S") and not ch.isascii()) or (run and ch in _JOINERS):
+            run += ch
+        elif run:
+            runs.append(run)
+            run = ""
+    return [*runs, run] if run else runs
 
 
 def save_weights(state: dict[str, Any], path: Path) -> None:

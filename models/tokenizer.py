@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.shipped import ALIASES, DEFAULT_WEIGHTS, caption_words
+from models.shipped import ALIASES, DEFAULT_WEIGHTS, caption_words, dropped_symbols
 
 PAD, UNK, CLS = "[PAD]", "[UNK]", "[CLS]"
 # Words that alone say nothing about a picture: articles, prepositions, "and" / "with", and
@@ -68,16 +68,22 @@ class WordTokenizer:
 
     def reading(self, text: str) -> str:
         """What this tokenizer reads of `text`: its words, each alias as its word ("a and b"
-        reads "a with b"); texts with the same reading get the same ids (the cache's key)."""
-        return " ".join(self.aliases.get(w, w) for w in caption_words(text))
+        reads "a with b"); texts with the same reading get the same ids (the cache's key).
+        The symbols it drops come last: they change no id, but an answer lists them as
+        unknown, so "a red 🐶" and "a red" must not share a cached answer."""
+        words = [self.aliases.get(w, w) for w in caption_words(text)]
+        return " ".join(words + dropped_symbols(text))
 
     def unknown_words(self, text: str) -> list[str]:
         """The words of `text` this vocabulary does not know (they are read as [UNK]), each
-        once, in order; the service reports them so a user sees which words were ignored."""
+        once, in order, then the symbols it drops ("🐶", "★"); the service reports them so a
+        user sees which words were ignored."""
         seen: dict[str, None] = {}
         for w in caption_words(text):
             if w not in self.stoi:
                 seen.setdefault(w, None)
+        for symbol in dropped_symbols(text):
+            seen.setdefault(symbol, None)
         return list(seen)
 
     def too_long(self, text: str) -> str | None:

@@ -154,7 +154,26 @@ def test_caption_words_read_other_scripts_whole_and_full_width_letters_as_ascii(
     assert caption_words("नमस्ते दुनिया, İstanbul red") == ["नमस्ते", "दुनिया", "i̇stanbul", "red"]
     assert unknown_words("a café red circle") == ["café"]
     assert unknown_words("ｒｅｄ circle") == []
-    assert unknown_words("naïve 日本の猫 🙂 red") == ["naïve", "日本の猫"]
+    assert unknown_words("naïve 日本の猫 🙂 red") == ["naïve", "日本の猫", "🙂"]
+
+
+def test_emoji_and_signs_are_listed_as_unread_and_keep_their_own_cache_key() -> None:
+    """The tokenizer drops symbols (no letter, no digit), so "a red 🐶 square" was answered
+    as "a red square" with `unknown_words` empty; now each run of non-ASCII symbols is
+    listed as typed (an emoji's skin tone, joined family or variation selector with it),
+    punctuation is not, the ids are unchanged, and the cache key tells the two apart."""
+    from models.shipped import caption_words, dropped_symbols
+    from models.tokenizer import _shipped_vocab
+
+    tok = _shipped_vocab()
+    assert unknown_words("a red 🐶 square") == ["🐶"]
+    assert tok.ids("a red 🐶 square") == tok.ids("a red square")
+    assert tok.reading("a red 🐶 square") != tok.reading("a red square")
+    assert tok.reading("a red 🐱 square") != tok.reading("a red 🐶 square")
+    family, thumb, heart = "👨\u200d👩\u200d👧", "👍🏽", "❤\ufe0f"
+    assert dropped_symbols(f"{family} {thumb}, {heart} ★→ a") == [family, thumb, heart, "★→"]
+    assert caption_words(f"{heart} red") == ["red"]  # its selector was a word of its own
+    assert dropped_symbols("a red, square! “quoted” – ok… 3$") == []
 
 
 def test_a_query_longer_than_the_model_reads_is_refused_naming_the_limit(
