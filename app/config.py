@@ -183,6 +183,13 @@ class Settings(BaseSettings):
         16 * 1024, ge=1024, description="request line plus headers, at most (431)"
     )
     http_keep_alive_s: float = Field(5.0, gt=0, description="idle keep-alive connections close")
+    http_drain_s: float = Field(
+        10.0,
+        gt=0,
+        description="on SIGTERM, how long the requests under way get to finish; connections "
+        "still open then are closed (a stalled upload held the exit for the body timeout). "
+        "Give the container's stop grace twice this (owner, then fronts) plus a few seconds",
+    )
     http_max_inflight: int = Field(
         512,
         ge=1,

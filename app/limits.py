@@ -328,5 +328,6 @@ def uvicorn_options(settings: Any, metrics: Any = None) -> dict[str, Any]:
             target / 1000 if isinstance(target := settings.http_queue_target_ms, float) else 0.0,
         ),
         "timeout_keep_alive": settings.http_keep_alive_s,
+        "timeout_graceful_shutdown": settings.http_drain_s,
         "backlog": settings.http_backlog,
     }

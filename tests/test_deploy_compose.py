@@ -119,6 +119,21 @@ def test_compose_services_come_up_in_order() -> None:
         assert binds and all(Path(source).exists() for source in binds), binds
 
 
+def test_compose_api_serves_the_builders_images_and_drains_before_it_is_killed() -> None:
+    """The api mounts the corpus where index-builder read it, under DUET_IMAGES_DIR (a
+    version built from /data/corpus had every image a 404), and its stop grace covers two
+    drains (owner, then fronts): Docker's 10 s SIGKILLed requests under way."""
+    svc = compose_config("gpu", "build")["services"]
+    api, builder = svc["api"], svc["index-builder"]
+    images = api["environment"]["DUET_IMAGES_DIR"].rstrip("/") + "/"
+    corpus = next(v for v in volumes(builder) if v[1] == "/data/corpus")
+    assert (corpus[0], corpus[1], True) in volumes(api) and corpus[1].startswith(images)
+    assert api["environment"]["DUET_INDEX_DIR"].startswith(images)
+    grace = api["stop_grace_period"]
+    assert grace.endswith("s") and float(grace[:-1]) >= 2 * Settings().http_drain_s + 5, grace
+    assert builder["shm_size"] in ("1gb", "1073741824", 1073741824), builder["shm_size"]
+
+
 def test_every_setting_is_in_env_example_compose_and_k8s() -> None:
     env_example = {
         line.split("=", 1)[0]

@@ -35,10 +35,14 @@ def test_k8s_api_probes_gpu_and_volume() -> None:
     assert api["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert pod["securityContext"]["runAsNonRoot"] is True
     claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]}
-    assert claims == {"duet-indexes"} and ("PersistentVolumeClaim", "duet-indexes") in docs
+    assert (
+        claims == {"duet-indexes", "duet-corpus"}
+        and ("PersistentVolumeClaim", "duet-indexes") in docs
+    )
     job = docs[("Job", "duet-index-builder")]["spec"]["template"]["spec"]
     assert job["containers"][0]["args"][0] == "build"
-    assert {v["persistentVolumeClaim"]["claimName"] for v in job["volumes"]} == {
+    claimed = [v for v in job["volumes"] if "persistentVolumeClaim" in v]
+    assert {v["persistentVolumeClaim"]["claimName"] for v in claimed} == {
         "duet-indexes",
         "duet-corpus",
     }
@@ -46,6 +50,25 @@ def test_k8s_api_probes_gpu_and_volume() -> None:
     assert docs[("ConfigMap", "duet-config")]["data"]["DUET_REDIS_URL"].startswith(
         "redis://duet-redis:"
     )
+
+
+def test_k8s_api_serves_the_builders_images_and_drains_before_it_is_killed() -> None:
+    """The api mounts the corpus where the builder Job read it, under DUET_IMAGES_DIR (a
+    version built from /data/corpus had every image a 404), and its grace period covers
+    preStop and two drains (owner, then fronts): 30 s by default killed requests under way."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for p in K8S for d in load_yaml_docs(p)}
+    pod = docs[("Deployment", "duet-api")]["spec"]["template"]["spec"]
+    job = docs[("Job", "duet-index-builder")]["spec"]["template"]["spec"]
+    config = docs[("ConfigMap", "duet-config")]["data"]
+    mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+    read = next(m for m in job["containers"][0]["volumeMounts"] if m["name"] == "corpus")
+    assert mounts[read["mountPath"]]["readOnly"] is True
+    assert read["mountPath"].startswith(config["DUET_IMAGES_DIR"].rstrip("/") + "/")
+    assert config["DUET_INDEX_DIR"].startswith(config["DUET_IMAGES_DIR"].rstrip("/") + "/")
+    pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    drain = float(config["DUET_HTTP_DRAIN_S"])
+    assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[-1]) + 2 * drain + 5
+    assert ("PodDisruptionBudget", "duet-api") in docs
 
 
 # settings the manifests set on purpose to other than the service's default

@@ -75,8 +75,10 @@ class FrontProcesses:
         on_empty: Callable[[], None],
         ending: Callable[[], bool] = lambda: False,
         told: Callable[[int], None] = lambda alive: None,
+        drain_s: float = 10.0,
     ) -> None:
         self.env = env
+        self._drain_s = drain_s  # DUET_HTTP_DRAIN_S: a front's own uvicorn drains this long
         self._told = told  # of the fronts alive, at each look (duet_fronts{state="alive"})
         self._listen = listen  # () -> a new listening socket of its own for a front
         self._on_empty = on_empty
@@ -168,7 +170,8 @@ class FrontProcesses:
         return sum(p.poll() is None for p, _ in self.fronts)
 
     def stop(self) -> None:
-        """SIGTERM to every front (they drain their requests), SIGKILL after 15 s."""
+        """SIGTERM to every front (they drain their requests for DUET_HTTP_DRAIN_S), SIGKILL
+        5 s after that."""
         import subprocess
 
         self._stopping.set()
@@ -182,6 +185,6 @@ class FrontProcesses:
                 p.terminate()
         for p in procs:
             try:
-                p.wait(timeout=15)
+                p.wait(timeout=self._drain_s + 5)
             except subprocess.TimeoutExpired:
                 p.kill()

@@ -261,6 +261,7 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> int:
         on_empty,
         lambda: server.should_exit,
         app.state.metrics.fronts.labels(state="alive").set,
+        settings.http_drain_s,
     )
     fronts.start(public, count)
     app.state.engine_socket = path
