@@ -70,6 +70,12 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.index_current_refused = Gauge(
+            "duet_index_current_refused",
+            "1 while INDEX_DIR/current names a version this process refused (it serves the one "
+            "before; a restarted replica would not start on it), 0 once current is served",
+            registry=r,
+        )
         self.ready = Gauge(
             "duet_ready", "1 when model and index are loaded and search is served", registry=r
         )

@@ -142,6 +142,7 @@ class IndexReloader:
             except (IndexLoadError, OSError) as exc:
                 return self._refuse(link, str(exc), str(exc), force)
             if path == Path(served.path):  # both resolved: load_resources and probe resolve
+                self._metrics.index_current_refused.set(0)  # current put back, say
                 return Outcome("current", served.version, str(path), _now())
             if (known := self._known_refusal(path, stamp, force)) is not None:
                 return known
@@ -157,6 +158,7 @@ class IndexReloader:
                 return self._refuse(path, reason, stamp, force)
             self._pipeline.swap_index(new)
             self._refused.pop(path, None)
+            self._metrics.index_current_refused.set(0)
             self._metrics.index_reloads.labels(result="ok").inc()
             self.last_swap = Outcome(
                 "swapped", new.version, str(path), _now(), previous=served.version
@@ -177,12 +179,14 @@ class IndexReloader:
         remembered = self._refused.get(path)
         if force or remembered is None or remembered[0] != stamp:
             return None
+        self._metrics.index_current_refused.set(1)  # still what current names
         return remembered[1]
 
     def _refuse(self, path: Path, reason: str, stamp: object, force: bool) -> Outcome:
         if (known := self._known_refusal(path, stamp, force)) is not None:
             return known
         outcome = Outcome("refused", path.name, str(path), _now(), reason=reason)
+        self._metrics.index_current_refused.set(1)
         self._refused[path] = (stamp, outcome)
         self.last_refused = outcome
         self._metrics.index_reloads.labels(result="refused").inc()

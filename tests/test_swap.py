@@ -352,10 +352,13 @@ def test_broken_versions_are_refused_while_the_old_one_serves(
             r = c.post("/admin/reload", headers=AUTH)
             refused += 1
             assert r.status_code == 409 and "which does not exist" in r.json()["error"]["message"]
+            time.sleep(0.3)  # polls that find the same refusal keep the gauge up (the alert's)
+            assert _metric(c.get("/metrics").text, "duet_index_current_refused") == 1
 
             point_current(idx, good.name)
             r = c.post("/admin/reload", headers=AUTH)
             assert r.status_code == 200 and r.json()["result"] == "current", r.text
+            assert _metric(c.get("/metrics").text, "duet_index_current_refused") == 0
             shutil.copytree(good, idx / "fixed")
             _edit_manifest(version="fixed")(idx / "fixed")
             point_current(idx, "fixed")
