@@ -49,7 +49,7 @@ def add(sub: Any) -> None:
         "is busy: its client shares the machine with the service when both run there.",
         epilog="examples:\n\n  duet bench     # the service on 127.0.0.1:$DUET_PORT\n"
         "  duet bench --url http://gpu-host:8000 --queries queries.txt --clients 1,32\n"
-        "  docker compose exec duet duet bench --seconds 20",
+        "  docker compose exec api duet bench --seconds 20   # api-cpu on a CPU host",
     )
     b.add_argument(
         "--url", help="the service (default http://127.0.0.1:$DUET_PORT, DUET_PORT 8000)"
