@@ -109,6 +109,12 @@ class Metrics:
         )
         for state in ("wanted", "alive"):
             self.fronts.labels(state=state)
+        self.fronts_memory = Gauge(
+            "duet_fronts_resident_memory_bytes",
+            "Resident memory of the process layout's front processes together (0 in one "
+            "process); process_resident_memory_bytes is the owner's alone",
+            registry=r,
+        )
         self.rerank_batch_size = Histogram(
             "duet_rerank_batch_size",
             "Pairs per batched re-ranker call, across requests: whole queries, up to "

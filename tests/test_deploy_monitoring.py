@@ -27,6 +27,7 @@ from tests.deploy_helpers import (
     DEPLOY,
     PROM_CONFIG,
     compose_config,
+    load_yaml_docs,
     run,
     tool,
     volumes,
@@ -39,6 +40,33 @@ def test_promtool_checks_config_and_rules() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     res = run(promtool, "check", "rules", str(ALERTS))
     assert res.returncode == 0 and "SUCCESS: 9 rules found" in res.stdout, res.stdout
+
+
+def test_the_k8s_scrape_config_finds_the_api_pods_as_job_duet(tmp_path: Path) -> None:
+    """prometheus-k8s.yml keeps the pods deploy/k8s/api.yaml labels, on the port it names
+    http, as job `duet` (the alerts' and dashboard's); promtool checks the rest with a static
+    target (Debian's build has no Kubernetes discovery)."""
+    config = yaml.safe_load(PROM_CONFIG.with_name("prometheus-k8s.yml").read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "duet")
+    assert config["rule_files"] == ["alerts.yml"] and job["kubernetes_sd_configs"]
+    pod = next(d for d in load_yaml_docs(DEPLOY / "k8s" / "api.yaml") if d["kind"] == "Deployment")[
+        "spec"
+    ]["template"]
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    label = "__meta_kubernetes_pod_label_app_kubernetes_io_name"
+    kept = {
+        r["source_labels"][0]: r["regex"]
+        for r in job["relabel_configs"]
+        if r.get("action") == "keep"
+    }
+    assert kept[label] == pod["metadata"]["labels"]["app.kubernetes.io/name"]
+    assert ports[kept["__meta_kubernetes_pod_container_port_name"]] == 8000  # not health's
+    job["static_configs"] = [{"targets": ["api:8000"]}]
+    del job["kubernetes_sd_configs"]
+    (tmp_path / "alerts.yml").write_text(ALERTS.read_text())
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    res = run(tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml"))
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_alerts_fire_when_they_should() -> None:

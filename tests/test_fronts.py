@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -109,6 +110,9 @@ def test_fronts_answer_as_one_process_does(index_dir: Path, tmp_path: Path) -> N
             # passed through, counted once: by the owner (the front counted it too)
             assert _count(metrics, 'endpoint="/search/text",status="405"') == 1
             assert 'duet_stage_seconds_count{stage="rerank"}' in metrics
+            # the fronts' memory, which the owner's process_* metrics leave out (~280 MB each)
+            memory = re.search(r"^duet_fronts_resident_memory_bytes (\S+)$", metrics, re.M)
+            assert memory and 2 * 100e6 < float(memory[1]) < 2 * 4e9, memory
         # each process froze its start-up heap (app.heap), unless told not to
         assert _logged(fronts.log, "start-up heap frozen") == 3  # the owner, two fronts
         assert _logged(single.log, "start-up heap frozen") == 0

@@ -264,6 +264,7 @@ def _serve_with_fronts(settings: Any, app: Any, count: int) -> int:
         settings.http_drain_s,
     )
     fronts.start(public, count)
+    app.state.metrics.fronts_memory.set_function(fronts.resident_bytes)
     app.state.engine_socket = path
     app.state.stop_fronts = fronts.stop
     log.info("process layout: %d fronts on http://%s:%d, the model here", count, host, port)
