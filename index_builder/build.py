@@ -228,12 +228,12 @@ class _Build:
                     self.items.append(entry)
         self.unread = unread_words(self.items, model)  # told before the encoding's wait
         kept_images, self.kept_texts, self.deleted = _apply_delete(base, opts)
+        if base is not None:  # before the roots' warnings, about a version never written
+            _check_duplicates(self.items, kept_images, self.kept_texts)
         self.roots = rooted(
             base.manifest if base else None, self.corpus, self.selection, self.items
         )
         self.kept_images = self.roots.kept(kept_images)
-        if base is not None:
-            _check_duplicates(self.items, self.kept_images, self.kept_texts)
         if self.factory is None and base is not None and base.manifest.build is not None:
             self.factory = base.manifest.build.factory_arg  # an append keeps the base's choice
         self.decode = decode_after(base, opts.append)

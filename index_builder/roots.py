@@ -95,13 +95,14 @@ def rooted(
             f"DUET_IMAGES_DIR={common}; put the new corpus (its manifest and images) in a "
             f"folder beside {old_root}, e.g. {old_root.parent / 'more'}, and append from there"
         )
-    log.warning(
-        "the version's images now lie under %s (the base's under %s): serve them with "
-        "DUET_IMAGES_DIR at or above %s",
-        common,
-        old_root,
-        common,
-    )
+    if common != old_root:  # a corpus in a folder under the base's: nothing moved
+        log.warning(
+            "the version's images now lie under %s (the base's under %s): serve them with "
+            "DUET_IMAGES_DIR at or above %s",
+            common,
+            old_root,
+            common,
+        )
     return Roots(
         written,
         dataclasses.replace(record, images_root=str(common)),

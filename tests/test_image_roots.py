@@ -208,3 +208,28 @@ def test_a_swap_to_a_version_whose_images_are_not_all_served_warns_as_start_up_d
         assert httpx.get(f"{svc.url}/images/{second_id}", timeout=10).status_code == 404
     finally:
         stop_service(svc)
+
+
+def test_an_append_from_a_folder_inside_the_bases_and_a_refused_one_give_no_root_warning(
+    tmp_path: Path, corpus: Path, model: BuiltinModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An append from a folder inside the base's corpus folder moves no image out of it:
+    it warned "the version's images now lie under X (the base's under X)". An append refused
+    for its duplicate ids warned so too, of a version never written, before its error."""
+    from index_builder.errors import BuildError
+
+    lines = corpus.read_text().splitlines()
+    first = _corpus(corpus, tmp_path / "first", lines[:2], "a")
+    out = tmp_path / "idx"
+    build(first, out, model, progress=False, workers=0)
+    expected = _files(out)
+    inner = _corpus(corpus, tmp_path / "first" / "more", lines[2:3], "b")
+    build(inner, out, model, progress=False, workers=0, append=True)
+    expected["b-" + json.loads(lines[2])["id"]] = (inner.parent / "images/0000.png").read_bytes()
+    assert _files(out) == expected
+    assert IndexVersion.open(out / "current").images_root == (tmp_path / "first").resolve()
+    assert "now lie under" not in caplog.text
+    again = _corpus(corpus, tmp_path / "other", lines[:1], "a")  # a-... is there already
+    with pytest.raises(BuildError, match="already in the current version"):
+        build(again, out, model, progress=False, workers=0, append=True)
+    assert "now lie under" not in caplog.text
