@@ -232,7 +232,8 @@ class Hit(BaseModel):
     image_url: str | None = Field(
         None,
         description="the hit's image (for a caption: the image it describes), served by "
-        "GET /images/{id}; null when the item has none",
+        "GET /images/{id}; null for a caption that describes no image (a manifest line with "
+        "captions only)",
     )
     caption: str | None = Field(
         None,
