@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,26 @@ async def test_answers_tells_readyz_whether_the_cache_answers_now(
     assert sum(_count(m, r) for r in ("hit", "miss", "error")) == 0
     for cache in (up, lru, tripped):
         await cache.close()
+
+
+async def test_a_burst_past_redis_pys_pool_of_100_still_reads_the_cache(
+    redis_server: RedisServer,
+) -> None:
+    """400 look-ups at once, as 400 searches under way make them: redis-py's pool stops at
+    100 connections and raised "Too many connections" for the rest, counted as cache errors
+    (and a re-ranking each) with Redis healthy. The service's pool holds the in-flight cap."""
+    import redis
+
+    from app.config import Settings
+    from app.main import _cache_backend
+
+    direct = redis.Redis.from_url(redis_server.url)
+    direct.set("warm", json.dumps({"a": 1}))
+    m = Metrics()
+    settings = Settings(redis_url=redis_server.url, redis_timeout_ms=2000)
+    cache = ResilientCache(_cache_backend(settings), m, 2.0)
+    got = await asyncio.gather(*(cache.get("warm", json.loads) for _ in range(400)))
+    assert got == [{"a": 1}] * 400
+    assert (_count(m, "hit"), _count(m, "error")) == (400, 0)
+    direct.close()
+    await cache.close()
