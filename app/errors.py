@@ -20,6 +20,7 @@ log = logging.getLogger("duet.app")
 # in a request's scope: duet's HTTP protocol closed the connection because the body did not
 # arrive within DUET_HTTP_BODY_TIMEOUT_S (`app.limits`), so the body's read ended in a 408
 BODY_TIMED_OUT = "duet.body_timed_out"
+SHUT_DOWN = "duet.shut_down"  # closed mid-body at the drain's end (app.limits): a 503
 
 
 class DuetError(Exception):
@@ -346,6 +347,8 @@ def install_handlers(app: FastAPI) -> None:
         """The body stopped before its end: the client closed the connection (499, as for a
         client gone while its search waited), or duet closed it when the rest did not come
         in time (408). Nothing failed here: no 5xx, no traceback; nobody reads the answer."""
+        if request.scope.get(SHUT_DOWN):  # answered by the protocol; counted as what it sent
+            return JSONResponse(error_body(ShuttingDown.code, "shut down"), status_code=503)
         if request.scope.get(BODY_TIMED_OUT):
             timeout = request.app.state.settings.http_body_timeout_s
             return JSONResponse(

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.errors import BODY_TIMED_OUT, PayloadTooLarge, error_bytes
+from app.errors import BODY_TIMED_OUT, SHUT_DOWN, PayloadTooLarge, error_bytes
 from app.pace import Counted, Pace, busy, json_response
 
 # answered even when the in-flight cap is reached: probes and scrapes must see a busy server
@@ -112,6 +112,7 @@ class HttpLimits:
     on_shed: Callable[[], None] = _uncounted
     pace: Pace = field(default_factory=lambda: Pace(0.0))
     admitted: list[int] = field(default_factory=lambda: [0])  # in flight now (`Counted`)
+    drain_s: float = 10.0  # DUET_HTTP_DRAIN_S: uvicorn's graceful stop, then it cancels
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -125,6 +126,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _at = 0
     _refusals = 0  # this connection's 429s at the in-flight cap not yet sent out
     _running: Any = None  # the request cycle whose application runs now
+    _body_due = False  # a request's headers are in, the rest of its body not yet
 
     def _arm(self, seconds: float, why: str) -> None:
         self._disarm()
@@ -147,6 +149,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 f"request headers not received within {self.limits.header_timeout_s:g} s "
                 "(DUET_HTTP_HEADER_TIMEOUT_S)",
             )
+        elif why == "shutdown":  # the app's receive() sees http.disconnect: counted as a 503
+            self.scope[SHUT_DOWN] = True  # type: ignore[literal-required]
+            if self.cycle is not None and not self.cycle.response_started:
+                self._refuse(
+                    503,
+                    "shutting_down",
+                    "the service is shutting down and the request's body had not all arrived "
+                    f"within DUET_HTTP_DRAIN_S ({self.limits.drain_s:g} s); send it again",
+                )
+            self.transport.close()
         else:  # the app's receive() then sees http.disconnect: counted as a 408, not a 499
             self.scope[BODY_TIMED_OUT] = True  # type: ignore[literal-required]
             self.transport.close()
@@ -157,6 +169,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             400: b"Bad Request",
             408: b"Request Timeout",
             431: b"Request Header Fields Too Large",
+            503: b"Service Unavailable",
         }[status]
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
@@ -173,6 +186,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             f"{msg.rstrip('.')}: the request is not valid HTTP/1.1; send a request line, "
             "headers and a body framed by Content-Length or chunked encoding",
         )
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful stop. A request whose body is still arriving gets until just
+        before the drain's end for the rest, then a 503 JSON answer and its connection
+        closed: uvicorn cancels what runs at the drain's end, and a cancelled request was
+        a plain-text 500 with a traceback in the log."""
+        if self._body_due and not self.transport.is_closing():
+            due = self.loop.time() + max(self.limits.drain_s - 0.5, 0.0)
+            if self._timer is None or self._timer.when() > due:  # else its 408 comes first
+                self._arm(due - self.loop.time(), "shutdown")
+        super().shutdown()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -262,6 +286,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self._arm(self.limits.body_timeout_s, "body")
+        self._body_due = True
         if self.url.startswith(_ALWAYS) or self.parser.should_upgrade():
             super().on_headers_complete()
             return
@@ -283,6 +308,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._disarm()
+        self._body_due = False
         if not self.transport.is_closing():
             super().on_message_complete()
 
@@ -294,6 +320,7 @@ def guarded_protocol(
     max_inflight: int,
     on_shed: Callable[[], None] = _uncounted,
     queue_target_s: float = 0.0,
+    drain_s: float = 10.0,
 ) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with a header deadline, a body deadline, a header cap and
     a cap on requests in flight (429 before the app, each one counted by `on_shed`; health,
@@ -308,6 +335,7 @@ def guarded_protocol(
             max_inflight,
             on_shed,
             Pace(queue_target_s),
+            drain_s=drain_s,
         )
 
     return Guarded
@@ -326,6 +354,7 @@ def uvicorn_options(settings: Any, metrics: Any = None) -> dict[str, Any]:
             settings.http_max_inflight,
             shed,
             target / 1000 if isinstance(target := settings.http_queue_target_ms, float) else 0.0,
+            settings.http_drain_s,
         ),
         "timeout_keep_alive": settings.http_keep_alive_s,
         "timeout_graceful_shutdown": settings.http_drain_s,
