@@ -38,10 +38,16 @@ def _answer(conn: socket.socket) -> tuple[bytes, bytes]:
     return head, body
 
 
-@pytest.mark.parametrize("fronts", ["0", "2"])
+@pytest.mark.parametrize(
+    ("fronts", "sig"),
+    [("0", signal.SIGTERM), ("2", signal.SIGTERM), ("2", signal.SIGHUP)],
+    ids=["term", "term-fronts", "hup-fronts"],
+)
 def test_an_upload_finishing_in_the_drain_is_answered_and_a_stalled_one_told_503(
-    index_dir: Path, corpus: Path, tmp_path: Path, fronts: str
+    index_dir: Path, corpus: Path, tmp_path: Path, fronts: str, sig: signal.Signals
 ) -> None:
+    """SIGHUP as SIGTERM: uvicorn left it alone, so a hang-up ended the owner at once and
+    without a word, cutting its requests, and with it every front."""
     svc = start_service(
         index_dir, tmp_path / "serve.log", DUET_HTTP_DRAIN_S="3", DUET_FRONTENDS=fronts
     )
@@ -59,7 +65,7 @@ def test_an_upload_finishing_in_the_drain_is_answered_and_a_stalled_one_told_503
         slow = _upload(host, int(port), body)  # the rest comes during the drain
         time.sleep(0.5)  # both in the server's hands
         t0 = time.monotonic()
-        svc.proc.send_signal(signal.SIGTERM)
+        svc.proc.send_signal(sig)
         time.sleep(0.2)
         slow.sendall(body[20:])
         head, answer = _answer(slow)
@@ -69,12 +75,13 @@ def test_an_upload_finishing_in_the_drain_is_answered_and_a_stalled_one_told_503
         # the documented JSON, not uvicorn's plain-text 500 for a task it cancelled
         assert head.startswith(b"HTTP/1.1 503 "), head + answer
         assert json.loads(answer)["error"]["code"] == "shutting_down"
-        svc.proc.wait(timeout=25)
+        assert svc.proc.wait(timeout=25) == -sig  # what stopped it, as uvicorn re-raises it
         took = time.monotonic() - t0
         # a drain of 3 s (the owner's, then its fronts'), not the 30 s it was
         assert took < 15, took
         assert not any(process_alive(p) for p in kids), "a child outlived the service"
         log = svc.log.read_text()
         assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+        assert ("SIGHUP: stopping as for SIGTERM" in log) == (sig == signal.SIGHUP), log
     finally:
         stop_service(svc)

@@ -165,8 +165,33 @@ class _ForcedQuit(logging.Filter):
 
 def quiet_forced_quit(server: Any) -> Any:
     """`server` (a `uvicorn.Server`, made after its Config configured uvicorn's loggers),
-    its force quit told in one line."""
+    its force quit told in one line, and SIGHUP taken as SIGTERM: uvicorn leaves it alone, so
+    a hang-up (a closed terminal, `kill -HUP` meant as a reload) ended the process at once,
+    without a word, its requests under way cut and, with fronts, the service gone."""
+    import signal
+
     logging.getLogger("uvicorn.error").addFilter(_ForcedQuit(server))
+    captured = server.capture_signals
+
+    def hung_up(sig: int, frame: Any) -> None:
+        log.warning(
+            "SIGHUP: stopping as for SIGTERM, the requests under way drained first (a new "
+            "index is taken without a restart: DUET_INDEX_POLL_S, or POST /admin/reload)"
+        )
+        server.handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals() -> Any:
+        with captured():  # uvicorn's: SIGINT, SIGTERM; raised again once it has stopped
+            main = threading.current_thread() is threading.main_thread()
+            before = signal.signal(signal.SIGHUP, hung_up) if main else None
+            try:
+                yield
+            finally:
+                if main:
+                    signal.signal(signal.SIGHUP, before)
+
+    server.capture_signals = capture_signals
     return server
 
 
