@@ -33,12 +33,12 @@ def refuse_if_not_understood(model: Any, query: str) -> None:
     if why:
         raise ValidationFailed(f"query: {why}", loc=("body", "query"))
     content = getattr(model, "content_words", None)
-    if not callable(content) or not caption_words(query):
+    unknown = getattr(model, "unknown_words", None)
+    missing = list(unknown(query)) if callable(unknown) else []  # emoji too: "🐶 ★"
+    if not callable(content) or not (caption_words(query) or missing):
         return  # no words at all: the pipeline's own 422 says what it saw
     if content(query) != []:
         return  # understood something (or cannot tell: None)
-    unknown = getattr(model, "unknown_words", None)
-    missing = list(unknown(query)) if callable(unknown) else []
     quoted = [f'"{w}"' for w in missing]
     what = (
         "it does not know "
