@@ -29,7 +29,18 @@ from app.heavy import concat, heavy_reranker, make_resident, measure_pair_budget
 from app.metrics import Metrics
 from app.stepping import DeviceStepping
 from app.threads import SOLO_TEXTS, solo_threads
-from app.work import Answer, Candidates, Meta, Query, RerankPlan, Work, clock, items_of, ms
+from app.work import (
+    Answer,
+    Candidates,
+    Meta,
+    Query,
+    RerankPlan,
+    Work,
+    candidate_texts,
+    clock,
+    items_of,
+    ms,
+)
 from models.device_step import DeviceStep
 from models.fusion import fused_top_k
 from models.protocols import JointEncoder
@@ -321,7 +332,7 @@ class BatchWorker(DeviceStepping):
             with clock(chunk, "lookup"):
                 for w in chunk:
                     if w.query.kind == "image":  # the re-ranker reads the candidates' captions
-                        w.texts = w.query.index.store.texts([int(r) for r in w.cand.rows])
+                        w.texts = candidate_texts(w.query.index.store, w.cand.rows)
             t0 = time.monotonic()
             scores = score(chunk)
             dt = time.monotonic() - t0

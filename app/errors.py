@@ -157,6 +157,14 @@ class ShuttingDown(DuetError):
         super().__init__(message, retry_after=retry_after, **extra)
 
 
+class IndexUnreadable(DuetError):
+    """The served version's item store failed to read (its files damaged in place, after
+    the checks that let it serve): a 503 that says so, where it was a 500 with a traceback."""
+
+    status = 503
+    code = "index_unreadable"
+
+
 class DeadlineExceeded(DuetError):
     """The request's deadline (DUET_REQUEST_TIMEOUT_MS) passed while it waited for a worker:
     load shedding like a refusal at the door, so a 429 with Retry-After (not a 5xx: nothing
@@ -244,7 +252,7 @@ _WHY = {
     429: "overloaded, or the deadline passed while queued: retry after Retry-After seconds",
     431: "request headers too large (DUET_HTTP_MAX_HEADER_BYTES)",
     499: "the client closed the connection first (nobody reads it)",
-    503: "not ready yet, or shutting down",
+    503: "not ready yet, shutting down, or the served index's files were damaged on disk",
 }
 
 

@@ -183,6 +183,7 @@ def _lifespan(
             settings.index_poll_s,
             lambda index: ui.images_unserved(index, settings),
         )
+        await reloader.remember_served()  # its files as checked: a change is checked again
         poller = (
             asyncio.create_task(reloader.poll_forever(), name="index-poller")
             if settings.index_poll_s > 0

@@ -30,6 +30,7 @@ from app.errors import RerankerUnavailable, ValidationFailed
 from app.metrics import Metrics
 from app.schemas import SearchOptions, SearchResponse
 from app.versions import ServedIndex
+from app.work import CaptionsUnread
 from models import rerankers
 from models.device_step import DeviceStep, text_ids_of
 from models.late import DEFAULT_THETA
@@ -393,8 +394,8 @@ class SearchPipeline:
                 unknown_words=self._unknown(text),
             )
         )
-        # a later request with time to spare gets the full answer, and one whose scores
-        # have recovered (a hit left out for a non-finite score) gets every hit
-        if not answer.degraded and not dropped:
+        # a later request with time to spare gets the full answer, one whose scores have
+        # recovered every hit, one whose item store reads again the captions
+        if not (answer.degraded or dropped or isinstance(answer.captions, CaptionsUnread)):
             await self.cache.set(key, served.json)
         return served

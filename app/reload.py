@@ -4,6 +4,11 @@ loop, then swap it in; refuse a broken one and keep serving the old.
 Triggered by a poller (DUET_INDEX_POLL_S) and by POST /admin/reload. A version is identified on
 disk by its resolved path and the newest mtime among its files, so a refused version is not
 retried (nor logged again) by the poller until its files change; /admin/reload always retries.
+
+The served version's own files are watched the same way: changed in place (damaged, or put
+back), they are checked again, and reopened when whole (SQLite reads a version's item store
+as immutable: a mended file was not read again until a restart) or, when not, the service
+says it is not ready (`damaged`) until they change again.
 """
 
 from __future__ import annotations
@@ -126,6 +131,17 @@ class IndexReloader:
         self._refused: dict[Path, tuple[object, Outcome]] = {}  # path -> (stamp, outcome)
         self.last_swap: Outcome | None = None
         self.last_refused: Outcome | None = None
+        self._served_stamp: object = None  # the served version's files' newest mtime, checked
+        self.damaged: str | None = None  # why the served version failed its checks again
+
+    async def remember_served(self) -> None:
+        """The served version's files as start-up checked them: a later change is checked."""
+        try:
+            path, stamp = await asyncio.to_thread(probe, self._index_dir)
+        except (IndexLoadError, OSError):
+            return
+        if path == Path(self._pipeline.index.path):
+            self._served_stamp = stamp
 
     @property
     def serving(self) -> str:
@@ -141,11 +157,15 @@ class IndexReloader:
                 path, stamp = await asyncio.to_thread(probe, self._index_dir)
             except (IndexLoadError, OSError) as exc:
                 return self._refuse(link, str(exc), str(exc), force)
-            if path == Path(served.path):  # both resolved: load_resources and probe resolve
+            same = path == Path(served.path)  # both resolved: load_resources and probe resolve
+            if same and self._served_stamp in (None, stamp):
+                self._served_stamp = stamp
                 self._metrics.index_current_refused.set(0)  # current put back, say
                 return Outcome("current", served.version, str(path), _now())
             if (known := self._known_refusal(path, stamp, force)) is not None:
                 return known
+            if same:
+                log.warning("the served index %s changed on disk: checking it again", path)
             try:
                 new = await asyncio.to_thread(load_checked, path, self._pipeline.model)
                 await asyncio.to_thread(self._pipeline.prepare, new)  # device tables
@@ -155,16 +175,20 @@ class IndexReloader:
                     if isinstance(exc, IndexLoadError)
                     else (f"{type(exc).__name__}: {exc}")
                 )
+                if same:  # not ready until its files change again
+                    self.damaged = reason
                 return self._refuse(path, reason, stamp, force)
             self._pipeline.swap_index(new)
             self._refused.pop(path, None)
             self._metrics.index_current_refused.set(0)
+            self._served_stamp, self.damaged = stamp, None
             self._metrics.index_reloads.labels(result="ok").inc()
             self.last_swap = Outcome(
                 "swapped", new.version, str(path), _now(), previous=served.version
             )
             log.info(
-                "swapped index %s -> %s (%d images, %d texts)",
+                "%s index %s -> %s (%d images, %d texts)",
+                "reopened, whole again," if same else "swapped",
                 served.version,
                 new.version,
                 new.image_index.ntotal,

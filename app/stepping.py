@@ -13,7 +13,7 @@ import numpy as np
 from app.costs import BatchCost
 from app.engine import Ticket
 from app.metrics import Metrics
-from app.work import Answer, Candidates, Query, Work, clock, ms
+from app.work import Answer, Candidates, Query, Work, candidate_texts, clock, ms
 from models.builtin import pixel_bytes
 from models.device_step import DeviceStep, text_ids_of
 from models.fusion import sigmoid
@@ -310,7 +310,7 @@ class DeviceStepping:
             # looks its hits up itself)
             if w.query.kind == "image" and w.query.look_up:
                 with clock([w], "lookup"):
-                    w.texts = w.query.index.store.texts([int(r) for r in w.cand.rows])
+                    w.texts = candidate_texts(w.query.index.store, w.cand.rows)
             # what the `ce` scorer answers: the logit's sigmoid (`models.rerankers._ce`)
             scores = (
                 None

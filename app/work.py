@@ -15,6 +15,7 @@ import numpy as np
 from PIL import Image
 
 from app.engine import Ticket
+from app.errors import IndexUnreadable
 from models.fusion import Ranked
 from store.indexio import IndexVersion, ItemStore, TextRow
 
@@ -85,6 +86,26 @@ class Answer:
     captions: dict[str, list[str]] = field(default_factory=dict)
 
 
+class CaptionsUnread(dict[str, list[str]]):
+    """No captions, because the item store could not read them (a file damaged in place):
+    the answer goes out without them, but is not cached (it was, for the cache's TTL)."""
+
+
+def _unreadable(exc: sqlite3.DatabaseError) -> IndexUnreadable:
+    return IndexUnreadable(
+        f"the served index version's item store cannot be read ({exc}): its files changed "
+        "after the build that checked them; restore them or build the version again"
+    )
+
+
+def candidate_texts(store: ItemStore, rows: Any) -> list[TextRow]:
+    """An image query's candidates' caption rows, which its re-ranker reads."""
+    try:
+        return store.texts([int(r) for r in rows])
+    except sqlite3.DatabaseError as exc:
+        raise _unreadable(exc) from exc
+
+
 def items_of(
     store: ItemStore,
     kind: Literal["text", "image"],
@@ -95,15 +116,20 @@ def items_of(
     image's with its path, a caption's with its text and image id) and, for image hits, each
     image's captions. `texts`: an image query's caption rows already read, in `rows` order."""
     if kind == "image":
-        found = store.texts(rows) if texts is None else texts
+        found = candidate_texts(store, rows) if texts is None else texts
         meta = [(t.id, {**t.meta, "text": t.text, "image_id": t.image_id}) for t in found]
         return meta, {}
-    images = store.images(rows)
+    try:
+        images = store.images(rows)
+    except sqlite3.DatabaseError as exc:
+        raise _unreadable(exc) from exc
     try:  # a courtesy: an unreadable caption leaves the hit without one
         captions = store.captions([r.id for r in images])
     except sqlite3.Error as exc:
-        log.warning("the hits' captions are unreadable (%s); answered without them", exc)
-        captions = {}
+        log.warning(
+            "the hits' captions are unreadable (%s); answered without them, not cached", exc
+        )
+        captions = CaptionsUnread()
     return [(r.id, {**r.meta, "image": r.path}) for r in images], captions
 
 
