@@ -95,21 +95,23 @@ class BodyLimit:
                 await send(m)
 
 
-def _uncounted() -> None:
-    """What a 429 at the in-flight cap calls when nothing counts it."""
+def _uncounted(reason: str) -> None:
+    """What a request turned away before any route calls when nothing counts it."""
 
 
 @dataclass(frozen=True)
 class HttpLimits:
     """What `GuardedHttpToolsProtocol` enforces (the DUET_HTTP_* settings); `on_shed` is
-    called for every request answered 429 at the in-flight cap, `pace` moves that cap with
+    called for every request it answers itself, before any route, with why: "inflight" (429
+    at the in-flight cap), "header_timeout" (408), "headers_too_large" (431), "bad_request"
+    (400: not HTTP/1.1), which no route's metrics count, `pace` moves that cap with
     the process's answer rate."""
 
     header_timeout_s: float
     body_timeout_s: float
     max_header_bytes: int
     max_inflight: int
-    on_shed: Callable[[], None] = _uncounted
+    on_shed: Callable[[str], None] = _uncounted
     pace: Pace = field(default_factory=lambda: Pace(0.0))
     admitted: list[int] = field(default_factory=lambda: [0])  # in flight now (`Counted`)
     drain_s: float = 10.0  # DUET_HTTP_DRAIN_S: uvicorn's graceful stop, then it cancels
@@ -143,6 +145,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.logger.info("closing a slow client %s (%s not received in time)", self.client, why)
         if why == "headers":
+            self.limits.on_shed("header_timeout")
             self._refuse(
                 408,
                 "request_timeout",
@@ -180,6 +183,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes that are not HTTP/1.1, as the documented JSON error."""
         self._disarm()
+        self.limits.on_shed("bad_request")
         self._refuse(
             400,
             "bad_request",
@@ -267,6 +271,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         max_header_bytes = self.limits.max_header_bytes
         if self._header_bytes > max_header_bytes and not self.transport.is_closing():
             self._disarm()
+            self.limits.on_shed("headers_too_large")
             self._refuse(
                 431,
                 "headers_too_large",
@@ -293,7 +298,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         cap = self.limits.pace.cap(self.limits.max_inflight, time.monotonic())
         refused = self.limits.admitted[0] >= cap
         if refused:
-            self.limits.on_shed()
+            self.limits.on_shed("inflight")
             self._refusals += 1  # not an answer: the pace counts what the app answers
         app = self.app
         self.app = busy if refused else Counted(app, self.limits.admitted)
@@ -318,7 +323,7 @@ def guarded_protocol(
     body_timeout_s: float,
     max_header_bytes: int,
     max_inflight: int,
-    on_shed: Callable[[], None] = _uncounted,
+    on_shed: Callable[[str], None] = _uncounted,
     queue_target_s: float = 0.0,
     drain_s: float = 10.0,
 ) -> type[asyncio.Protocol]:
@@ -343,9 +348,10 @@ def guarded_protocol(
 
 def uvicorn_options(settings: Any, metrics: Any = None) -> dict[str, Any]:
     """The uvicorn.run keywords that carry duet's HTTP limits; with the app's `metrics`, the
-    in-flight cap's 429s count as `duet_shed_requests_total{reason="inflight"}`. The queue
+    refusals before any route count as `duet_shed_requests_total{reason}` (inflight,
+    header_timeout, headers_too_large, bad_request). The queue
     target as `duet serve` resolved it (`app.main.queue_target_ms`; `auto` left: none)."""
-    shed = _uncounted if metrics is None else metrics.shed.labels(reason="inflight").inc
+    shed = _uncounted if metrics is None else lambda why: metrics.shed.labels(reason=why).inc()
     return {
         "http": guarded_protocol(
             settings.http_header_timeout_s,

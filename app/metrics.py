@@ -48,7 +48,9 @@ class Metrics:
             "Requests dropped before model work, by reason "
             "(queue_full = 429 at DUET_MAX_QUEUE, queue_wait = 429 when the work ahead would "
             "outlast the request's deadline, deadline = 429 deadline_exceeded, client_gone, "
-            "inflight = 429 at DUET_HTTP_MAX_INFLIGHT before any parsing)",
+            "inflight = 429 at DUET_HTTP_MAX_INFLIGHT before any parsing; answered before any "
+            "route, which no request metric counts: header_timeout = 408, headers_too_large = "
+            "431, bad_request = 400 for bytes that are not HTTP/1.1)",
             ["reason"],
             registry=r,
         )
@@ -92,7 +94,10 @@ class Metrics:
             self.index_reloads.labels(result=result)
         for result in ("hit", "miss", "error"):
             self.cache_requests.labels(result=result)
-        for reason in ("queue_full", "queue_wait", "deadline", "client_gone", "inflight"):
+        for reason in (
+            *("queue_full", "queue_wait", "deadline", "client_gone", "inflight"),
+            *("header_timeout", "headers_too_large", "bad_request"),
+        ):
             self.shed.labels(reason=reason)
         for stage in ("cache", "queue", "encode", "search", "rerank", "lookup"):
             self.stage_seconds.labels(stage=stage)

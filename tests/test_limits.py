@@ -157,13 +157,23 @@ def test_image_within_limit_still_served(service: Service) -> None:
     assert r.status_code == 200, r.text
 
 
+def _shed(service: Service, reason: str) -> float:
+    from tests.test_e2e import _metric
+
+    with service.client() as c:
+        return _metric(c.get("/metrics").text, "duet_shed_requests_total", reason=reason)
+
+
 def test_slow_headers_get_408_and_close(service: Service) -> None:
+    before = _shed(service, "header_timeout")
     s = _connect(service)
     t0 = time.monotonic()
     s.sendall(b"POST /search/text HTTP/1.1\r\nHost: x\r\n")
     reply = _read_all(s)  # returns when the server closes
     assert time.monotonic() - t0 < 5
     assert reply.startswith(b"HTTP/1.1 408") and b"DUET_HTTP_HEADER_TIMEOUT_S" in reply
+    # counted: no route saw it, and 6,000 of them (a slowloris) moved no metric
+    assert _shed(service, "header_timeout") == before + 1
 
 
 def test_silent_connection_closed(service: Service) -> None:
@@ -187,6 +197,7 @@ def test_slow_body_closed(service: Service) -> None:
 
 
 def test_huge_header_gets_431(service: Service) -> None:
+    before = _shed(service, "headers_too_large")
     s = _connect(service)
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n")
@@ -195,6 +206,7 @@ def test_huge_header_gets_431(service: Service) -> None:
     # its JSON written as the app's JSONResponse writes every other error body: compact
     body = reply.split(b"\r\n\r\n", 1)[1]
     assert body.startswith(b'{"error":{"code":"') and b'", "' not in body, body
+    assert _shed(service, "headers_too_large") == before + 1
 
 
 def test_inflight_cap_answers_429_and_health_passes(service: Service) -> None:
