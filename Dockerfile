@@ -1,6 +1,6 @@
 # duet: the search service and the index builder in one image.
 #
-#   docker build -t duet:gpu .                        # default: CUDA runtime, CUDA torch, faiss-gpu
+#   docker build -t duet:gpu .                        # default: CUDA 12.6 base, CUDA torch, faiss-gpu
 #   docker build -t duet:cpu --build-arg FLAVOR=cpu . # Python slim, CPU torch, faiss-cpu
 #
 # Both flavours run the same way: non-root user `duet`, `duet serve` on port 8000,
