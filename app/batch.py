@@ -25,6 +25,7 @@ import torch
 
 from app.costs import BatchCost, Throughput
 from app.engine import Ticket
+from app.errors import DuetError
 from app.heavy import concat, heavy_reranker, make_resident, measure_pair_budget, states_of
 from app.metrics import Metrics
 from app.stepping import DeviceStepping
@@ -342,13 +343,19 @@ class BatchWorker(DeviceStepping):
                 if s is not None:
                     w.timings["rerank"] = ms(dt)
         except Exception as exc:
-            log.exception("re-ranking %d queries failed", len(chunk))
+            if isinstance(exc, DuetError):  # the askers' answers say it (index_unreadable)
+                log.warning("%d queries failed: %s", len(chunk), exc.message)
+            else:
+                log.exception("re-ranking %d queries failed", len(chunk))
             for w in chunk:
                 w.ticket.fail(exc)
             return
         for w, s in zip(chunk, scores, strict=True):
             try:
                 w.ticket.resolve(self._ranked(w, s))
+            except DuetError as exc:
+                log.warning("a query failed: %s", exc.message)
+                w.ticket.fail(exc)
             except Exception as exc:
                 log.exception("answering a query failed")
                 w.ticket.fail(exc)

@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from app.config import MAX_INFLIGHT
 from app.metrics import Metrics
 
 log = logging.getLogger("duet.cache")
@@ -90,21 +91,24 @@ class RedisCache:
 
     name = "redis"
 
-    def __init__(self, url: str, ttl_s: int, timeout_s: float, connections: int = 528) -> None:
+    def __init__(
+        self, url: str, ttl_s: int, timeout_s: float, connections: int = MAX_INFLIGHT + 16
+    ) -> None:
         # A connection per request under way: redis-py's pool stops at 100 and then raises
         # ("Too many connections"), so a burst of more searches than that lost the cache,
         # Redis healthy (400 errors of 580 look-ups, and 429s for the re-ranking they cost).
         # `connections` is the in-flight cap and some (app.main); past it a call waits for
-        # one, within the cache's time bound.
+        # one, less long than the cache's time bound: "No connection available", an error
+        # but no time-out of Redis's, which would count towards leaving Redis alone.
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=connections,
-            timeout=None,
+            timeout=timeout_s * 0.8,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry_on_timeout=False,
         )
-        self._client = aioredis.Redis(connection_pool=pool)
+        self._client = aioredis.Redis.from_pool(pool)  # closed with the client
         self._ttl = ttl_s
         kwargs = self._client.connection_pool.connection_kwargs
         where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"

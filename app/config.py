@@ -62,6 +62,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 MIN_POLL_S = 0.1
+MAX_INFLIGHT = 512  # DUET_HTTP_MAX_INFLIGHT's default (the Redis pool's size follows it)
+DRAIN_S = 10.0  # DUET_HTTP_DRAIN_S's default
 
 
 def _poll_s(seconds: float) -> float:
@@ -184,14 +186,14 @@ class Settings(BaseSettings):
     )
     http_keep_alive_s: float = Field(5.0, gt=0, description="idle keep-alive connections close")
     http_drain_s: float = Field(
-        10.0,
+        DRAIN_S,
         gt=0,
         description="on SIGTERM, how long the requests under way get to finish; connections "
         "still open then are closed (a stalled upload held the exit for the body timeout). "
         "Give the container's stop grace twice this (owner, then fronts) plus a few seconds",
     )
     http_max_inflight: int = Field(
-        512,
+        MAX_INFLIGHT,
         ge=1,
         description="requests in flight before new ones get 429 ahead of any "
         "parsing (health, readiness and metrics exempt)",

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.config import DRAIN_S
 from app.errors import BODY_TIMED_OUT, SHUT_DOWN, PayloadTooLarge, error_bytes
 from app.pace import Counted, Pace, busy, json_response
 
@@ -103,8 +104,9 @@ def _uncounted(reason: str) -> None:
 class HttpLimits:
     """What `GuardedHttpToolsProtocol` enforces (the DUET_HTTP_* settings); `on_shed` is
     called for every request it answers itself, before any route, with why: "inflight" (429
-    at the in-flight cap), "header_timeout" (408), "headers_too_large" (431), "bad_request"
-    (400: not HTTP/1.1), which no route's metrics count, `pace` moves that cap with
+    at the in-flight cap), "header_timeout" (408), "idle_timeout" (408 to a connection that
+    sent nothing), "headers_too_large" (431), "bad_request" (400: not HTTP/1.1), which no
+    route's metrics count, `pace` moves that cap with
     the process's answer rate."""
 
     header_timeout_s: float
@@ -114,7 +116,7 @@ class HttpLimits:
     on_shed: Callable[[str], None] = _uncounted
     pace: Pace = field(default_factory=lambda: Pace(0.0))
     admitted: list[int] = field(default_factory=lambda: [0])  # in flight now (`Counted`)
-    drain_s: float = 10.0  # DUET_HTTP_DRAIN_S: uvicorn's graceful stop, then it cancels
+    drain_s: float = DRAIN_S  # DUET_HTTP_DRAIN_S: uvicorn's graceful stop, then it cancels
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -129,6 +131,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _refusals = 0  # this connection's 429s at the in-flight cap not yet sent out
     _running: Any = None  # the request cycle whose application runs now
     _body_due = False  # a request's headers are in, the rest of its body not yet
+    _began = False  # a request's first byte came in on this connection
 
     def _arm(self, seconds: float, why: str) -> None:
         self._disarm()
@@ -144,8 +147,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self.logger.info("closing a slow client %s (%s not received in time)", self.client, why)
-        if why == "headers":
-            self.limits.on_shed("header_timeout")
+        if why == "headers":  # one that never began a request (a preconnect) counted apart
+            self.limits.on_shed("header_timeout" if self._began else "idle_timeout")
             self._refuse(
                 408,
                 "request_timeout",
@@ -198,7 +201,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         a plain-text 500 with a traceback in the log."""
         if self._body_due and not self.transport.is_closing():
             due = self.loop.time() + max(self.limits.drain_s - 0.5, 0.0)
-            if self._timer is None or self._timer.when() > due:  # else its 408 comes first
+            if self._timer is None or self._timer.when() > due:  # else the body timeout closes it
                 self._arm(due - self.loop.time(), "shutdown")
         super().shutdown()
 
@@ -260,6 +263,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._feed()
 
     def on_message_begin(self) -> None:
+        self._began = True
         super().on_message_begin()
         self.scope[GONE] = []  # type: ignore[literal-required]
         self._header_bytes = 0
@@ -325,7 +329,7 @@ def guarded_protocol(
     max_inflight: int,
     on_shed: Callable[[str], None] = _uncounted,
     queue_target_s: float = 0.0,
-    drain_s: float = 10.0,
+    drain_s: float = DRAIN_S,
 ) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with a header deadline, a body deadline, a header cap and
     a cap on requests in flight (429 before the app, each one counted by `on_shed`; health,
@@ -349,7 +353,7 @@ def guarded_protocol(
 def uvicorn_options(settings: Any, metrics: Any = None) -> dict[str, Any]:
     """The uvicorn.run keywords that carry duet's HTTP limits; with the app's `metrics`, the
     refusals before any route count as `duet_shed_requests_total{reason}` (inflight,
-    header_timeout, headers_too_large, bad_request). The queue
+    header_timeout, idle_timeout, headers_too_large, bad_request). The queue
     target as `duet serve` resolved it (`app.main.queue_target_ms`; `auto` left: none)."""
     shed = _uncounted if metrics is None else lambda why: metrics.shed.labels(reason=why).inc()
     return {

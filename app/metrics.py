@@ -49,8 +49,9 @@ class Metrics:
             "(queue_full = 429 at DUET_MAX_QUEUE, queue_wait = 429 when the work ahead would "
             "outlast the request's deadline, deadline = 429 deadline_exceeded, client_gone, "
             "inflight = 429 at DUET_HTTP_MAX_INFLIGHT before any parsing; answered before any "
-            "route, which no request metric counts: header_timeout = 408, headers_too_large = "
-            "431, bad_request = 400 for bytes that are not HTTP/1.1)",
+            "route, which no request metric counts: header_timeout = 408, idle_timeout = 408 "
+            "to a connection that sent nothing, headers_too_large = 431, bad_request = 400 "
+            "for bytes that are not HTTP/1.1)",
             ["reason"],
             registry=r,
         )
@@ -78,6 +79,12 @@ class Metrics:
             "before; a restarted replica would not start on it), 0 once current is served",
             registry=r,
         )
+        self.index_served_damaged = Gauge(
+            "duet_index_served_damaged",
+            "1 while the served version's files have changed on disk and fail their checks "
+            "(it serves on what it still reads), 0 once they pass again",
+            registry=r,
+        )
         self.ready = Gauge(
             "duet_ready", "1 when model and index are loaded and search is served", registry=r
         )
@@ -96,7 +103,7 @@ class Metrics:
             self.cache_requests.labels(result=result)
         for reason in (
             *("queue_full", "queue_wait", "deadline", "client_gone", "inflight"),
-            *("header_timeout", "headers_too_large", "bad_request"),
+            *("header_timeout", "idle_timeout", "headers_too_large", "bad_request"),
         ):
             self.shed.labels(reason=reason)
         for stage in ("cache", "queue", "encode", "search", "rerank", "lookup"):

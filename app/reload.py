@@ -2,13 +2,15 @@
 loop, then swap it in; refuse a broken one and keep serving the old.
 
 Triggered by a poller (DUET_INDEX_POLL_S) and by POST /admin/reload. A version is identified on
-disk by its resolved path and the newest mtime among its files, so a refused version is not
-retried (nor logged again) by the poller until its files change; /admin/reload always retries.
+disk by its resolved path and its files' names, sizes, mtimes and inodes (`probe`), so a
+refused version is not retried (nor logged again) by the poller until its files change;
+/admin/reload always retries.
 
 The served version's own files are watched the same way: changed in place (damaged, or put
-back), they are checked again, and reopened when whole (SQLite reads a version's item store
-as immutable: a mended file was not read again until a restart) or, when not, the service
-says it is not ready (`damaged`) until they change again.
+back) and still so a poll later, they are checked again, and reopened when whole (SQLite
+reads a version's item store as immutable: a mended file was not read again until a
+restart) or, when not, said to be damaged (`damaged`: /readyz, the log,
+`duet_index_served_damaged`) while the version serves on what it still reads.
 """
 
 from __future__ import annotations
@@ -53,13 +55,18 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def probe(index_dir: Path) -> tuple[Path, int]:
-    """The version directory `current` points at and the newest mtime among its files."""
+def probe(index_dir: Path) -> tuple[Path, object]:
+    """The version directory `current` points at, and its files' stamp: each one's name,
+    size, mtime and inode (a file put back with its old mtime, as `cp -p` and `tar x` do, is
+    a change all the same; the newest mtime alone missed it)."""
     path = resolve_current(index_dir)
     if not path.is_dir():
         raise IndexLoadError(f"{Path(index_dir) / CURRENT} points at {path}, not a directory")
-    stamps = [path.stat().st_mtime_ns, *(f.stat().st_mtime_ns for f in path.iterdir())]
-    return path, max(stamps)
+    files = []
+    for f in path.iterdir():
+        st = f.stat()
+        files.append((f.name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return path, (path.stat().st_mtime_ns, tuple(sorted(files)))
 
 
 def smoke_test(index: IndexVersion, model: JointEncoder) -> None:
@@ -131,7 +138,8 @@ class IndexReloader:
         self._refused: dict[Path, tuple[object, Outcome]] = {}  # path -> (stamp, outcome)
         self.last_swap: Outcome | None = None
         self.last_refused: Outcome | None = None
-        self._served_stamp: object = None  # the served version's files' newest mtime, checked
+        self._served_stamp: object = None  # the served version's files' stamp, as checked
+        self._seen_stamp: object = None  # a change seen once: checked when it holds a poll
         self.damaged: str | None = None  # why the served version failed its checks again
 
     async def remember_served(self) -> None:
@@ -158,14 +166,13 @@ class IndexReloader:
             except (IndexLoadError, OSError) as exc:
                 return self._refuse(link, str(exc), str(exc), force)
             same = path == Path(served.path)  # both resolved: load_resources and probe resolve
-            if same and self._served_stamp in (None, stamp):
-                self._served_stamp = stamp
-                self._metrics.index_current_refused.set(0)  # current put back, say
-                return Outcome("current", served.version, str(path), _now())
-            if (known := self._known_refusal(path, stamp, force)) is not None:
-                return known
             if same:
+                self._metrics.index_current_refused.set(0)  # current put back, say
+                if (kept := self._served_kept(path, stamp, force)) is not None:
+                    return kept
                 log.warning("the served index %s changed on disk: checking it again", path)
+            elif (known := self._known_refusal(path, stamp, force)) is not None:
+                return known
             try:
                 new = await asyncio.to_thread(load_checked, path, self._pipeline.model)
                 await asyncio.to_thread(self._pipeline.prepare, new)  # device tables
@@ -175,12 +182,13 @@ class IndexReloader:
                     if isinstance(exc, IndexLoadError)
                     else (f"{type(exc).__name__}: {exc}")
                 )
-                if same:  # not ready until its files change again
-                    self.damaged = reason
+                if same:  # it serves on, said to be damaged, until its files change again
+                    return self._damaged(path, reason, stamp)
                 return self._refuse(path, reason, stamp, force)
             self._pipeline.swap_index(new)
             self._refused.pop(path, None)
             self._metrics.index_current_refused.set(0)
+            self._metrics.index_served_damaged.set(0)
             self._served_stamp, self.damaged = stamp, None
             self._metrics.index_reloads.labels(result="ok").inc()
             self.last_swap = Outcome(
@@ -197,6 +205,41 @@ class IndexReloader:
             if why := self._images_unserved(new):
                 log.warning("GET /images/{id} cannot serve this version's images: %s", why)
             return self.last_swap
+
+    def _served_kept(self, path: Path, stamp: object, force: bool) -> Outcome | None:
+        """What a look at the served version's own files answers without checking them, or
+        None to check them: unchanged since checked (or since found damaged), or changed
+        and seen once (a copy under way changes them poll after poll: checked once the
+        change holds for a poll, or at once when `force`d)."""
+        served = self._pipeline.index
+        if self._served_stamp is None:  # no start-up record: taken as checked
+            self._served_stamp = stamp
+        left = self._refused.get(path) if self.damaged else None  # (stamp, outcome)
+        now = left[1] if left else Outcome("current", served.version, str(path), _now())
+        if stamp == (left[0] if left else self._served_stamp):
+            return None if force and self.damaged else now
+        if not force and stamp != self._seen_stamp:
+            self._seen_stamp = stamp
+            return now
+        return None
+
+    def _damaged(self, path: Path, reason: str, stamp: object) -> Outcome:
+        """The served version's files failed their checks again: it serves on (what it still
+        reads; a failed read is a 503 `index_unreadable`), told by /readyz, the log and
+        `duet_index_served_damaged`, until its files change again."""
+        self.damaged = reason
+        self._metrics.index_served_damaged.set(1)
+        self._metrics.index_reloads.labels(result="refused").inc()
+        outcome = Outcome("refused", path.name, str(path), _now(), reason=reason)
+        self._refused[path] = (stamp, outcome)
+        self.last_refused = outcome
+        log.error(
+            "the served index %s changed on disk and fails its checks: %s; it serves on what "
+            "it still reads: restore its files or build it again",
+            path,
+            reason,
+        )
+        return outcome
 
     def _known_refusal(self, path: Path, stamp: object, force: bool) -> Outcome | None:
         """The earlier refusal of these very files, unless `force` asks to try again."""
@@ -233,6 +276,10 @@ class IndexReloader:
             "poll_s": self.poll_s,
             "last_swap": self._public(self.last_swap),
             "last_refused": self._public(self.last_refused),
+            # the served version's own files changed on disk and fail their checks: it serves
+            # on what it still reads (a readiness 503 took every replica of a shared volume
+            # out of service at once, for files most requests never read)
+            "served_damaged": self.damaged is not None,
         }
 
     def _public(self, outcome: Outcome | None) -> dict[str, Any] | None:

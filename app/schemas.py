@@ -301,5 +301,7 @@ class Readiness(BaseModel):
         "here (the setting to change)"
     )
     reload: dict[str, Any] | None = Field(
-        description="poll_s, last_swap and last_refused of the index reloader; null without one"
+        description="poll_s, last_swap and last_refused of the index reloader, and "
+        "served_damaged: true while the served version's files have changed on disk and fail "
+        "their checks (it serves on what it still reads); null without a reloader"
     )

@@ -12,6 +12,7 @@ import numpy as np
 
 from app.costs import BatchCost
 from app.engine import Ticket
+from app.errors import DuetError
 from app.metrics import Metrics
 from app.work import Answer, Candidates, Query, Work, candidate_texts, clock, ms
 from models.builtin import pixel_bytes
@@ -306,11 +307,6 @@ class DeviceStepping:
             n = w.query.m
             w.timings["device"] = ms(dt)
             w.cand = Candidates.of(out.dots[i, :n], out.rows[i, :n])
-            # an image query's hits' captions, as the host path reads them (unless the asker
-            # looks its hits up itself)
-            if w.query.kind == "image" and w.query.look_up:
-                with clock([w], "lookup"):
-                    w.texts = candidate_texts(w.query.index.store, w.cand.rows)
             # what the `ce` scorer answers: the logit's sigmoid (`models.rerankers._ce`)
             scores = (
                 None
@@ -318,7 +314,15 @@ class DeviceStepping:
                 else np.asarray(sigmoid(out.logits[i, : len(w.cand.rows)]), np.float32)
             )
             try:
+                # an image query's hits' captions, as the host path reads them (unless the
+                # asker looks its hits up itself): an unreadable store fails this query alone
+                if w.query.kind == "image" and w.query.look_up:
+                    with clock([w], "lookup"):
+                        w.texts = candidate_texts(w.query.index.store, w.cand.rows)
                 w.ticket.resolve(self._ranked(w, scores))
+            except DuetError as exc:  # the asker's answer says it (a 503 index_unreadable)
+                log.warning("a query failed: %s", exc.message)
+                w.ticket.fail(exc)
             except Exception as exc:
                 log.exception("answering a query failed")
                 w.ticket.fail(exc)

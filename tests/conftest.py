@@ -252,6 +252,12 @@ class Service:
 
 def start_service(index_dir: Path, log: Path, **env: str) -> Service:
     """`duet serve` as a real process on a free port; returns once /readyz answers 200.
+    (`start_service_under` runs it by a command such as `nohup`.)"""
+    return start_service_under((), index_dir, log, **env)
+
+
+def start_service_under(prefix: tuple[str, ...], index_dir: Path, log: Path, **env: str) -> Service:
+    """`duet serve` run by `prefix` (e.g. `nohup`) as `start_service` runs it.
 
     The request deadline is generous unless a test sets its own: tests of other features must
     not see load-shedding 429s because a shared CI machine is slow for a moment."""
@@ -267,7 +273,7 @@ def start_service(index_dir: Path, log: Path, **env: str) -> Service:
     }
     fh = log.open("wb")
     proc = subprocess.Popen(
-        [*DUET, "serve"], env=full_env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO
+        [*prefix, *DUET, "serve"], env=full_env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

@@ -1,10 +1,11 @@
 """The served version's files damaged in place, then mended: a 503 that says so (it was a 500
-with a traceback), /readyz not ready while they fail the checks (it said ready), a reopen once
+with a traceback), /readyz and a gauge telling it while they fail the checks, a reopen once
 they pass again (SQLite reads the item store as immutable: only a restart read the mended
 file), and no answer missing its captions cached (one was, for the cache's TTL)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 import time
@@ -39,28 +40,75 @@ def test_an_item_store_damaged_in_place_is_told_then_reopened_when_mended(
     shutil.copytree(good, idx / good.name)
     (idx / "current").symlink_to(good.name)
     items = idx / good.name / indexio.ITEMS
-    whole = items.read_bytes()
+    whole, stat = items.read_bytes(), items.stat()
     svc = start_service(idx, tmp_path / "serve.log", DUET_INDEX_POLL_S="0.2", DUET_FRONTENDS=fronts)
     try:
         with svc.client() as c:
-            first = c.post("/search/text", json={"query": "a red circle", "top_k": 3})
-            assert first.status_code == 200
+
+            def reload() -> dict[str, object]:
+                r = c.get("/readyz")  # ready throughout: a replica serves on what it reads
+                assert r.status_code == 200, r.text
+                return r.json()["reload"]
+
+            assert c.post("/search/text", json={"query": "a red circle"}).status_code == 200
             items.write_bytes(b"")  # truncated in place, as `truncate -s 0` does
-            _wait(lambda: c.get("/readyz").status_code == 503, "/readyz to say not ready")
-            ready = c.get("/readyz").json()["error"]
-            assert ready["code"] == "index_unreadable" and "restore its files" in ready["message"]
-            metrics = c.get("/metrics").text
-            assert "duet_index_current_refused 1.0" in metrics
-            items.write_bytes(whole)  # mended: the same bytes, a new mtime
-            _wait(lambda: c.get("/readyz").status_code == 200, "/readyz to say ready again")
+            _wait(lambda: reload()["served_damaged"], "the damage to be told")
+            assert "items" in str(reload()["last_refused"])
+            assert "duet_index_served_damaged 1.0" in c.get("/metrics").text
+            # mended as `cp -p` mends it: the built bytes and the old mtime (the newest mtime
+            # alone, the stamp before, took that for no change: damaged for good)
+            items.write_bytes(whole)
+            os.utime(items, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+            _wait(lambda: not reload()["served_damaged"], "the reopen")
             r = c.post("/search/text", json={"query": "two green triangles", "top_k": 3})
             assert r.status_code == 200, r.text  # without a restart (the mended file read)
             assert all(h["caption"] for h in r.json()["hits"])
-            assert "duet_index_current_refused 0.0" in c.get("/metrics").text
+            assert "duet_index_served_damaged 0.0" in c.get("/metrics").text
         log = svc.log.read_text()
+        assert "changed on disk and fails its checks" in log
         assert "reopened, whole again, index" in log and "Traceback" not in log, log
     finally:
         stop_service(svc)
+
+
+@pytest.mark.parametrize("layout", ["cpu", "gpu"])  # the host path; the device step (on CPU)
+async def test_an_unreadable_item_store_is_a_503_without_a_traceback(
+    index_dir: Path,
+    corpus: Path,
+    model: BuiltinModel,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    layout: str,
+) -> None:
+    """Text and image queries alike: a 503 index_unreadable (it was a 500), and no traceback
+    in the log (an image query's was logged as a failed re-ranking, and on the device step
+    ran again on the host path to fail once more)."""
+    import torch
+    from PIL import Image
+
+    from models.device_step import DeviceStep
+
+    index = indexio.IndexVersion.open(indexio.resolve_current(index_dir))
+    step = DeviceStep(model.model, torch.device("cpu"), "fp32") if layout == "gpu" else None
+    pipeline = in_process_pipeline(model, index, timeout_s=30.0, workers=1, step=step)
+    await pipeline.start()
+    image = Image.open(next((corpus.parent / "images").glob("*.png"))).convert("RGB")
+    try:
+
+        def unreadable(rows: object) -> object:
+            raise sqlite3.DatabaseError("database disk image is malformed")
+
+        monkeypatch.setattr(index.store, "images", unreadable)
+        monkeypatch.setattr(index.store, "texts", unreadable)
+        with pytest.raises(IndexUnreadable, match="restore them or build the version again"):
+            await pipeline.search_text("two blue squares", SearchOptions(top_k=3))
+        with pytest.raises(IndexUnreadable, match="restore them or build the version again"):
+            await pipeline.search_image(b"png", image, SearchOptions(top_k=3))
+        assert not [r for r in caplog.records if r.exc_info], [r.message for r in caplog.records]
+        assert "host path" not in caplog.text
+    finally:
+        await pipeline.stop()
+        index.close()
 
 
 async def test_an_answer_whose_captions_cannot_be_read_is_not_cached(
@@ -78,10 +126,6 @@ async def test_an_answer_whose_captions_cannot_be_read_is_not_cached(
 
         monkeypatch.setattr(index.store, "captions", unreadable)
         assert isinstance(items_of(index.store, "text", [0, 1])[1], CaptionsUnread)
-        with monkeypatch.context() as m:  # the hits themselves unreadable: a 503 that says so
-            m.setattr(index.store, "images", unreadable)
-            with pytest.raises(IndexUnreadable, match="restore them or build the version again"):
-                await pipeline.search_text("two blue squares", SearchOptions(top_k=3))
         opts = SearchOptions(top_k=3)
         first = await pipeline.search_text("a red circle", opts)
         assert '"caption":null' in first.json.replace(" ", "")

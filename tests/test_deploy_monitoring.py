@@ -39,7 +39,7 @@ def test_promtool_checks_config_and_rules() -> None:
     res = run(promtool, "check", "config", str(PROM_CONFIG))
     assert res.returncode == 0, res.stdout + res.stderr
     res = run(promtool, "check", "rules", str(ALERTS))
-    assert res.returncode == 0 and "SUCCESS: 9 rules found" in res.stdout, res.stdout
+    assert res.returncode == 0 and "SUCCESS: 10 rules found" in res.stdout, res.stdout
 
 
 def test_the_k8s_scrape_config_finds_the_api_pods_as_job_duet(tmp_path: Path) -> None:
@@ -90,6 +90,7 @@ def test_alerts_cover_what_ops_must_hear_about() -> None:
     assert {
         "DuetDown",
         "DuetIndexReloadRefused",
+        "DuetIndexDamaged",
         "DuetSearchLatencyP99High",
         "DuetHigh5xxRate",
         "DuetCacheErrors",

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import child_pids, process_alive, start_service, stop_service
+from tests.conftest import (
+    child_pids,
+    process_alive,
+    start_service,
+    start_service_under,
+    stop_service,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -83,5 +89,20 @@ def test_an_upload_finishing_in_the_drain_is_answered_and_a_stalled_one_told_503
         log = svc.log.read_text()
         assert "Traceback" not in log and "Exception in ASGI application" not in log, log
         assert ("SIGHUP: stopping as for SIGTERM" in log) == (sig == signal.SIGHUP), log
+    finally:
+        stop_service(svc)
+
+
+def test_under_nohup_a_hang_up_leaves_the_service_running(index_dir: Path, tmp_path: Path) -> None:
+    """`nohup duet serve &` ignores SIGHUP so that the service outlives its terminal: duet
+    takes SIGHUP as SIGTERM only where it was not ignored."""
+    svc = start_service_under(("nohup",), index_dir, tmp_path / "serve.log", DUET_FRONTENDS="2")
+    try:
+        svc.proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert svc.proc.poll() is None
+        with svc.client() as c:
+            assert c.post("/search/text", json={"query": "a red circle"}).status_code == 200
+        assert "SIGHUP" not in svc.log.read_text()
     finally:
         stop_service(svc)

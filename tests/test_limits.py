@@ -177,10 +177,12 @@ def test_slow_headers_get_408_and_close(service: Service) -> None:
 
 
 def test_silent_connection_closed(service: Service) -> None:
+    before = _shed(service, "idle_timeout")
     s = _connect(service)
     t0 = time.monotonic()
     _read_all(s)
     assert time.monotonic() - t0 < 5
+    assert _shed(service, "idle_timeout") == before + 1  # apart from a slowloris's
 
 
 def test_slow_body_closed(service: Service) -> None:

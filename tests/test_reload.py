@@ -76,7 +76,12 @@ async def test_admin_reload_of_the_served_version_is_a_no_op(index_dir: Path) ->
         ready = (await client.get("/readyz")).json()
     assert r.status_code == 200, r.text
     assert r.json()["result"] == "current" and r.json()["version"] == ready["index_version"]
-    assert ready["reload"] == {"poll_s": 0, "last_swap": None, "last_refused": None}
+    assert ready["reload"] == {
+        "poll_s": 0,
+        "last_swap": None,
+        "last_refused": None,
+        "served_damaged": False,
+    }
 
 
 async def test_loading_runs_off_the_event_loop(

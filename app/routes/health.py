@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.errors import IndexUnreadable, NotReady, documented
+from app.errors import NotReady, documented
 from app.routes.ui import images_unserved
 from app.schemas import Readiness
 
@@ -27,11 +27,7 @@ async def readyz(request: Request) -> JSONResponse:
         raise NotReady("model and index are loading")
     index = pipeline.index
     reloader = getattr(request.app.state, "reloader", None)
-    if reloader is not None and reloader.damaged:
-        raise IndexUnreadable(
-            f"the served index version {index.version} changed on disk and failed its checks "
-            f"({reloader.damaged}); restore its files or build it again"
-        )
+
     return JSONResponse(
         {
             "status": "ready",

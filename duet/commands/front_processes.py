@@ -75,7 +75,7 @@ class FrontProcesses:
         on_empty: Callable[[], None],
         ending: Callable[[], bool] = lambda: False,
         told: Callable[[int], None] = lambda alive: None,
-        drain_s: float = 10.0,
+        drain_s: float = 10.0,  # DUET_HTTP_DRAIN_S's default (app.config.DRAIN_S)
     ) -> None:
         self.env = env
         self._drain_s = drain_s  # DUET_HTTP_DRAIN_S: a front's own uvicorn drains this long

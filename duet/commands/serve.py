@@ -183,13 +183,16 @@ def quiet_forced_quit(server: Any) -> Any:
     @contextlib.contextmanager
     def capture_signals() -> Any:
         with captured():  # uvicorn's: SIGINT, SIGTERM; raised again once it has stopped
-            main = threading.current_thread() is threading.main_thread()
-            before = signal.signal(signal.SIGHUP, hung_up) if main else None
+            # not under `nohup`, which ignores SIGHUP so that the service outlives its terminal
+            ours = threading.current_thread() is threading.main_thread() and (
+                signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN
+            )
+            before = signal.signal(signal.SIGHUP, hung_up) if ours else None
             try:
                 yield
             finally:
-                if main:
-                    signal.signal(signal.SIGHUP, before)
+                if ours:  # one set from C reads None: the default then
+                    signal.signal(signal.SIGHUP, before if before is not None else signal.SIG_DFL)
 
     server.capture_signals = capture_signals
     return server
