@@ -24,11 +24,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from app.config import MAX_INFLIGHT
 from app.metrics import Metrics
 
 log = logging.getLogger("duet.cache")
 
+# connections to Redis per process: warm ones a burst waits for (`RedisCache`)
+REDIS_CONNECTIONS = 64
 TRIP_AFTER = 3  # time-outs in a row after which the backend is left alone
 RETRY_S = 1.0  # then tried by one call this often
 T = TypeVar("T")
@@ -92,13 +93,14 @@ class RedisCache:
     name = "redis"
 
     def __init__(
-        self, url: str, ttl_s: int, timeout_s: float, connections: int = MAX_INFLIGHT + 16
+        self, url: str, ttl_s: int, timeout_s: float, connections: int = REDIS_CONNECTIONS
     ) -> None:
-        # A connection per request under way: redis-py's pool stops at 100 and then raises
-        # ("Too many connections"), so a burst of more searches than that lost the cache,
-        # Redis healthy (400 errors of 580 look-ups, and 429s for the re-ranking they cost).
-        # `connections` is the in-flight cap and some (app.main); past it a call waits for
-        # one, less long than the cache's time bound: "No connection available", an error
+        # A burst of more searches than a pool holds waits for its connections: redis-py's
+        # default pool stops at 100 and then raises ("Too many connections"), which lost the
+        # cache for the rest of a burst, Redis healthy; one as large as the in-flight cap
+        # opened hundreds at once, each a few round trips on the busy event loop, and most
+        # of the burst's look-ups outlasted DUET_REDIS_TIMEOUT_MS. A call waits for one
+        # less long than the cache's time bound: then "No connection available", an error
         # but no time-out of Redis's, which would count towards leaving Redis alone.
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
@@ -150,7 +152,8 @@ class ResilientCache:
         self._bounded = not isinstance(backend, LRUCache)
         self._last_warning = 0.0
         self._failures = 0  # calls failed so far: a success of a call begun earlier is old news
-        self._timeouts = 0  # time-outs since the last answer
+        self._timeouts = 0  # time-outs with no answer within a bound of them
+        self._answered_at = 0.0  # monotonic time the backend last answered a call
         self._skip_until = 0.0  # monotonic time the backend is next tried, once tripped
         self._down = False  # failing since the last answer
         self._told = False  # a failure was logged since: the return is logged too
@@ -178,6 +181,7 @@ class ResilientCache:
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(op, exc)
             return False, None
+        self._answered_at = time.monotonic()
         if failures == self._failures:  # nothing failed since it began: the backend answers
             self._answered()
         return True, value
@@ -185,7 +189,12 @@ class ResilientCache:
     def _failed(self, op: str, exc: BaseException) -> None:
         now = time.monotonic()
         self._failures += 1
-        if isinstance(exc, (TimeoutError, RedisTimeoutError)):
+        # a time-out while other calls are answered is this process's own queue (a burst of
+        # searches on a busy event loop), not a hung Redis: leaving Redis alone then cost
+        # the cache most of a burst of 500 (890 look-ups of 1,500 counted errors)
+        if isinstance(exc, (TimeoutError, RedisTimeoutError)) and (
+            now - self._answered_at > self._timeout
+        ):
             self._timeouts += 1
             if self._timeouts >= TRIP_AFTER:
                 self._skip_until = now + RETRY_S

@@ -62,7 +62,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 MIN_POLL_S = 0.1
-MAX_INFLIGHT = 512  # DUET_HTTP_MAX_INFLIGHT's default (the Redis pool's size follows it)
+MAX_INFLIGHT = 512  # DUET_HTTP_MAX_INFLIGHT's default
 DRAIN_S = 10.0  # DUET_HTTP_DRAIN_S's default
 
 

@@ -152,10 +152,14 @@ class FrontPipeline(SearchPipeline):
         # in no set order) must not take this front back to it
         self._retired: set[str] = set()
         self.stores = Stores(info["path"])
+        self.caching = bool(info.get("cache", True))
         self._running = 0  # searches in `run` now
         remote.on_version = self._swapped
 
-    def _swapped(self, version: str, path: str) -> None:
+    def _swapped(self, version: str, path: str, cache: bool = True) -> None:
+        """The owner's announcement: a version swapped in, or the one served reopened or
+        its files found changed (answers not cached meanwhile)."""
+        self.caching = cache
         self._serve(version)
         self.stores.swapped(path)
 

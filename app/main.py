@@ -72,12 +72,7 @@ def load_resources(settings: Settings) -> Resources:
 def _cache_backend(settings: Settings) -> CacheBackend:
     if settings.redis_url:
         return RedisCache(
-            settings.redis_url,
-            settings.cache_ttl_s,
-            settings.redis_timeout_ms / 1000,
-            # each request under way holds one connection at most (its look-up, then its
-            # write); /readyz's ping and a few more beside the cap's requests
-            settings.http_max_inflight + 16,
+            settings.redis_url, settings.cache_ttl_s, settings.redis_timeout_ms / 1000
         )
     return LRUCache(settings.cache_max_entries, settings.cache_ttl_s)
 

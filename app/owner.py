@@ -230,6 +230,7 @@ class EngineServer:
             "theta": p.theta,
             "version": p.index.version,
             "path": str(p.index.path),  # where a front reads the hits' items
+            "cache": p.caching,
             "decode_side": self.app.state.decoder.side,  # how an upload is decoded
             "timeout_s": p.engine.timeout_s,  # the request deadline (a lost answer's bound)
         }
@@ -238,7 +239,8 @@ class EngineServer:
         """Every front learns the version swapped in. Under the lock a hello is made and
         sent under, so no front hears of a version before a hello that names an older one
         (sends never block, so the lock is held briefly)."""
-        msg = {"op": "version", "version": version, "path": str(self.pipeline.index.path)}
+        p = self.pipeline  # and whether its answers may be cached (not while its files are suspect)
+        msg = {"op": "version", "version": version, "path": str(p.index.path), "cache": p.caching}
         with self._lock:
             for peer in self._peers:
                 peer.send(msg)

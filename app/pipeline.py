@@ -109,15 +109,12 @@ class SearchPipeline:
         self.model = model
         self.indexes = ServedIndex(index)
         self.search_knobs = ann.SearchKnobs(nprobe=index_nprobe, ef_search=index_ef_search)
-        self.cache = cache
-        self.metrics = metrics
-        self.fusion_lambda = fusion_lambda
-        self.theta = theta
+        self.cache, self.metrics = cache, metrics
+        self.fusion_lambda, self.theta = fusion_lambda, theta
         # the registry's re-rankers this model can run (what DUET_RERANKER configured)
         menu = rerankers.menu(model)
-        self.rerankers = menu.available
+        self.rerankers, self._unavailable = menu.available, menu.why
         self.default_reranker = menu.default  # a request that names no re-ranker gets this one
-        self._unavailable = menu.why
         self.worker = BatchWorker(
             model,
             menu.scorers,
@@ -151,6 +148,7 @@ class SearchPipeline:
             batch_cost_s=(lambda: worker.batch_cost.fixed_s) if step is not None else None,
         )
         self.swap_listeners: list[Callable[[str], None]] = []
+        self.caching = True  # off while the served version's files are suspect (app.reload)
         self._publish(index)
         metrics.queue_depth.set_function(lambda: self.engine.depth)
         metrics.queue_capacity.set(max_queue)
@@ -395,7 +393,8 @@ class SearchPipeline:
             )
         )
         # a later request with time to spare gets the full answer, one whose scores have
-        # recovered every hit, one whose item store reads again the captions
-        if not (answer.degraded or dropped or isinstance(answer.captions, CaptionsUnread)):
+        # recovered every hit, one whose item store reads (again) its items and captions
+        unread = isinstance(answer.captions, CaptionsUnread) or not self.caching
+        if not (answer.degraded or dropped or unread):
             await self.cache.set(key, served.json)
         return served

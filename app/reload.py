@@ -190,6 +190,7 @@ class IndexReloader:
             self._metrics.index_current_refused.set(0)
             self._metrics.index_served_damaged.set(0)
             self._served_stamp, self.damaged = stamp, None
+            self._cache(True)
             self._metrics.index_reloads.labels(result="ok").inc()
             self.last_swap = Outcome(
                 "swapped", new.version, str(path), _now(), previous=served.version
@@ -217,11 +218,22 @@ class IndexReloader:
         left = self._refused.get(path) if self.damaged else None  # (stamp, outcome)
         now = left[1] if left else Outcome("current", served.version, str(path), _now())
         if stamp == (left[0] if left else self._served_stamp):
+            if not self.damaged:
+                self._cache(True)  # a change that went back before it was checked
             return None if force and self.damaged else now
         if not force and stamp != self._seen_stamp:
             self._seen_stamp = stamp
+            self._cache(False)  # suspect until checked: no answer of it cached meanwhile
             return now
         return None
+
+    def _cache(self, on: bool) -> None:
+        """Whether the served version's answers are cached, here and in every front."""
+        p = self._pipeline
+        if p.caching != on:
+            p.caching = on
+            for listener in p.swap_listeners:  # the fronts hear it with the version
+                listener(p.index.version)
 
     def _damaged(self, path: Path, reason: str, stamp: object) -> Outcome:
         """The served version's files failed their checks again: it serves on (what it still

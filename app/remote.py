@@ -116,7 +116,7 @@ class RemoteEngine:
         self._io: asyncio.Transport | None = None
         self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
-        self.on_version: Callable[[str, str], None] = lambda _version, _path: None
+        self.on_version: Callable[[str, str, bool], None] = lambda _version, _path, _cache: None
 
     async def connect(self, wait_s: float = 600.0) -> None:
         """Connect and say hello, waiting while the owner loads (it opens the socket once
@@ -163,7 +163,7 @@ class RemoteEngine:
                 waiting[0].set_result(msg)
         elif op == "version":
             self.info["version"] = msg["version"]
-            self.on_version(msg["version"], msg["path"])
+            self.on_version(msg["version"], msg["path"], msg.get("cache", True))
         elif op == "hello" and self._hello is not None and not self._hello.done():
             self._hello.set_result(msg)
 

@@ -299,7 +299,7 @@ async def test_a_burst_past_redis_pys_pool_of_100_still_reads_the_cache(
 ) -> None:
     """400 look-ups at once, as 400 searches under way make them: redis-py's pool stops at
     100 connections and raised "Too many connections" for the rest, counted as cache errors
-    (and a re-ranking each) with Redis healthy. The service's pool holds the in-flight cap."""
+    (and a re-ranking each) with Redis healthy. The service's pool makes them wait for one."""
     import redis
 
     from app.config import Settings

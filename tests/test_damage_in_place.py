@@ -55,6 +55,9 @@ def test_an_item_store_damaged_in_place_is_told_then_reopened_when_mended(
             _wait(lambda: reload()["served_damaged"], "the damage to be told")
             assert "items" in str(reload()["last_refused"])
             assert "duet_index_served_damaged 1.0" in c.get("/metrics").text
+            for _ in range(2):  # answered while suspect: none cached (it was, an hour's TTL)
+                r = c.post("/search/text", json={"query": "a small red square"})
+                assert r.status_code in (200, 503) and not r.json().get("cached"), r.text
             # mended as `cp -p` mends it: the built bytes and the old mtime (the newest mtime
             # alone, the stamp before, took that for no change: damaged for good)
             items.write_bytes(whole)
@@ -64,6 +67,9 @@ def test_an_item_store_damaged_in_place_is_told_then_reopened_when_mended(
             assert r.status_code == 200, r.text  # without a restart (the mended file read)
             assert all(h["caption"] for h in r.json()["hits"])
             assert "duet_index_served_damaged 0.0" in c.get("/metrics").text
+            again = c.post("/search/text", json={"query": "a small red square"}).json()
+            assert again["cached"] is False  # computed from the mended files, then cached
+            assert c.post("/search/text", json={"query": "a small red square"}).json()["cached"]
         log = svc.log.read_text()
         assert "changed on disk and fails its checks" in log
         assert "reopened, whole again, index" in log and "Traceback" not in log, log
