@@ -3,8 +3,10 @@ arrays, the sizes, the version name."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -93,7 +95,7 @@ def _write_both(
             queries = ann.query_sample(other if len(other) else vecs, RECALL_QUERIES)
             recall = ann.recall_at_k(index, vecs, queries, RECALL_K, knobs)
         with stages("write"):
-            faiss.write_index(index, str(tmp / file))
+            _write_faiss(index, tmp / file)
         info[name] = IndexStats(
             factory=factory,
             count=int(index.ntotal),
@@ -120,19 +122,44 @@ def _concat(chunks: Sequence[np.ndarray], empty: tuple[int, ...], dtype: Any) ->
     return np.ascontiguousarray(np.concatenate(chunks), dtype=dtype)
 
 
+def _write_faiss(index: Any, path: Path) -> None:
+    """`faiss.write_index`, its failure an OSError as the system said it (a full disk: "No
+    space left on device", the path), which the CLI reports in a line: FAISS raises a
+    RuntimeError, which ended the build with a traceback."""
+    try:
+        faiss.write_index(index, str(path))
+    except RuntimeError as exc:
+        said = re.search(r"\(([^()]+)\)\s*$", str(exc))  # FAISS ends with strerror
+        why = said[1] if said else "FAISS could not write the index"
+        code = next((e for e in errno.errorcode if os.strerror(e) == why), errno.EIO)
+        raise OSError(code, why, str(path)) from exc
+
+
 def _write_npy(
     path: Path, chunks: Iterable[np.ndarray], shape: tuple[int, ...], dtype: Any
 ) -> None:
-    """One .npy written chunk by chunk (tokens can be larger than memory)."""
-    arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    """One .npy written chunk by chunk (tokens can be larger than memory), by plain writes:
+    a full disk is then an OSError ("No space left on device") that the build reports, where
+    the memory map it used to write through killed the process with SIGBUS, without a word."""
+    dtype = np.dtype(dtype)
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False}
     at = 0
-    for chunk in chunks:
-        arr[at : at + len(chunk)] = chunk
-        at += len(chunk)
+    try:
+        with path.open("wb") as fh:
+            try:  # the header numpy writes itself: version 1.0 where the shape fits
+                np.lib.format.write_array_header_1_0(fh, {**header, "shape": shape})
+            except ValueError:
+                np.lib.format.write_array_header_2_0(fh, {**header, "shape": shape})
+            for chunk in chunks:
+                rows = np.ascontiguousarray(chunk, dtype=dtype)
+                if rows.shape[1:] != shape[1:]:
+                    raise RuntimeError(f"{path.name}: rows of {rows.shape[1:]}, not {shape[1:]}")
+                fh.write(memoryview(rows).cast("B"))
+                at += len(rows)
+    except OSError as exc:  # a write's error names no file: the path, for the message
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
     if at != shape[0]:
         raise RuntimeError(f"{path.name}: wrote {at} rows, expected {shape[0]}")
-    arr.flush()
-    del arr
 
 
 def _bytes_per_item(directory: Path, images: int, texts: int) -> dict[str, float]:

@@ -224,3 +224,40 @@ def test_caption_ids_pad_as_the_tokenizer_batches_them(model: BuiltinModel) -> N
         got_vecs = Encoder(model, torch.device("cpu")).token_ids(ids.padded([0, 1, 2]))
         want_vecs = encode_ids(model.model, *model.tokenizer.batch(texts))
     np.testing.assert_array_equal(got_vecs, want_vecs)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+def test_a_full_disk_is_an_oserror_naming_the_file_not_a_sigbus_or_a_traceback() -> None:
+    """/dev/full answers every write "No space left on device". The tokens were written
+    through a memory map, and a full disk killed the build with SIGBUS (exit 135, no word);
+    FAISS's write failed as a RuntimeError (a traceback). Both are the OSError the CLI
+    reports in one line, with the path."""
+    import errno
+
+    import faiss
+    import numpy as np
+
+    from index_builder.write import _write_faiss, _write_npy
+
+    index = faiss.IndexFlatIP(8)
+    index.add(np.ones((1000, 8), np.float32))
+    rows = [np.zeros((10, 16, 8), np.float16)]
+    for write in (
+        lambda: _write_faiss(index, Path("/dev/full")),
+        lambda: _write_npy(Path("/dev/full"), rows, (10, 16, 8), np.float16),
+    ):
+        with pytest.raises(OSError) as raised:
+            write()
+        assert raised.value.errno == errno.ENOSPC and raised.value.filename == "/dev/full"
+
+
+def test_the_tokens_file_is_what_numpy_saves(tmp_path: Path) -> None:
+    """Written chunk by chunk, byte for byte the file `np.save` writes (the same header)."""
+    import numpy as np
+
+    from index_builder.write import _write_npy
+
+    tokens = np.random.default_rng(0).random((10, 16, 8)).astype(np.float16)
+    _write_npy(tmp_path / "a.npy", [tokens[:3], tokens[3:]], tokens.shape, np.float16)
+    np.save(tmp_path / "b.npy", tokens)
+    assert (tmp_path / "a.npy").read_bytes() == (tmp_path / "b.npy").read_bytes()
