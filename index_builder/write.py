@@ -154,7 +154,7 @@ def _write_npy(
                 rows = np.ascontiguousarray(chunk, dtype=dtype)
                 if rows.shape[1:] != shape[1:]:
                     raise RuntimeError(f"{path.name}: rows of {rows.shape[1:]}, not {shape[1:]}")
-                fh.write(memoryview(rows).cast("B"))
+                fh.write(rows.data)
                 at += len(rows)
     except OSError as exc:  # a write's error names no file: the path, for the message
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
