@@ -111,7 +111,8 @@ def evaluate_pool(
     plan = plan or Plan()
     scorers = token_scorers or {}
     _check(pool, reranker, plan, scorers, text_tokens)
-    result: dict[str, Any] = {"pool": pool.sizes, "modes": {}, "sweeps": {}}
+    result: dict[str, Any] = {"pool": pool.sizes, "modes": {}, "sweeps": {}, "queries": {}}
+    result["candidates"] = plan.candidates  # M: what every re-ranking mode re-ranks
     rng = np.random.default_rng(plan.seed)
     for d in directions(pool):
         run = _dot_mode(result, plan, d, progress)
@@ -165,6 +166,7 @@ def _dot_mode(
     the sweep), recorded as mode `dot`."""
     queries = np.arange(len(d.query_vecs))
     progress(f"{d.name}: {len(queries)} queries over {len(d.item_vecs)} items")
+    result["queries"][d.name] = len(queries)
     t0 = time.perf_counter()
     cand, dots = top_m(d.query_vecs, d.item_vecs, max([plan.candidates, *plan.m_sweep, 10]))
     dot_ms = 1000 * (time.perf_counter() - t0) / len(queries)
@@ -336,7 +338,20 @@ def format_tables(result: dict[str, Any]) -> str:
             if "index_version" in result and corpus
             else []
         ),
-        f"pool: {pool['images']} images, {pool['texts']} texts",
+        f"pool: {pool['images']} images, {pool['texts']} texts"
+        + (
+            f" (with the distractors of {result['distractors']})" if "distractors" in result else ""
+        ),
+        *(
+            [
+                "queries: "
+                + ", ".join(f"{d} {n}" for d, n in result["queries"].items())
+                + f"; re-ranking modes re-rank each one's top {result['candidates']} (M)"
+                + (f"; late's theta {result['theta']:g}" if "theta" in result else "")
+            ]
+            if result.get("queries")
+            else []
+        ),
         "",
         head[0].format("mode"),
         head[1],

@@ -22,6 +22,7 @@ import argparse
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -117,6 +118,20 @@ def sweep(
     return out
 
 
+def calibration(
+    scores: np.ndarray, fits: np.ndarray, edges: Sequence[float] = (0, 0.1, 0.5, 0.8, 0.9)
+) -> list[dict[str, Any]]:
+    """Per score band [lo, hi): the hits in it and the share of them that fit, which is what
+    a score says of a hit when it is read as a probability."""
+    s, f = scores.reshape(-1), fits.reshape(-1)
+    out = []
+    for lo, hi in zip(edges, [*edges[1:], 1.01], strict=True):
+        inside = (s >= lo) & (s < hi)
+        n = int(inside.sum())
+        out.append({"band": f"{lo:g}-{min(hi, 1):g}", "hits": n, "fit": int(f[inside].sum())})
+    return out
+
+
 def choose(rows: Sequence[dict[str, float]]) -> dict[str, float]:
     """The row with the best balanced accuracy; when several thresholds tie, the middle one
     (the farthest from either edge of the plateau)."""
@@ -163,6 +178,7 @@ def main() -> None:
         "... whose first hit is marked weak": int((~top_match & ~has_fit).sum()),
         "queries whose first hit fits": int(fits[:, 0].sum()),
         "... and is marked match": int((top_match & fits[:, 0]).sum()),
+        "hits by score band, and how many fit": calibration(scores, fits),
         "median score, fitting / not fitting hits": [
             round(float(np.median(scores[fits])), 4),
             round(float(np.median(scores[~fits])), 4),

@@ -202,6 +202,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         }
     result["index_version"] = version
     result["corpus"] = corpus
+    if args.distractors:  # the pool is the index's and these: said with the tables
+        result["distractors"] = str(args.distractors)
+    if "late" in modes:
+        result["theta"] = args.theta
     result["models"] = model.parts()
     print(json.dumps(result) if args.json else format_tables(result))
     return 0
