@@ -199,7 +199,7 @@ def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
         'answers ("wire"), the busiest engine thread ("engine": a worker feeding the '
         'model, or a CPU thread torch started for it; the other engine threads are what '
         '"server cores" holds beyond the columns beside it) and the threads that are none '
-        'of these ("other": CUDA\'s threads, the decoders); '"
+        'of these ("other": CUDA\'s threads, the decoders); '
         "fronts are its front processes, when there are any; the busiest front near one "
         "core while the fronts' total is well below their count: the connections are "
         "unevenly spread):",
