@@ -197,7 +197,7 @@ def _cores(levels: list[int], results: dict[str, Cell]) -> list[str]:
         "the `duet serve` process, the one that owns the model, and of its threads the "
         'event loop ("loop"), the threads that read the fronts\' searches and send their '
         'answers ("wire"), the busiest engine thread ("engine": a worker feeding the '
-        'model, or a CPU thread torch started for it; the other engine threads are what '
+        "model, or a CPU thread torch started for it; the other engine threads are what "
         '"server cores" holds beyond the columns beside it) and the threads that are none '
         'of these ("other": CUDA\'s threads, the decoders); '
         "fronts are its front processes, when there are any; the busiest front near one "
