@@ -61,8 +61,9 @@ def _runs(text: str) -> list[str]:
     return runs
 
 
-# what joins an emoji's parts into one picture: zero-width joiner, variation selectors
-_JOINERS = frozenset("\u200d\ufe0e\ufe0f")
+# what joins an emoji's parts into one picture: zero-width joiner, variation selectors, the
+# enclosing keycap ("#️⃣") and the tags of a subdivision's flag (England's, Scotland's)
+_JOINERS = frozenset("\u200d\ufe0e\ufe0f\u20e3") | frozenset(map(chr, range(0xE0020, 0xE0080)))
 
 
 def dropped_symbols(text: str) -> list[str]:
@@ -74,14 +75,25 @@ def dropped_symbols(text: str) -> list[str]:
         return []
     runs: list[str] = []
     run = ""
-    for ch in text:
-        kind = unicodedata.category(ch)
-        if (kind.startswith("S") and not ch.isascii()) or (run and ch in _JOINERS):
+    for i, ch in enumerate(text):
+        if ch == "\u20e3" and not run and text[:i].rstrip("\ufe0f")[-1:] in ("#", "*"):
+            run = text[:i].rstrip("\ufe0f")[-1] + text[len(text[:i].rstrip("\ufe0f")) : i + 1]
+        elif _dropped_sign(ch) or (run and ch in _JOINERS):
             run += ch
         elif run:
             runs.append(run)
             run = ""
     return [*runs, run] if run else runs
+
+
+def _dropped_sign(ch: str) -> bool:
+    """A sign `caption_words` drops: a symbol outside ASCII whose compatibility form has no
+    letter or digit ("ⓡ" reads "r", "™" "tm", "㊗" "祝": words, not signs)."""
+    return (
+        not ch.isascii()
+        and unicodedata.category(ch).startswith("S")
+        and not any(c.isalnum() for c in unicodedata.normalize("NFKC", ch))
+    )
 
 
 def save_weights(state: dict[str, Any], path: Path) -> None:

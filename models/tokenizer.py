@@ -72,7 +72,7 @@ class WordTokenizer:
         The symbols it drops come last: they change no id, but an answer lists them as
         unknown, so "a red 🐶" and "a red" must not share a cached answer."""
         words = [self.aliases.get(w, w) for w in caption_words(text)]
-        return " ".join(words + dropped_symbols(text))
+        return " ".join(words + list(dict.fromkeys(dropped_symbols(text))))  # each sign once
 
     def unknown_words(self, text: str) -> list[str]:
         """The words of `text` this vocabulary does not know (they are read as [UNK]), each

@@ -175,6 +175,15 @@ def test_emoji_and_signs_are_listed_as_unread_and_keep_their_own_cache_key() -> 
     assert dropped_symbols(f"{family} {thumb}, {heart} ★→ a") == [family, thumb, heart, "★→"]
     assert caption_words(f"{heart} red") == ["red"]  # its selector was a word of its own
     assert dropped_symbols("a red, square! “quoted” – ok… 3$") == []
+    # signs whose compatibility form is a word are read as it, not listed as signs too
+    assert unknown_words("ⓡⓔⓓ square") == [] and tok.reading("ⓡⓔⓓ square") == "red square"
+    assert unknown_words("red square ™") == ["tm"]  # was ["tm", "™"]
+    # the keycaps of signs the tokenizer drops, and each subdivision's flag whole
+    assert dropped_symbols("#\ufe0f\u20e3 red") == ["#\ufe0f\u20e3"]
+    england = "\U0001f3f4" + "".join(chr(0xE0000 + ord(c)) for c in "gbeng") + "\U000e007f"
+    scotland = "\U0001f3f4" + "".join(chr(0xE0000 + ord(c)) for c in "gbsct") + "\U000e007f"
+    assert tok.reading(f"a red {england}") != tok.reading(f"a red {scotland}")
+    assert tok.reading("a red 🐶 🐶") == tok.reading("a red 🐶")  # one cache entry
 
 
 def test_a_query_longer_than_the_model_reads_is_refused_naming_the_limit(
