@@ -41,6 +41,7 @@ from app.work import (
     clock,
     items_of,
     ms,
+    warn_now_and_then,
 )
 from models.device_step import DeviceStep
 from models.fusion import fused_top_k
@@ -344,7 +345,7 @@ class BatchWorker(DeviceStepping):
                     w.timings["rerank"] = ms(dt)
         except Exception as exc:
             if isinstance(exc, DuetError):  # the askers' answers say it (index_unreadable)
-                log.warning("%d queries failed: %s", len(chunk), exc.message)
+                warn_now_and_then("failed", "queries failed (once in 10 s): %s", exc.message)
             else:
                 log.exception("re-ranking %d queries failed", len(chunk))
             for w in chunk:
@@ -354,7 +355,7 @@ class BatchWorker(DeviceStepping):
             try:
                 w.ticket.resolve(self._ranked(w, s))
             except DuetError as exc:
-                log.warning("a query failed: %s", exc.message)
+                warn_now_and_then("failed", "queries failed (once in 10 s): %s", exc.message)
                 w.ticket.fail(exc)
             except Exception as exc:
                 log.exception("answering a query failed")

@@ -14,7 +14,7 @@ from app.costs import BatchCost
 from app.engine import Ticket
 from app.errors import DuetError
 from app.metrics import Metrics
-from app.work import Answer, Candidates, Query, Work, candidate_texts, clock, ms
+from app.work import Answer, Candidates, Query, Work, candidate_texts, clock, ms, warn_now_and_then
 from models.builtin import pixel_bytes
 from models.device_step import DeviceStep, text_ids_of
 from models.fusion import sigmoid
@@ -321,7 +321,7 @@ class DeviceStepping:
                         w.texts = candidate_texts(w.query.index.store, w.cand.rows)
                 w.ticket.resolve(self._ranked(w, scores))
             except DuetError as exc:  # the asker's answer says it (a 503 index_unreadable)
-                log.warning("a query failed: %s", exc.message)
+                warn_now_and_then("failed", "queries failed (once in 10 s): %s", exc.message)
                 w.ticket.fail(exc)
             except Exception as exc:
                 log.exception("answering a query failed")

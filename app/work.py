@@ -86,6 +86,18 @@ class Answer:
     captions: dict[str, list[str]] = field(default_factory=dict)
 
 
+_TOLD: dict[str, float] = {}  # what `warn_now_and_then` told last, and when
+
+
+def warn_now_and_then(what: str, message: str, *args: object, every_s: float = 10.0) -> None:
+    """A warning at most once every `every_s` per `what`: one per request of a damaged item
+    store's filled the log (a line per search, with fronts two)."""
+    now = time.monotonic()
+    if now - _TOLD.get(what, -every_s) >= every_s:
+        _TOLD[what] = now
+        log.warning(message, *args)
+
+
 class CaptionsUnread(dict[str, list[str]]):
     """No captions, because the item store could not read them (a file damaged in place):
     the answer goes out without them, but is not cached (it was, for the cache's TTL)."""
@@ -126,8 +138,11 @@ def items_of(
     try:  # a courtesy: an unreadable caption leaves the hit without one
         captions = store.captions([r.id for r in images])
     except sqlite3.Error as exc:
-        log.warning(
-            "the hits' captions are unreadable (%s); answered without them, not cached", exc
+        warn_now_and_then(
+            "captions",
+            "the hits' captions are unreadable (%s); answered without them, not "
+            "cached (this warning: once in 10 s)",
+            exc,
         )
         captions = CaptionsUnread()
     return [(r.id, {**r.meta, "image": r.path}) for r in images], captions
