@@ -345,7 +345,7 @@ class BatchWorker(DeviceStepping):
                     w.timings["rerank"] = ms(dt)
         except Exception as exc:
             if isinstance(exc, DuetError):  # the askers' answers say it (index_unreadable)
-                warn_now_and_then("failed", "queries failed (once in 10 s): %s", exc.message)
+                warn_now_and_then(exc.code, "queries failed (once in 10 s): %s", exc.message)
             else:
                 log.exception("re-ranking %d queries failed", len(chunk))
             for w in chunk:
@@ -355,7 +355,7 @@ class BatchWorker(DeviceStepping):
             try:
                 w.ticket.resolve(self._ranked(w, s))
             except DuetError as exc:
-                warn_now_and_then("failed", "queries failed (once in 10 s): %s", exc.message)
+                warn_now_and_then(exc.code, "queries failed (once in 10 s): %s", exc.message)
                 w.ticket.fail(exc)
             except Exception as exc:
                 log.exception("answering a query failed")

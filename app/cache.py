@@ -188,6 +188,17 @@ class ResilientCache:
 
     def _failed(self, op: str, exc: BaseException) -> None:
         now = time.monotonic()
+        if "No connection available" in str(exc):  # this process's pool, Redis is fine
+            if now - self._last_warning > 10.0:
+                self._last_warning = now
+                log.warning(
+                    "cache %s: every connection of this process's pool (%d) was busy for a "
+                    "%s; skipped the cache (a burst of more searches than the pool holds)",
+                    self.backend.where,
+                    REDIS_CONNECTIONS,
+                    op,
+                )
+            return
         self._failures += 1
         # a time-out while other calls are answered is this process's own queue (a burst of
         # searches on a busy event loop), not a hung Redis: leaving Redis alone then cost

@@ -61,6 +61,30 @@ class Metrics:
             "because the deadline could not fit them",
             registry=r,
         )
+        self._index_metrics(r)
+        self.queue_depth = Gauge(
+            "duet_queue_depth", "Requests waiting for an inference-engine worker", registry=r
+        )
+        self.queue_capacity = Gauge(
+            "duet_queue_capacity",
+            "Requests the engine queue holds before answering 429 "
+            "(it also refuses earlier when the queued work would outlast the deadline)",
+            registry=r,
+        )
+        for result in ("ok", "refused"):
+            self.index_reloads.labels(result=result)
+        for result in ("hit", "miss", "error"):
+            self.cache_requests.labels(result=result)
+        for reason in (
+            *("queue_full", "queue_wait", "deadline", "client_gone", "inflight"),
+            *("header_timeout", "idle_timeout", "headers_too_large", "bad_request"),
+        ):
+            self.shed.labels(reason=reason)
+        for stage in ("cache", "queue", "encode", "search", "rerank", "lookup"):
+            self.stage_seconds.labels(stage=stage)
+
+    def _index_metrics(self, r: CollectorRegistry) -> None:
+        """The served index version: its items, its swaps and refusals, its health."""
         self.index_items = Gauge(
             "duet_index_items", "Items in the served index", ["modality"], registry=r
         )
@@ -88,26 +112,6 @@ class Metrics:
         self.ready = Gauge(
             "duet_ready", "1 when model and index are loaded and search is served", registry=r
         )
-        self.queue_depth = Gauge(
-            "duet_queue_depth", "Requests waiting for an inference-engine worker", registry=r
-        )
-        self.queue_capacity = Gauge(
-            "duet_queue_capacity",
-            "Requests the engine queue holds before answering 429 "
-            "(it also refuses earlier when the queued work would outlast the deadline)",
-            registry=r,
-        )
-        for result in ("ok", "refused"):
-            self.index_reloads.labels(result=result)
-        for result in ("hit", "miss", "error"):
-            self.cache_requests.labels(result=result)
-        for reason in (
-            *("queue_full", "queue_wait", "deadline", "client_gone", "inflight"),
-            *("header_timeout", "idle_timeout", "headers_too_large", "bad_request"),
-        ):
-            self.shed.labels(reason=reason)
-        for stage in ("cache", "queue", "encode", "search", "rerank", "lookup"):
-            self.stage_seconds.labels(stage=stage)
 
     def _engine_metrics(self, r: CollectorRegistry) -> None:
         """The batches the engine forms, the device steps it runs, and the fronts that feed

@@ -62,11 +62,15 @@ def probe(index_dir: Path) -> tuple[Path, object]:
     path = resolve_current(index_dir)
     if not path.is_dir():
         raise IndexLoadError(f"{Path(index_dir) / CURRENT} points at {path}, not a directory")
+    return path, _stamp(path)
+
+
+def _stamp(path: Path) -> object:
     files = []
     for f in path.iterdir():
         st = f.stat()
         files.append((f.name, st.st_size, st.st_mtime_ns, st.st_ino))
-    return path, (path.stat().st_mtime_ns, tuple(sorted(files)))
+    return path.stat().st_mtime_ns, tuple(sorted(files))
 
 
 def smoke_test(index: IndexVersion, model: JointEncoder) -> None:
@@ -170,9 +174,12 @@ class IndexReloader:
                 self._metrics.index_current_refused.set(0)  # current put back, say
                 if (kept := self._served_kept(path, stamp, force)) is not None:
                     return kept
+                self._cache(False)  # not while it is checked, nor after unless it passes
                 log.warning("the served index %s changed on disk: checking it again", path)
-            elif (known := self._known_refusal(path, stamp, force)) is not None:
-                return known
+            else:
+                await self._served_back(served)
+                if (known := self._known_refusal(path, stamp, force)) is not None:
+                    return known
             try:
                 new = await asyncio.to_thread(load_checked, path, self._pipeline.model)
                 await asyncio.to_thread(self._pipeline.prepare, new)  # device tables
@@ -218,6 +225,7 @@ class IndexReloader:
         left = self._refused.get(path) if self.damaged else None  # (stamp, outcome)
         now = left[1] if left else Outcome("current", served.version, str(path), _now())
         if stamp == (left[0] if left else self._served_stamp):
+            self._seen_stamp = None  # a change seen again is held a poll again
             if not self.damaged:
                 self._cache(True)  # a change that went back before it was checked
             return None if force and self.damaged else now
@@ -226,6 +234,20 @@ class IndexReloader:
             self._cache(False)  # suspect until checked: no answer of it cached meanwhile
             return now
         return None
+
+    async def _served_back(self, served: IndexVersion) -> None:
+        """While `current` names another version: the served one's files, suspect (changed,
+        not checked yet), back as they were checked? Caching resumes then; `current` moved
+        on, nothing else would look at them again."""
+        if self._pipeline.caching or self.damaged or self._served_stamp is None:
+            return
+        try:
+            stamp = await asyncio.to_thread(_stamp, Path(served.path))
+        except OSError:
+            return
+        if stamp == self._served_stamp:
+            self._seen_stamp = None
+            self._cache(True)
 
     def _cache(self, on: bool) -> None:
         """Whether the served version's answers are cached, here and in every front."""
@@ -292,6 +314,8 @@ class IndexReloader:
             # on what it still reads (a readiness 503 took every replica of a shared volume
             # out of service at once, for files most requests never read)
             "served_damaged": self.damaged is not None,
+            # its answers are not cached while its files are changed and not yet checked
+            "answers_cached": self._pipeline.caching,
         }
 
     def _public(self, outcome: Outcome | None) -> dict[str, Any] | None:

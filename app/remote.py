@@ -140,7 +140,7 @@ class RemoteEngine:
         self._io = transport
         self._hello = loop.create_future()
         post(transport, {"op": "hello"})
-        self.info = (await self._hello)["info"]
+        await self._hello  # `_message` keeps `info`, announcements read with it included
         self.answer_s = max(ANSWER_FLOOR_S, 4 * float(self.info.get("timeout_s", 0.0)))
         self._tasks = [asyncio.create_task(self._flush(), name="front-metrics")]
 
@@ -162,9 +162,11 @@ class RemoteEngine:
             if waiting is not None and not waiting[0].done():
                 waiting[0].set_result(msg)
         elif op == "version":
-            self.info["version"] = msg["version"]
+            # an announcement read with the hello, before anyone listens, still counts
+            self.info.update(version=msg["version"], path=msg["path"], cache=msg.get("cache", True))
             self.on_version(msg["version"], msg["path"], msg.get("cache", True))
         elif op == "hello" and self._hello is not None and not self._hello.done():
+            self.info = msg["info"]
             self._hello.set_result(msg)
 
     def _lost(self) -> None:

@@ -321,7 +321,7 @@ class DeviceStepping:
                         w.texts = candidate_texts(w.query.index.store, w.cand.rows)
                 w.ticket.resolve(self._ranked(w, scores))
             except DuetError as exc:  # the asker's answer says it (a 503 index_unreadable)
-                warn_now_and_then("failed", "queries failed (once in 10 s): %s", exc.message)
+                warn_now_and_then(exc.code, "queries failed (once in 10 s): %s", exc.message)
                 w.ticket.fail(exc)
             except Exception as exc:
                 log.exception("answering a query failed")

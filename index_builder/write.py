@@ -3,10 +3,8 @@ arrays, the sizes, the version name."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -123,16 +121,17 @@ def _concat(chunks: Sequence[np.ndarray], empty: tuple[int, ...], dtype: Any) ->
 
 
 def _write_faiss(index: Any, path: Path) -> None:
-    """`faiss.write_index`, its failure an OSError as the system said it (a full disk: "No
-    space left on device", the path), which the CLI reports in a line: FAISS raises a
-    RuntimeError, which ended the build with a traceback."""
+    """`faiss.write_index` through Python's file: a failed write or close is the OSError
+    the system gave (a full disk: "No space left on device", with the path), which the CLI
+    reports in a line. Written by FAISS's own file, it failed as a RuntimeError (a
+    traceback), and a failed close only printed a line and left a file cut short."""
     try:
-        faiss.write_index(index, str(path))
-    except RuntimeError as exc:
-        said = re.search(r"\(([^()]+)\)\s*$", str(exc))  # FAISS ends with strerror
-        why = said[1] if said else "FAISS could not write the index"
-        code = next((e for e in errno.errorcode if os.strerror(e) == why), errno.EIO)
-        raise OSError(code, why, str(path)) from exc
+        with path.open("wb") as fh:
+            writer = faiss.PyCallbackIOWriter(fh.write)  # type: ignore[attr-defined]
+            faiss.write_index(index, writer)
+            del writer  # flushes what it holds into `fh`, before `fh` closes
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def _write_npy(
@@ -141,7 +140,7 @@ def _write_npy(
     """One .npy written chunk by chunk (tokens can be larger than memory), by plain writes:
     a full disk is then an OSError ("No space left on device") that the build reports, where
     the memory map it used to write through killed the process with SIGBUS, without a word."""
-    dtype = np.dtype(dtype)
+    dtype, shape = np.dtype(dtype), tuple(int(n) for n in shape)  # numpy ints: no header
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False}
     at = 0
     try:

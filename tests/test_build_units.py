@@ -239,8 +239,8 @@ def test_a_full_disk_is_an_oserror_naming_the_file_not_a_sigbus_or_a_traceback()
 
     from index_builder.write import _write_faiss, _write_npy
 
-    index = faiss.IndexFlatIP(8)
-    index.add(np.ones((1000, 8), np.float32))
+    index = faiss.IndexFlatIP(8)  # small: FAISS's own file failed only at its close, and
+    index.add(np.ones((10, 8), np.float32))  # that printed a line and went on
     rows = [np.zeros((10, 16, 8), np.float16)]
     for write in (
         lambda: _write_faiss(index, Path("/dev/full")),

@@ -10,6 +10,7 @@ import shutil
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,9 +56,6 @@ def test_an_item_store_damaged_in_place_is_told_then_reopened_when_mended(
             _wait(lambda: reload()["served_damaged"], "the damage to be told")
             assert "items" in str(reload()["last_refused"])
             assert "duet_index_served_damaged 1.0" in c.get("/metrics").text
-            for _ in range(2):  # answered while suspect: none cached (it was, an hour's TTL)
-                r = c.post("/search/text", json={"query": "a small red square"})
-                assert r.status_code in (200, 503) and not r.json().get("cached"), r.text
             # mended as `cp -p` mends it: the built bytes and the old mtime (the newest mtime
             # alone, the stamp before, took that for no change: damaged for good)
             items.write_bytes(whole)
@@ -73,6 +71,42 @@ def test_an_item_store_damaged_in_place_is_told_then_reopened_when_mended(
         log = svc.log.read_text()
         assert "changed on disk and fails its checks" in log
         assert "reopened, whole again, index" in log and "Traceback" not in log, log
+    finally:
+        stop_service(svc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fronts", ["0", "2"])
+def test_answers_are_not_cached_while_the_served_files_changed_and_are_not_yet_checked(
+    index_dir: Path, tmp_path: Path, fronts: str
+) -> None:
+    """A change to the served version's files is checked once it holds a poll; meanwhile
+    (and while it is checked) no answer of it is cached, here and in every front, and after
+    it passes they are again. Only an mtime changes here: every answer is whole, so what
+    keeps one out of the cache is the flag alone."""
+    good = indexio.resolve_current(index_dir)
+    idx = tmp_path.resolve() / "idx"
+    shutil.copytree(good, idx / good.name)
+    (idx / "current").symlink_to(good.name)
+    svc = start_service(idx, tmp_path / "serve.log", DUET_INDEX_POLL_S="1.5", DUET_FRONTENDS=fronts)
+
+    def cached_twice(c: Any, query: str) -> bool:
+        first = c.post("/search/text", json={"query": query}).json()
+        return bool(c.post("/search/text", json={"query": query}).json()["cached"]) and (
+            first["cached"] is False
+        )
+
+    try:
+        with svc.client() as c:
+            assert cached_twice(c, "a red circle")
+            os.utime(idx / good.name / indexio.ITEMS)  # `touch`: the same bytes, a new mtime
+            _wait(lambda: not c.get("/readyz").json()["reload"]["answers_cached"], "a pause")
+            time.sleep(0.2)  # the fronts hear it with the version
+            assert not cached_twice(c, "two blue squares")
+            _wait(lambda: c.get("/readyz").json()["reload"]["answers_cached"], "the check")
+            time.sleep(0.2)
+            assert cached_twice(c, "a green cross")
+        assert "reopened, whole again, index" in svc.log.read_text()
     finally:
         stop_service(svc)
 

@@ -176,3 +176,19 @@ async def test_a_front_reads_a_lone_searchs_hits_on_its_loop_and_a_bursts_in_thr
     assert len(threads) == 3 and [a.meta for a in answers] == [want[1], want[2], want[3]]
     assert pipeline._running == 0
     pipeline.stores.close()
+
+
+async def test_an_announcement_read_with_the_hello_is_not_lost() -> None:
+    """The owner sends a version announcement (a swap, or caching turned off or on) right
+    after a hello under one lock: read in the same chunk, before the front listens, it was
+    dropped (the hello's info then overwrote it), and the front kept the hello's version,
+    path and caching until the next announcement."""
+    from app.remote import RemoteEngine
+
+    link = RemoteEngine("/nowhere")
+    link._hello = asyncio.get_running_loop().create_future()
+    info = {"version": "v1", "path": "/v1", "cache": True, "timeout_s": 2.0}
+    link._message({"op": "hello", "info": dict(info)})
+    link._message({"op": "version", "version": "v1", "path": "/v1", "cache": False})
+    assert link._hello.done()
+    assert link.info == {**info, "cache": False}  # what the front is built from

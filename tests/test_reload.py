@@ -81,6 +81,7 @@ async def test_admin_reload_of_the_served_version_is_a_no_op(index_dir: Path) ->
         "last_swap": None,
         "last_refused": None,
         "served_damaged": False,
+        "answers_cached": True,
     }
 
 

@@ -27,7 +27,6 @@ async def readyz(request: Request) -> JSONResponse:
         raise NotReady("model and index are loading")
     index = pipeline.index
     reloader = getattr(request.app.state, "reloader", None)
-
     return JSONResponse(
         {
             "status": "ready",
