@@ -13,8 +13,6 @@ transformers is imported lazily, so the built-in model never needs it.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 import time
 from collections.abc import Sequence
@@ -26,81 +24,24 @@ import torch
 from PIL import Image
 
 from models.blip_itm import BlipItmScorer
-from models.builtin import ModelLoadError
 from models.device import resolve_device
+from models.hf_load import (
+    DUAL_ENCODER_TYPES,
+    RERANKER_TYPES,
+    _load,
+    _tokenize,
+    fingerprint,
+    max_tokens,
+    too_long,
+)
 from models.tokenizer import unique_texts
 
-DUAL_ENCODER_TYPES = ("clip", "siglip")
-RERANKER_TYPES = ("blip",)
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 LENGTH_STEP = 8  # the BLIP scorer's sentence-length groups (tokens)
-
-
-def model_type(directory: Path) -> str:
-    """`model_type` from a checkpoint's config.json ('' when there is none)."""
-    try:
-        return str(json.loads((Path(directory) / "config.json").read_text()).get("model_type", ""))
-    except (OSError, ValueError):
-        return ""
-
-
-def fingerprint(kind: str, directory: Path) -> str:
-    """`hf-<kind>:<first 16 hex of sha256 over the weight files>`: which weights built an index."""
-    h = hashlib.sha256()
-    files = sorted(p for p in Path(directory).iterdir() if p.suffix in WEIGHT_SUFFIXES)
-    if not files:
-        raise ModelLoadError(f"{directory} holds no weights (*.safetensors or *.bin)")
-    for p in files:
-        h.update(p.name.encode())
-        with p.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return f"hf-{kind}:{h.hexdigest()[:16]}"
-
-
-def _load(
-    directory: Path, allowed: Sequence[str], role: str, device: torch.device
-) -> tuple[Any, Any, str]:
-    """(model, processor, model_type) from a local directory, on `device`, or a ModelLoadError
-    that says why."""
-    d = Path(directory)
-    kind = model_type(d)
-    if kind not in allowed:
-        found = f"model_type {kind!r}" if kind else "no readable config.json"
-        raise ModelLoadError(
-            f"{d} is not a {' or '.join(a.upper() for a in allowed)} checkpoint "
-            f"({found}); the {role} needs a local Hugging Face directory with "
-            "config.json, weights, tokenizer and processor files"
-        )
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - transformers is a dependency
-        raise ModelLoadError("Hugging Face checkpoints need `pip install transformers`") from exc
-    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in logs
-    try:
-        processor = transformers.AutoProcessor.from_pretrained(d, local_files_only=True)
-        cls = transformers.BlipForImageTextRetrieval if kind == "blip" else transformers.AutoModel
-        model = cls.from_pretrained(d, local_files_only=True).eval().to(device)
-        if device.type == "cpu" and model.dtype in (torch.float16, torch.bfloat16):
-            model = model.float()  # half-precision checkpoints: CPU kernels want fp32
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"cannot load the {kind} checkpoint in {d}: {exc}") from exc
-    return model, processor, kind
 
 
 def _pooled(out: Any) -> torch.Tensor:
     """transformers < 5 returns the projected features, >= 5 an output with `pooler_output`."""
     return out if isinstance(out, torch.Tensor) else out.pooler_output
-
-
-def _tokenize(
-    tokenizer: Any, lock: threading.Lock, texts: Sequence[str], padding: bool | str
-) -> Any:
-    """One tokenizer call at a time: the service encodes queries from several threads, and a
-    Rust-backed tokenizer re-sets its padding / truncation state on every call, which PyO3
-    refuses concurrently ("RuntimeError: Already borrowed", huggingface/tokenizers#537)."""
-    with lock:
-        return tokenizer(list(texts), padding=padding, truncation=True, return_tensors="pt")
 
 
 def length_groups(
@@ -146,6 +87,7 @@ class HFDualEncoder:
         self.fingerprint = fingerprint(self.kind, Path(directory))
         self._tokenizing = threading.Lock()  # see _tokenize
         cfg = self.model.config
+        self.max_tokens = max_tokens(self.processor.tokenizer, cfg.text_config)
         self.dim = int(getattr(cfg, "projection_dim", 0) or cfg.text_config.hidden_size)
         vision = cfg.vision_config
         patches = (vision.image_size // vision.patch_size) ** 2
@@ -155,10 +97,14 @@ class HFDualEncoder:
     def _text_inputs(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         # SigLIP was trained on max-length padding; CLIP on the longest in the batch
         padding = "max_length" if self.kind == "siglip" else True
-        enc = _tokenize(self.processor.tokenizer, self._tokenizing, texts, padding)
+        enc = _tokenize(self.processor.tokenizer, self._tokenizing, texts, padding, self.max_tokens)
         return {
             k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")
         }
+
+    def too_long(self, text: str) -> str | None:
+        """Why the encoder would not read all of `text` (422), or None."""
+        return too_long(self.processor.tokenizer, self._tokenizing, text, self.max_tokens)
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         with torch.inference_mode():
@@ -194,6 +140,7 @@ class HFBlipReranker:
         self.name = "hf-blip-itm"
         self.fingerprint = fingerprint("blip", Path(directory))
         self._tokenizing = threading.Lock()
+        self.max_tokens = max_tokens(self.processor.tokenizer, self.model.config.text_config)
         # the text encoder restructured for scoring (models.blip_itm); None: the module's own
         self.scorer = BlipItmScorer.of(self.model)
         vision = self.model.config.vision_config
@@ -216,7 +163,9 @@ class HFBlipReranker:
         if self.scorer is None or len(states) < 2:
             return self.call_cost
         scorer, n = self.scorer, len(states)
-        enc = _tokenize(self.processor.tokenizer, self._tokenizing, [text] * n, True)
+        enc = _tokenize(
+            self.processor.tokenizer, self._tokenizing, [text] * n, True, self.max_tokens
+        )
         ids, mask = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
 
@@ -291,7 +240,7 @@ class HFBlipReranker:
         if self.scorer is None or self.processor.tokenizer.padding_side != "right":
             return self.plain_scores(texts, image_tokens)
         unique, owner = unique_texts(texts)  # a request's sentence once, not per candidate
-        enc = _tokenize(self.processor.tokenizer, self._tokenizing, unique, True)
+        enc = _tokenize(self.processor.tokenizer, self._tokenizing, unique, True, self.max_tokens)
         ids, mask = enc["input_ids"][owner], enc["attention_mask"][owner]
         lengths = mask.sum(dim=1).numpy()
         with torch.inference_mode():
@@ -319,7 +268,7 @@ class HFBlipReranker:
         """The same logits by the model's own forward (the plain script's way)."""
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
-        enc = _tokenize(self.processor.tokenizer, self._tokenizing, texts, True)
+        enc = _tokenize(self.processor.tokenizer, self._tokenizing, texts, True, self.max_tokens)
         image = self.states(image_tokens)
         with torch.inference_mode():
             hidden = self.model.text_encoder(

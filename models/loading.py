@@ -27,6 +27,7 @@ from PIL import Image
 from models import hf
 from models.builtin import BuiltinModel, ModelLoadError
 from models.han import HANReranker
+from models.hf_load import DUAL_ENCODER_TYPES, RERANKER_TYPES, model_type
 from models.inference import PrecisionChoice
 from models.protocols import BiEncoder, PairReranker, TokenEncoder
 from models.rerankers import HAN_WHY, NONE, Menu, menu
@@ -204,15 +205,12 @@ def manifest_model(model: object) -> dict[str, Any]:
     }
 
 
-# -- choosing ---------------------------------------------------------------------------------
-
-
 def _hf_dir(value: str, label: str, allowed: Sequence[str], choices: str) -> Path:
     """A Hugging Face checkpoint directory of one of the `allowed` kinds, or a ChoiceError."""
     path = Path(value).expanduser()
     if not path.is_dir():
         raise ChoiceError(f"{label}={value}: no such directory; {label} is {choices}")
-    kind = hf.model_type(path)
+    kind = model_type(path)
     if kind not in allowed:
         found = (
             f"its config.json says model_type {kind!r}"
@@ -233,19 +231,19 @@ def check_choices(
     for a wrong kind, a missing directory or an impossible combination. Loads nothing."""
     el, rl = labels
     enc_dir = (
-        None if encoder == BUILTIN else _hf_dir(encoder, el, hf.DUAL_ENCODER_TYPES, ENCODER_CHOICES)
+        None if encoder == BUILTIN else _hf_dir(encoder, el, DUAL_ENCODER_TYPES, ENCODER_CHOICES)
     )
     if reranker in ("late", "han") and enc_dir is not None:
         raise ChoiceError(
             f"{rl}={reranker} needs token-level text features in the space of the stored image "
-            f"tokens; {el}={encoder} (a {hf.model_type(enc_dir).upper()} checkpoint) gives "
+            f"tokens; {el}={encoder} (a {model_type(enc_dir).upper()} checkpoint) gives "
             f"pooled vectors only. Use {rl}=ce, none or a BLIP directory with it, or "
             f"{el}=builtin"
         )
     rr_dir = (
         None
         if reranker in RERANKER_NAMES
-        else _hf_dir(reranker, rl, hf.RERANKER_TYPES, RERANKER_CHOICES)
+        else _hf_dir(reranker, rl, RERANKER_TYPES, RERANKER_CHOICES)
     )
     return enc_dir, rr_dir
 

@@ -284,3 +284,24 @@ def test_back_to_an_image_search_says_what_it_was(
     d.back()
     WebDriverWait(d, 10).until(lambda drv: "searched with an image" in _text(drv, "status"))
     assert "(0005.png)" in _text(d, "status") and not d.find_elements(By.CSS_SELECTOR, ".hit")
+
+
+def test_the_menu_offers_the_deployments_re_rankers_and_names_its_default(
+    index_dir: Path,
+    browser: Any,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The menu listed ce, late, han and none whatever the deployment offered: a CLIP + BLIP
+    one (ce, none) answered late and han with a 422. It follows /readyz now."""
+    from tests.conftest import start_service, stop_service
+
+    svc = start_service(index_dir, tmp_path / "serve.log", DUET_RERANKER="none")
+    try:
+        d = browser
+        d.get(svc.url + "/")
+        menu = Select(d.find_element(By.ID, "reranker"))
+        WebDriverWait(d, 10).until(lambda _: len(menu.options) == 2)
+        assert [o.get_attribute("value") for o in menu.options] == ["", "none"]
+        assert menu.options[0].text == "re-ranker: service default (none)"
+    finally:
+        stop_service(svc)

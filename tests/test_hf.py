@@ -100,3 +100,40 @@ def test_fingerprint_follows_the_weights(checkpoints: dict[str, Path], tmp_path:
         model.logit_scale.add_(1.0)
     model.save_pretrained(other)
     assert weights.exists() and HFDualEncoder(other).fingerprint != a
+
+
+def test_checkpoints_duet_cannot_use_are_refused_at_load(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Without its tokenizer files transformers built an empty tokenizer without a word, and
+    every text became one vector; a BLIP captioning checkpoint loaded as the re-ranker with
+    its matching head random. Both are a ModelLoadError (exit 2) now."""
+    import json
+    import shutil
+
+    bare = shutil.copytree(checkpoints["clip"], tmp_path / "clip-bare")
+    for name in ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink(missing_ok=True)
+    with pytest.raises(ModelLoadError, match="has no tokenizer files"):
+        HFDualEncoder(bare)
+    captioning = shutil.copytree(checkpoints["blip"], tmp_path / "blip-cap")
+    config = json.loads((captioning / "config.json").read_text())
+    config["architectures"] = ["BlipForConditionalGeneration"]
+    (captioning / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="not image-text matching"):
+        HFBlipReranker(captioning)
+
+
+def test_a_query_longer_than_the_encoder_reads_is_told_and_long_texts_are_cut_at_its_limit(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """The tiny CLIP's tokenizer is saved without `model_max_length`: a long text failed in
+    the model ("Sequence length must be less than max_position_embeddings", a 500 and a
+    build's traceback). Texts are cut at the model's limit now, and a query over it is
+    told (the service answers 422), as with the builtin model."""
+    enc = HFDualEncoder(checkpoints["clip"])
+    long = " ".join(["red circle"] * 200)
+    assert enc.encode_texts([long]).shape == (1, enc.dim)  # cut, not a failure
+    said = enc.too_long(long)
+    assert said is not None and f"at most {enc.max_tokens} tokens" in said
+    assert enc.too_long("a red circle") is None

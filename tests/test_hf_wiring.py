@@ -292,8 +292,13 @@ async def test_reranker_none_stores_no_tokens_and_serves_the_dot_order(
     models = load_models(str(ckpt["siglip"]), "none")
     assert models.fingerprint == manifest["model"]["fingerprint"]
     assert side_of(models) == KEEP_SIDE  # a processor resizes from the whole picture
+    short = {"query": "a red circle"}  # the tiny SigLIP reads 16 tokens of its small vocabulary
     default, ce, fused = await _ask(
-        models, tmp_path, {"top_k": 3}, {"reranker": "ce"}, {"fusion": "add"}
+        models,
+        tmp_path,
+        {"top_k": 3, **short},
+        {"reranker": "ce", **short},
+        {"fusion": "add", **short},
     )
     assert default.status_code == 200, default.text
     assert all(h["rerank_score"] is None for h in default.json()["hits"])
