@@ -21,6 +21,11 @@ RERANKER_TYPES = ("blip",)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
+def spelled(kind: str) -> str:
+    """A model type as its makers write it ("SigLIP", not "SIGLIP")."""
+    return {"clip": "CLIP", "siglip": "SigLIP", "blip": "BLIP"}.get(kind, kind.upper())
+
+
 def model_type(directory: Path) -> str:
     """`model_type` from a checkpoint's config.json ('' when there is none)."""
     try:
@@ -79,7 +84,7 @@ def _load(
     if kind not in allowed:
         found = f"model_type {kind!r}" if kind else "no readable config.json"
         raise ModelLoadError(
-            f"{d} is not a {' or '.join(a.upper() for a in allowed)} checkpoint "
+            f"{d} is not a {' or '.join(spelled(a) for a in allowed)} checkpoint "
             f"({found}); the {role} needs a local Hugging Face directory with "
             "config.json, weights, tokenizer and processor files"
         )

@@ -27,10 +27,10 @@ from PIL import Image
 from models import hf
 from models.builtin import BuiltinModel, ModelLoadError
 from models.han import HANReranker
-from models.hf_load import DUAL_ENCODER_TYPES, RERANKER_TYPES, model_type
+from models.hf_load import DUAL_ENCODER_TYPES, RERANKER_TYPES, model_type, spelled
 from models.inference import PrecisionChoice
 from models.protocols import BiEncoder, PairReranker, TokenEncoder
-from models.rerankers import HAN_WHY, NONE, Menu, menu
+from models.rerankers import NONE, Menu, menu
 from models.shipped import DEFAULT_WEIGHTS
 
 BUILTIN = "builtin"
@@ -218,7 +218,7 @@ def _hf_dir(value: str, label: str, allowed: Sequence[str], choices: str) -> Pat
             else "it has no readable config.json"
         )
         raise ChoiceError(
-            f"{label}={value}: not a {' or '.join(a.upper() for a in allowed)} "
+            f"{label}={value}: not a {' or '.join(spelled(a) for a in allowed)} "
             f"checkpoint ({found}); {label} is {choices}"
         )
     return path
@@ -236,7 +236,7 @@ def check_choices(
     if reranker in ("late", "han") and enc_dir is not None:
         raise ChoiceError(
             f"{rl}={reranker} needs token-level text features in the space of the stored image "
-            f"tokens; {el}={encoder} (a {model_type(enc_dir).upper()} checkpoint) gives "
+            f"tokens; {el}={encoder} (a {spelled(model_type(enc_dir))} checkpoint) gives "
             f"pooled vectors only. Use {rl}=ce, none or a BLIP directory with it, or "
             f"{el}=builtin"
         )
@@ -284,15 +284,16 @@ class _Loader:
             raise ModelLoadError(f"{label}={value}: {exc}") from exc
 
 
+def _lacks(encoder: str) -> str:
+    return f"needs token-level text features, which the {encoder} encoder lacks"
+
+
 def _with_blip(enc: BiEncoder, enc_part: Part, blip: Any, rr_dir: Path, choice: str) -> Models:
     """The encoder with a BLIP re-ranker: its cross-encoder, its vision encoder's tokens."""
-    why = {
-        "han": HAN_WHY,
-        "late": (
-            "needs the encoder's image tokens, and this deployment stores the "
-            f"BLIP re-ranker's ({choice})"
-        ),
-    }
+    stored = (
+        f"needs duet's own image tokens; this deployment stores the BLIP re-ranker's ({choice})"
+    )
+    why = dict.fromkeys(("late", "han"), stored)
     return Models(
         enc,
         enc_part,
@@ -330,13 +331,7 @@ def _with_joint_tokens(
         why = {}  # the registry builds each from the joint model (han: if it has a head)
         default = reranker if reranker in ("late", "han") else "ce"
     else:
-        why = {
-            "han": HAN_WHY,
-            "late": (
-                f"needs token-level text features, which the {enc_part.name} encoder does "
-                "not provide"
-            ),
-        }
+        why = dict.fromkeys(("late", "han"), _lacks(enc_part.name))
         default = "ce"
     return Models(
         enc,
@@ -390,7 +385,10 @@ def load_models(
             token_part=NO_TOKENS,
             token_shape=(0, 0),
             default_reranker=NONE,
-            why={"*": f"is not configured ({rl}=none)"},  # every re-ranker
+            why={  # ce: not configured; late and han: not possible with this encoder at all
+                "*": f"is not configured ({rl}=none)",
+                **dict.fromkeys(("late", "han"), _lacks(enc_part.name)),
+            },
             joint=None,
             late=None,
         )

@@ -224,11 +224,12 @@ class IndexVersion:
         built_by, built_with = manifest.model.fingerprint, manifest.model.built_with()
         if expect_fingerprint is not None and built_by != expect_fingerprint:
             raise ModelMismatchError(
-                f"index {path} was built by model {built_by!r}{built_with} but the "
-                f"service loaded {expect_fingerprint!r}; rebuild the index with these models "
+                f"index {path} was built by model {built_by!r}{built_with} but the models "
+                f"loaded here are {expect_fingerprint!r}; rebuild the index with these "
                 "(`duet build --encoder E --reranker R`, the same choices as DUET_ENCODER and "
-                "DUET_RERANKER) or start the service with the ones that built it (DUET_ENCODER, "
-                "DUET_RERANKER, DUET_MODEL_DIR)"
+                "DUET_RERANKER) or load the ones that built it (DUET_ENCODER, DUET_RERANKER, "
+                "DUET_MODEL_DIR; duet eval and duet build also take --encoder, --reranker and "
+                "--model-dir)"
             )
         try:
             image_index = faiss.read_index(str(path / IMAGE_INDEX))

@@ -79,7 +79,7 @@ def test_blip_reranker_matches_the_library_itm_head(
 def test_wrong_checkpoint_kind_is_a_clear_error(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    with pytest.raises(ModelLoadError, match=r"not a CLIP or SIGLIP checkpoint.*'blip'"):
+    with pytest.raises(ModelLoadError, match=r"not a CLIP or SigLIP checkpoint.*'blip'"):
         HFDualEncoder(checkpoints["blip"])
     with pytest.raises(ModelLoadError, match=r"not a BLIP checkpoint.*'clip'"):
         HFBlipReranker(checkpoints["clip"])

@@ -37,7 +37,7 @@ def test_wrong_choices_exit_2_naming_the_variable(
         "encoder-is-blip": (
             ckpt["blip"],
             "builtin",
-            "DUET_ENCODER={}: not a CLIP or SIGLIP checkpoint (its config.json "
+            "DUET_ENCODER={}: not a CLIP or SigLIP checkpoint (its config.json "
             "says model_type 'blip')",
         ),
         "reranker-is-clip": ("builtin", ckpt["clip"], "DUET_RERANKER={}: not a BLIP checkpoint"),
@@ -73,4 +73,4 @@ def test_duet_serve_exits_2_for_a_wrong_kind(ckpt: dict[str, Path], tmp_path: Pa
         [*DUET, "serve"], capture_output=True, text=True, env=env, timeout=120, cwd=REPO
     )
     assert proc.returncode == 2, proc.stderr
-    assert f"duet: error: DUET_ENCODER={ckpt['blip']}: not a CLIP or SIGLIP" in proc.stderr
+    assert f"duet: error: DUET_ENCODER={ckpt['blip']}: not a CLIP or SigLIP" in proc.stderr
