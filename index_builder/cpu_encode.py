@@ -31,6 +31,7 @@ import torch
 
 from index_builder.decode import Decoded, DecodedBatch, PlanItem, decode, shard_batches
 from index_builder.encode import Encoder
+from index_builder.outdir import let_go
 from index_builder.progress import EncodeProgress
 from index_builder.shard import (
     ShardBuilder,
@@ -156,6 +157,7 @@ def encoded_units(jobs: UnitJobs, workers: int) -> Iterator[Done]:
         collate_fn=_same,
         prefetch_factor=2,
         persistent_workers=False,
+        worker_init_fn=let_go,  # the --out lock is the build's, not its workers'
     )
     yield from loader
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from index_builder.outdir import let_go
 from models.builtin import pixel_bytes
 from models.images import KEEP_SIDE, open_rgb, orientation, side_for, why_unread
 
@@ -305,5 +306,6 @@ def decoded_batches(
         pin_memory=pin,
         prefetch_factor=4 if workers else None,
         persistent_workers=False,
+        worker_init_fn=let_go,  # the --out lock is the build's, not its workers'
     )
     return iter(loader)

@@ -68,6 +68,20 @@ def _holder(lock: Path) -> str:
     return pid if pid.isdigit() else "?"
 
 
+_HELD: set[int] = set()  # descriptors of the locks this process holds (`claimed`)
+
+
+def let_go(_worker: int = 0) -> None:
+    """In a forked worker (a DataLoader's `worker_init_fn`): close its copies of the held
+    locks. A flock lasts while any descriptor of it is open, so workers that outlived a
+    build killed alone (`kill`, the OOM killer) held `--out` locked for good, and the same
+    command run again was told another build was writing there, naming the dead pid."""
+    for fd in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
 def _lock(out: Path, lock: Path) -> int:
     """A descriptor of `lock` holding its exclusive flock, taken without waiting. A build
     removes the file when it ends: a lock taken on a file removed meanwhile is let go and
@@ -109,6 +123,7 @@ def claimed(out: Path, create: bool = True) -> Iterator[None]:
     lock = out / LOCK
     made = not out.exists()  # a build that leaves nothing removes the folder it made
     fd = _lock(out, lock)
+    _HELD.add(fd)
     try:
         with contextlib.suppress(OSError):  # the pid only names the holder to a second build
             os.ftruncate(fd, 0)
@@ -117,6 +132,7 @@ def claimed(out: Path, create: bool = True) -> Iterator[None]:
     finally:
         with contextlib.suppress(OSError):
             lock.unlink()  # while still held: the next build makes a fresh one
+        _HELD.discard(fd)
         os.close(fd)
         if made:
             with contextlib.suppress(OSError):  # only when empty: shards or a version stay

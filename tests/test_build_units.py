@@ -5,7 +5,9 @@ captions, and a shard of several caption chunks included."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Sequence, Set
 from pathlib import Path
 
@@ -261,3 +263,56 @@ def test_the_tokens_file_is_what_numpy_saves(tmp_path: Path) -> None:
     _write_npy(tmp_path / "a.npy", [tokens[:3], tokens[3:]], tokens.shape, np.float16)
     np.save(tmp_path / "b.npy", tokens)
     assert (tmp_path / "a.npy").read_bytes() == (tmp_path / "b.npy").read_bytes()
+
+
+def test_a_worker_that_outlives_a_killed_build_does_not_hold_its_lock(tmp_path: Path) -> None:
+    """DataLoader workers are forks, with the build's --out lock open: killed alone (`kill`,
+    the OOM killer), the build left them running, and the same command again was told that
+    "another duet build is writing" there, naming the dead pid. They close it at start."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from index_builder.errors import BuildError
+    from index_builder.outdir import claimed
+
+    script = """
+import sys, time, torch
+import contextlib
+import os
+from pathlib import Path
+from index_builder.outdir import claimed, let_go
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self): return 100
+    def __getitem__(self, i): time.sleep(0.5); return i
+
+with claimed(Path(sys.argv[1])):
+    loader = torch.utils.data.DataLoader(Slow(), num_workers=1, worker_init_fn=let_go)
+    for _ in loader:
+        print("working", flush=True)
+"""
+    out = tmp_path / "out"
+    kids: list[str] = []
+    build = subprocess.Popen(
+        [sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert build.stdout is not None and build.stdout.readline() == "working\n"
+        kids = subprocess.run(
+            ["pgrep", "-P", str(build.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert kids, "no worker"
+        build.send_signal(signal.SIGKILL)  # the build alone, its worker left running
+        build.wait(timeout=10)
+        time.sleep(0.2)
+        try:
+            with claimed(out, create=False):  # the lock is free, the worker still there
+                pass
+        except BuildError as exc:
+            pytest.fail(f"the worker kept the lock: {exc}")
+    finally:
+        for pid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
