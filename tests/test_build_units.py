@@ -282,6 +282,7 @@ import sys, time, torch
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 from index_builder.outdir import claimed, let_go
 
 class Slow(torch.utils.data.Dataset):
@@ -316,3 +317,28 @@ with claimed(Path(sys.argv[1])):
         for pid in kids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_shard_that_cannot_be_written_names_its_file(tmp_path: Path) -> None:
+    """`write_atomic` (the shards, the manifest): a failed write's OSError named no file, so a
+    build that filled the disk said "No space left on device" and not where. A file-size
+    limit fails the write the same way (EFBIG) in a process of its own."""
+    import subprocess
+    import sys
+
+    script = """
+import resource, sys
+from pathlib import Path
+from store.files import write_atomic
+resource.setrlimit(resource.RLIMIT_FSIZE, (5, 5))
+try:
+    write_atomic(Path(sys.argv[1]), b"x" * 100)
+except OSError as exc:
+    print(exc.errno, exc.filename)
+"""
+    target = tmp_path / "shard-00000.npz"
+    said = subprocess.run(
+        [sys.executable, "-c", script, str(target)], capture_output=True, text=True, timeout=60
+    )
+    assert said.stdout.split() == ["27", str(target)], said.stdout + said.stderr  # EFBIG
+    assert list(tmp_path.iterdir()) == []  # its temp file removed

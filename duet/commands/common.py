@@ -163,6 +163,12 @@ def unwritable(flag: str, out: Path) -> str | None:
     if not parent.is_dir():
         return f"{flag} {out}: {parent} is a file, so no folder can be made there"
     if not os.access(parent, os.W_OK | os.X_OK):
+        try:  # a read-only mount is no matter of this user's rights
+            read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        if read_only:
+            return f"{flag} {out}: {parent} is on a read-only file system; give a folder on a writable one"
         return f"{flag} {out}: {parent} cannot be written to by this user"
     return None
 
