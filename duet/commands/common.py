@@ -168,7 +168,7 @@ def unwritable(flag: str, out: Path) -> str | None:
         except OSError:
             read_only = False
         if read_only:
-            return f"{flag} {out}: {parent} is on a read-only file system; give a folder on a writable one"
+            return f"{flag} {out}: {parent} is on a read-only file system; give another folder"
         return f"{flag} {out}: {parent} cannot be written to by this user"
     return None
 
